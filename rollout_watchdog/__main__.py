@@ -1,0 +1,3 @@
+from rollout_watchdog.cli import main
+
+raise SystemExit(main())

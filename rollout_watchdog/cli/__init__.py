@@ -1,0 +1,204 @@
+"""The `rollout-watchdog` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollout_watchdog.cli.client import ControlClient, ControlError
+from rollout_watchdog.cli.render import event_line, status_table
+from rollout_watchdog.config import ConfigError, load_config
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def _doc(name: str) -> str:
+    """The wire-spec docstring of a control command, first line as help."""
+    from rollout_watchdog.watchdog.commands import COMMANDS
+
+    return (COMMANDS[name].__doc__ or "").strip()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from rollout_watchdog.logs import setup_logging
+    from rollout_watchdog.watchdog.daemon import Daemon
+
+    setup_logging(args.log_level, args.log_format)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print("\n".join(exc.problems), file=sys.stderr)
+        return EXIT_ERROR
+    if args.control:
+        from dataclasses import replace
+
+        config = replace(config, control=args.control)
+    try:
+        return Daemon(config).run()
+    except RuntimeError as exc:  # e.g. the control socket is taken by another daemon
+        print(f"rollout-watchdog: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        print("\n".join(exc.problems), file=sys.stderr)
+        return EXIT_ERROR
+    print(f"{args.file}: OK, node {config.node_id}, {len(config.engines)} engine(s): "
+          f"{', '.join(e.id for e in config.engines) or 'none'}")
+    return EXIT_OK
+
+
+def _client(args: argparse.Namespace) -> ControlClient:
+    return ControlClient(args.control, timeout_s=args.timeout)
+
+
+def _target(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "all", False):
+        return {"all": True}
+    if not args.engine:
+        raise ControlError("name an ENGINE or --all")
+    return {"engine": args.engine}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    result = _client(args).call("status")
+    print(json.dumps(result) if args.json else status_table(result))
+    return EXIT_OK
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    """Follow the daemon's events; survive its restarts (a new boot id starts over)."""
+    client = _client(args)
+    since, boot = 0, None
+    waiting_said = False
+    while True:
+        try:
+            result = client.call("events", {"since": since, "boot": boot, "wait_s": 5.0},
+                                 timeout_s=args.timeout + 5.0)
+        except ControlError as exc:
+            if not args.follow:
+                raise
+            if not waiting_said:
+                print(f"waiting for the daemon: {exc}", file=sys.stderr)
+                waiting_said = True
+            time.sleep(0.5)
+            continue
+        waiting_said = False
+        boot, since = result["boot"], result["next"]
+        for event in result["events"]:
+            print(json.dumps(event) if args.json else event_line(event), flush=True)
+        if not args.follow and not result["events"]:
+            return EXIT_OK
+
+
+def _simple(cmd: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        request = _target(args)
+        if cmd == "pause":
+            request["deadline_s"] = args.deadline
+        result = _client(args).call(cmd, request)
+        print(json.dumps(result))
+        return EXIT_OK
+    return run
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    result = _client(args).call("register", {"engine": args.engine, "url": args.url,
+                                             "pid": args.pid})
+    print(json.dumps(result))
+    return EXIT_OK
+
+
+def cmd_emulator(args: argparse.Namespace) -> int:
+    from rollout_watchdog.emulator import run
+
+    return run(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rollout_watchdog.cli.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout-watchdog", description=(
+        "Keeps the SGLang engines of an RL rollout fleet alive."))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def control_command(name: str, help_text: str, func: Callable[[argparse.Namespace], int]
+                        ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text.splitlines()[0], description=help_text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--control", help="control endpoint (default: $ROLLOUT_WATCHDOG_CONTROL "
+                                         "or ipc:///run/rollout-watchdog/control)")
+        p.add_argument("--timeout", type=float, default=5.0,
+                       help="seconds to wait for the daemon's answer (default 5)")
+        p.set_defaults(func=func)
+        return p
+
+    p = sub.add_parser("run", help="run the node daemon (what the systemd unit starts)")
+    p.add_argument("--config", required=True, help="node config (TOML)")
+    p.add_argument("--control", help="override the config's control endpoint")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check-config", help="validate a node config; one line per problem")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_check_config)
+
+    p = control_command("status", _doc("status"), cmd_status)
+    p.add_argument("--json", action="store_true", help="print the status JSON")
+
+    p = control_command("events", _doc("events"), cmd_events)
+    p.add_argument("--json", action="store_true", help="one JSON object a line")
+    p.add_argument("--no-follow", dest="follow", action="store_false",
+                   help="print the events so far and exit")
+
+    for name in ("pause", "resume"):
+        p = control_command(name, _doc(name), _simple(name))
+        p.add_argument("engine", nargs="?", help="engine id")
+        p.add_argument("--all", action="store_true", help="every engine of the node")
+        if name == "pause":
+            p.add_argument("--deadline", type=float, default=600.0,
+                           help="seconds after which probing resumes by itself (default 600)")
+    for name in ("restart", "stop", "reset", "unregister"):
+        p = control_command(name, _doc(name), _simple(name))
+        p.add_argument("engine", help="engine id")
+
+    p = control_command("register", _doc("register"), cmd_register)
+    p.add_argument("engine", help="an id for the engine")
+    p.add_argument("--url", required=True)
+    p.add_argument("--pid", type=int, required=True)
+
+    from rollout_watchdog.emulator import build_parser as emulator_parser
+
+    p = sub.add_parser("emulator", help="an SGLang-compatible engine for tests (no GPU)")
+    emulator_parser(p)
+    p.set_defaults(func=cmd_emulator)
+
+    p = sub.add_parser("demo", help="a crash injected, detected and recovered, on this machine")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--keep", action="store_true", help="keep the demo's directory")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ControlError as exc:
+        print(f"rollout-watchdog {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,53 @@
+"""Human-readable views of status and events."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def _ago(ts: float | None, now: float) -> str:
+    if not ts:
+        return "-"
+    seconds = max(0.0, now - ts)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def status_table(status: dict[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    header = ("ENGINE", "STATE", "PROBES", "PID", "INC", "RESTARTS", "SINCE", "LAST FAILURE")
+    rows = [header]
+    for e in status["engines"]:
+        state = e["state"]
+        if e.get("deferred_waiting"):
+            state += " (deferred)"
+        elif e.get("next_launch"):
+            state += f" ({max(0.0, e['next_launch'] - now):.1f}s)"
+        failure = e.get("last_failure")
+        failure_text = (f"{failure['cause']}: {failure['detail']} ({_ago(failure['ts'], now)})"
+                        if failure else "-")
+        rows.append((e["id"], state, "paused" if e["paused"] else "active",
+                     str(e["pid"] or "-"), str(e["incarnation"]), str(e["restarts"]),
+                     _ago(e.get("since"), now), failure_text))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = [f"node {status['node_id']}: {len(status['engines'])} engine(s)"]
+    for row in rows:
+        cells = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
+        lines.append(f"{cells}  {row[-1]}")
+    return "\n".join(lines)
+
+
+def event_line(event: dict[str, Any]) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(event["ts"]))
+    stamp += f".{int((event['ts'] % 1) * 1000):03d}"
+    who = event.get("engine") or "-"
+    if event.get("incarnation") is not None:
+        who += f"#{event['incarnation']}"
+    what = f"{event['from']} -> {event['to']}" if event["kind"] == "state" else event["kind"]
+    cause = f" [{event['cause']}]" if event.get("cause") else ""
+    detail = f" {event['detail']}" if event.get("detail") else ""
+    return f"{stamp} {event['node_id']} {who:<10} {what}{cause}{detail}"

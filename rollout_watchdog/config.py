@@ -1,0 +1,376 @@
+"""The node config (TOML), validated into typed objects.
+
+Validation collects every problem instead of stopping at the first, so an operator fixes a broken
+file in one pass; each problem is one line that names the engine and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONTROL = "ipc:///run/rollout-watchdog/control"
+DEFAULT_STATE_DIR = "/var/lib/rollout-watchdog"
+RESTART_POLICIES = ("immediate", "deferred")
+GPU_CHECKS = ("auto", "nvml", "none")
+# Flags whose value is a port the engine binds; they must be free before a relaunch.
+PORT_FLAGS = ("--port", "--nccl-port")
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; `problems` holds one readable line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """How an engine is watched. Times in seconds."""
+
+    liveness_interval_s: float = 1.0
+    health_path: str = "/health_generate"
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 30.0
+    failure_threshold: int = 3
+    startup_timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    """How an engine is killed and brought back. Times in seconds."""
+
+    grace_s: float = 30.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    max_restarts: int = 5
+    window_s: float = 600.0
+    stable_s: float = 300.0
+    kill_timeout_s: float = 10.0
+    release_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine of the node, with its probe and restart settings already merged."""
+
+    id: str
+    url: str
+    command: tuple[str, ...]
+    gpus: tuple[int, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    ports: tuple[int, ...] = ()
+    restart_policy: str = "immediate"
+    group: str | None = None
+    cwd: str | None = None
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str
+    engines: tuple[EngineConfig, ...]
+    coordinator: str | None = None
+    control: str = DEFAULT_CONTROL
+    state_dir: str = DEFAULT_STATE_DIR
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    gpu_check: str = "auto"
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
+
+    def engine(self, engine_id: str) -> EngineConfig:
+        for engine in self.engines:
+            if engine.id == engine_id:
+                return engine
+        raise KeyError(engine_id)
+
+
+def _type_name(value: object) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "table"}.get(type(value), type(value).__name__)
+
+
+class _Checker:
+    """Collects problems while reading one table; `where` prefixes every line."""
+
+    def __init__(self, problems: list[str], where: str, table: dict[str, Any]) -> None:
+        self.problems = problems
+        self.where = where
+        self.table = table
+
+    def problem(self, key: str, text: str) -> None:
+        self.problems.append(f"{self.where}key '{key}' {text}")
+
+    def unknown(self, allowed: set[str]) -> None:
+        for key in self.table:
+            if key not in allowed:
+                self.problems.append(f"{self.where}unknown key '{key}'")
+
+    def number(self, key: str, default: float, *, positive: bool = True) -> float:
+        value = self.table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.problem(key, f"must be a number, got {_type_name(value)}")
+            return default
+        if positive and value <= 0:
+            self.problem(key, f"must be > 0, got {value}")
+            return default
+        return float(value)
+
+    def integer(self, key: str, default: int | None, *, minimum: int = 0,
+                maximum: int | None = None) -> int | None:
+        value = self.table.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problem(key, f"must be an integer, got {_type_name(value)}")
+            return default
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+            self.problem(key, f"must be {bound}, got {value}")
+            return default
+        return value
+
+    def string(self, key: str, default: str | None, *, choices: tuple[str, ...] = ()
+               ) -> str | None:
+        value = self.table.get(key, default)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            self.problem(key, f"must be a string, got {_type_name(value)}")
+            return default
+        if choices and value not in choices:
+            self.problem(key, f"must be one of {', '.join(choices)}, got {value!r}")
+            return default
+        return value
+
+    def int_list(self, key: str, *, maximum: int | None = None) -> tuple[int, ...]:
+        value = self.table.get(key, [])
+        if not isinstance(value, list) or any(
+                isinstance(v, bool) or not isinstance(v, int) for v in value):
+            self.problem(key, "must be a list of integers")
+            return ()
+        if any(v < 0 or (maximum is not None and v > maximum) for v in value):
+            self.problem(key, f"has a value out of range: {value}")
+            return ()
+        return tuple(value)
+
+
+def _read_probe(problems: list[str], where: str, table: object, base: ProbeConfig) -> ProbeConfig:
+    if not isinstance(table, dict):
+        problems.append(f"{where}must be a table, got {_type_name(table)}")
+        return base
+    c = _Checker(problems, where, table)
+    c.unknown({f.name for f in dataclasses.fields(ProbeConfig)})
+    path = c.string("health_path", base.health_path) or ""
+    if path and not path.startswith("/"):
+        c.problem("health_path", f"must start with '/' (or be \"\" to turn deep probes off), "
+                                 f"got {path!r}")
+        path = base.health_path
+    return ProbeConfig(
+        liveness_interval_s=c.number("liveness_interval_s", base.liveness_interval_s),
+        health_path=path,
+        health_interval_s=c.number("health_interval_s", base.health_interval_s),
+        health_timeout_s=c.number("health_timeout_s", base.health_timeout_s),
+        failure_threshold=c.integer("failure_threshold", base.failure_threshold, minimum=1)
+        or base.failure_threshold,
+        startup_timeout_s=c.number("startup_timeout_s", base.startup_timeout_s),
+    )
+
+
+def _read_restart(problems: list[str], where: str, table: object,
+                  base: RestartConfig) -> RestartConfig:
+    if not isinstance(table, dict):
+        problems.append(f"{where}must be a table, got {_type_name(table)}")
+        return base
+    c = _Checker(problems, where, table)
+    c.unknown({f.name for f in dataclasses.fields(RestartConfig)})
+    max_restarts = c.integer("max_restarts", base.max_restarts, minimum=0)
+    restart = RestartConfig(
+        grace_s=c.number("grace_s", base.grace_s, positive=False),
+        backoff_initial_s=c.number("backoff_initial_s", base.backoff_initial_s, positive=False),
+        backoff_max_s=c.number("backoff_max_s", base.backoff_max_s, positive=False),
+        max_restarts=base.max_restarts if max_restarts is None else max_restarts,
+        window_s=c.number("window_s", base.window_s),
+        stable_s=c.number("stable_s", base.stable_s),
+        kill_timeout_s=c.number("kill_timeout_s", base.kill_timeout_s),
+        release_timeout_s=c.number("release_timeout_s", base.release_timeout_s),
+    )
+    for key in ("grace_s", "backoff_initial_s", "backoff_max_s"):
+        if getattr(restart, key) < 0:
+            c.problem(key, f"must be >= 0, got {getattr(restart, key)}")
+    if restart.backoff_max_s < restart.backoff_initial_s:
+        c.problem("backoff_max_s", f"must be >= backoff_initial_s ({restart.backoff_initial_s}), "
+                                   f"got {restart.backoff_max_s}")
+    return restart
+
+
+def _url_port(url: str) -> int | None:
+    try:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return None
+        return parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+
+
+def command_ports(command: tuple[str, ...]) -> list[int]:
+    """Ports the engine binds according to its argv (`--port N`, `--port=N`, `--nccl-port`)."""
+    ports = []
+    for i, arg in enumerate(command):
+        for flag in PORT_FLAGS:
+            value = None
+            if arg == flag and i + 1 < len(command):
+                value = command[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            if value is not None and value.isdigit():
+                ports.append(int(value))
+    return ports
+
+
+def _command_found(program: str, env: dict[str, str]) -> bool:
+    if "/" in program:
+        return os.path.isfile(program) and os.access(program, os.X_OK)
+    return shutil.which(program, path=env.get("PATH", os.environ.get("PATH"))) is not None
+
+
+def _read_engine(problems: list[str], index: int, table: object, probe: ProbeConfig,
+                 restart: RestartConfig, check_commands: bool) -> EngineConfig | None:
+    if not isinstance(table, dict):
+        problems.append(f"engine #{index + 1}: must be a table, got {_type_name(table)}")
+        return None
+    raw_id = table.get("id")
+    if not isinstance(raw_id, str) or not _ENGINE_ID.match(raw_id):
+        problems.append(f"engine #{index + 1}: key 'id' must be a string of letters, digits, "
+                        f"'.', '_' or '-' (got {raw_id!r})")
+        engine_id = f"#{index + 1}"
+    else:
+        engine_id = raw_id
+    where = f"engine '{engine_id}': "
+    c = _Checker(problems, where, table)
+    c.unknown({"id", "url", "command", "gpus", "env", "ports", "restart_policy", "group", "cwd",
+               "probe", "restart"})
+
+    url = table.get("url")
+    if url is None:
+        problems.append(f"{where}missing key 'url'")
+    elif not isinstance(url, str) or _url_port(url) is None:
+        c.problem("url", f"must be an http URL with a host, like http://127.0.0.1:30000, "
+                         f"got {url!r}")
+        url = None
+
+    command = table.get("command")
+    if command is None:
+        problems.append(f"{where}missing key 'command'")
+    elif (not isinstance(command, list) or not command
+          or not all(isinstance(a, str) for a in command)):
+        c.problem("command", "must be a non-empty list of strings (the argv)")
+        command = None
+
+    env = table.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        c.problem("env", "must be a table of string values")
+        env = {}
+    if command and check_commands and not _command_found(command[0], env):
+        c.problem("command", f"names a program that is not found: {command[0]!r}")
+
+    gpus = c.int_list("gpus")
+    ports = c.int_list("ports", maximum=65535)
+    policy = c.string("restart_policy", "immediate", choices=RESTART_POLICIES) or "immediate"
+    group = c.string("group", None)
+    cwd = c.string("cwd", None)
+    engine_probe = _read_probe(problems, f"engine '{engine_id}' [probe]: ",
+                               table.get("probe", {}), probe)
+    engine_restart = _read_restart(problems, f"engine '{engine_id}' [restart]: ",
+                                   table.get("restart", {}), restart)
+    if url is None or command is None:
+        return None
+    all_ports = sorted({_url_port(url) or 0, *command_ports(tuple(command)), *ports} - {0})
+    return EngineConfig(id=engine_id, url=url.rstrip("/"), command=tuple(command), gpus=gpus,
+                        env=dict(env), ports=tuple(all_ports), restart_policy=policy,
+                        group=group, cwd=cwd, probe=engine_probe, restart=engine_restart)
+
+
+def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeConfig:
+    """Validate a parsed TOML document; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    c = _Checker(problems, "", data)
+    c.unknown({"node_id", "coordinator", "control", "state_dir", "metrics_port", "metrics_host",
+               "gpu_check", "probe", "restart", "engine"})
+    node_id = c.string("node_id", socket.gethostname()) or socket.gethostname()
+    coordinator = c.string("coordinator", None)
+    control = c.string("control", DEFAULT_CONTROL) or DEFAULT_CONTROL
+    if not control.startswith(("ipc://", "tcp://")):
+        c.problem("control", f"must be an ipc:// (or tcp://) endpoint, got {control!r}")
+    state_dir = c.string("state_dir", DEFAULT_STATE_DIR) or DEFAULT_STATE_DIR
+    metrics_port = c.integer("metrics_port", None, minimum=1, maximum=65535)
+    metrics_host = c.string("metrics_host", "127.0.0.1") or "127.0.0.1"
+    gpu_check = c.string("gpu_check", "auto", choices=GPU_CHECKS) or "auto"
+    probe = _read_probe(problems, "[probe]: ", data.get("probe", {}), ProbeConfig())
+    restart = _read_restart(problems, "[restart]: ", data.get("restart", {}), RestartConfig())
+
+    raw_engines = data.get("engine", [])
+    if not isinstance(raw_engines, list):
+        problems.append("key 'engine' must be an array of tables ([[engine]])")
+        raw_engines = []
+    engines = [e for i, t in enumerate(raw_engines)
+               if (e := _read_engine(problems, i, t, probe, restart, check_commands))]
+
+    seen_ids: set[str] = set()
+    port_owner: dict[int, str] = {}
+    gpu_owner: dict[int, str] = {}
+    for engine in engines:
+        if engine.id in seen_ids:
+            problems.append(f"engine '{engine.id}': duplicate engine id")
+        seen_ids.add(engine.id)
+        for port in engine.ports:
+            if port in port_owner and port_owner[port] != engine.id:
+                problems.append(f"engine '{engine.id}': port {port} is also used by engine "
+                                f"'{port_owner[port]}'")
+            port_owner.setdefault(port, engine.id)
+        for gpu in engine.gpus:
+            if gpu in gpu_owner and gpu_owner[gpu] != engine.id:
+                problems.append(f"engine '{engine.id}': GPU {gpu} is also used by engine "
+                                f"'{gpu_owner[gpu]}'")
+            gpu_owner.setdefault(gpu, engine.id)
+    if problems:
+        raise ConfigError(problems)
+    return NodeConfig(node_id=node_id, engines=tuple(engines), coordinator=coordinator,
+                      control=control, state_dir=state_dir, metrics_port=metrics_port,
+                      metrics_host=metrics_host, gpu_check=gpu_check, probe=probe,
+                      restart=restart)
+
+
+def load_config(path: str | Path, *, check_commands: bool = True) -> NodeConfig:
+    """Read and validate a config file; every problem line is prefixed with the file name."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text: {exc.reason}"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
+    try:
+        return parse_config(data, check_commands=check_commands)
+    except ConfigError as exc:
+        raise ConfigError([f"{path}: {p}" for p in exc.problems]) from None

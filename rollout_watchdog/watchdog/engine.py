@@ -1,0 +1,117 @@
+"""The runtime record of one supervised engine: its spec plus everything the daemon knows about
+the current incarnation. Plain data; the daemon drives it."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from rollout_watchdog.config import EngineConfig
+from rollout_watchdog.watchdog.process import ProcKey
+from rollout_watchdog.watchdog.states import Cause, EngineState
+
+
+class AfterKill(str, Enum):
+    """What a kill sequence leads to once the processes are gone and the resources released."""
+
+    RECOVER = "recover"    # a failure: relaunch after backoff, or wait, or fail (budget)
+    RESTART = "restart"    # commanded restart: relaunch at once, no budget used
+    STOP = "stop"          # commanded stop
+
+
+class KillPhase(str, Enum):
+    TERM = "term"          # SIGTERM sent to the group, waiting out the grace period
+    KILL = "kill"          # SIGKILL sent to everything ever seen, waiting for the processes
+    RELEASE = "release"    # processes gone, waiting for ports and GPUs to be released
+
+
+@dataclass
+class KillJob:
+    cause: Cause
+    detail: str
+    after: AfterKill
+    phase: KillPhase
+    deadline: float                 # monotonic: end of the current phase
+    next_check: float = 0.0         # monotonic: next release check
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Pause:
+    deadline: float                 # wall clock, so it survives a daemon restart
+    source: str = "local"
+
+
+@dataclass
+class Failure:
+    cause: Cause
+    detail: str
+    ts: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cause": str(self.cause), "detail": self.detail, "ts": self.ts}
+
+
+@dataclass
+class EngineRuntime:
+    cfg: EngineConfig
+    external: bool = False
+    state: EngineState = EngineState.STOPPED
+    state_since: float = field(default_factory=time.time)
+    incarnation: int = 0
+    restarts: int = 0
+    relaunch_times: list[float] = field(default_factory=list)     # wall clock
+    consecutive_failures: int = 0
+    last_failure: Failure | None = None
+    # the current incarnation's processes
+    main: ProcKey | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    returncode: int | None = None
+    procs: dict[ProcKey, bool] = field(default_factory=dict)      # every process seen -> fatal?
+    dead: set[ProcKey] = field(default_factory=set)
+    launched_at: float = 0.0                                      # monotonic
+    healthy_since: float | None = None                            # monotonic
+    next_sweep: float = 0.0
+    # deep probes
+    probe_id: int = 0
+    probe_started: float | None = None                            # monotonic, None: no probe out
+    next_probe: float = 0.0
+    probe_failures: int = 0
+    first_failure_at: float | None = None                         # monotonic
+    paused: Pause | None = None
+    # recovery
+    kill: KillJob | None = None
+    backoff_until: float | None = None                            # monotonic; None: not waiting
+    deferred_waiting: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.cfg.id
+
+    @property
+    def probing(self) -> bool:
+        return bool(self.cfg.probe.health_path) and self.paused is None and self.state.running
+
+    def alive_procs(self) -> list[ProcKey]:
+        return [k for k in self.procs if k not in self.dead]
+
+    def new_incarnation(self) -> None:
+        """Forget the previous processes; a relaunch starts with probes active (a pause belongs
+        to the incarnation it was given to)."""
+        self.incarnation += 1
+        self.main = None
+        self.popen = None
+        self.returncode = None
+        self.procs = {}
+        self.dead = set()
+        self.healthy_since = None
+        self.probe_started = None
+        self.probe_failures = 0
+        self.first_failure_at = None
+        self.paused = None
+        self.kill = None
+        self.backoff_until = None
+        self.deferred_waiting = False

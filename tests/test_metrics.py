@@ -1,0 +1,135 @@
+"""Prometheus metrics, scraped over real HTTP."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from enum import Enum
+
+import pytest
+import requests
+
+from rollout_watchdog.watchdog.metrics import STATES, Metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Metrics, str]]:
+    metrics = Metrics()
+    # Another process could take the port between the probe and the bind: retry a few times.
+    for attempt in range(5):
+        port = _free_port()
+        try:
+            metrics.start_server(port)
+            break
+        except OSError:
+            if attempt == 4:
+                raise
+    yield metrics, f"http://127.0.0.1:{port}/metrics"
+    metrics.stop_server()
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Samples by their full name with labels, e.g. 'x_total{engine="e0"}'."""
+    resp = requests.get(url, timeout=10)
+    resp.raise_for_status()
+    samples: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_scrape(served: tuple[Metrics, str]) -> None:
+    metrics, url = served
+    metrics.set_state("e0", "starting")
+    metrics.set_state("e0", "healthy")
+    metrics.set_paused("e0", True)
+    metrics.set_incarnation("e0", 3)
+    metrics.restart("e0", "exited")
+    metrics.restart("e0", "exited")
+    metrics.kill("e0", "probe_failed", "SIGTERM")
+    metrics.kill("e0", "probe_failed", "SIGKILL")
+    metrics.probe("e0", 0.02, ok=True)
+    metrics.probe("e0", 30.0, ok=False)
+    metrics.detection("e0", "exited", 0.004)
+    metrics.loop_iteration(0.0003)
+    metrics.bad_control_message()
+
+    s = _scrape(url)
+    for state in STATES:
+        expected = 1.0 if state == "healthy" else 0.0
+        assert s[f'rollout_watchdog_engine_state{{engine="e0",state="{state}"}}'] == expected
+    assert s['rollout_watchdog_engine_paused{engine="e0"}'] == 1.0
+    assert s['rollout_watchdog_engine_incarnation{engine="e0"}'] == 3.0
+    assert s['rollout_watchdog_restarts_total{cause="exited",engine="e0"}'] == 2.0
+    assert s['rollout_watchdog_kills_total{cause="probe_failed",engine="e0",signal="SIGTERM"}'] == 1
+    assert s['rollout_watchdog_kills_total{cause="probe_failed",engine="e0",signal="SIGKILL"}'] == 1
+    assert s['rollout_watchdog_probes_total{engine="e0",result="ok"}'] == 1.0
+    assert s['rollout_watchdog_probes_total{engine="e0",result="failed"}'] == 1.0
+    assert s['rollout_watchdog_probe_latency_seconds_count{engine="e0"}'] == 2.0
+    assert s['rollout_watchdog_probe_latency_seconds_sum{engine="e0"}'] == pytest.approx(30.02)
+    assert s['rollout_watchdog_probe_latency_seconds_bucket{engine="e0",le="0.025"}'] == 1.0
+    assert s['rollout_watchdog_probe_latency_seconds_bucket{engine="e0",le="+Inf"}'] == 2.0
+    assert s['rollout_watchdog_detection_latency_seconds_count{cause="exited",engine="e0"}'] == 1
+    assert s['rollout_watchdog_detection_latency_seconds_bucket{cause="exited",engine="e0",le="0.005"}'] == 1  # noqa: E501
+    assert s["rollout_watchdog_loop_iteration_seconds_count"] == 1.0
+    assert s["rollout_watchdog_bad_control_messages_total"] == 1.0
+
+    metrics.set_paused("e0", False)
+    metrics.set_state("e0", "backoff")
+    s = _scrape(url)
+    assert s['rollout_watchdog_engine_paused{engine="e0"}'] == 0.0
+    assert s['rollout_watchdog_engine_state{engine="e0",state="backoff"}'] == 1.0
+    assert s['rollout_watchdog_engine_state{engine="e0",state="healthy"}'] == 0.0
+
+
+def test_remove_engine_drops_only_its_series() -> None:
+    metrics = Metrics()
+    for engine in ("e0", "e1"):
+        metrics.set_state(engine, "healthy")
+        metrics.set_paused(engine, False)
+        metrics.set_incarnation(engine, 1)
+        metrics.restart(engine, "exited")
+        metrics.kill(engine, "exited", "SIGKILL")
+        metrics.probe(engine, 0.1, ok=True)
+        metrics.detection(engine, "exited", 0.01)
+    metrics.remove_engine("e0")
+    metrics.remove_engine("e0")  # idempotent
+    text = metrics.render().decode()
+    assert 'engine="e0"' not in text
+    assert text.count('engine="e1"') > 10
+
+
+def test_registry_is_private() -> None:
+    """Two instances (two daemons in one test process) do not share or clash on series."""
+    a, b = Metrics(), Metrics()
+    a.restart("e0", "exited")
+    assert b'rollout_watchdog_restarts_total{cause="exited",engine="e0"} 1.0' in a.render()
+    assert b'engine="e0"' not in b.render()
+
+
+def test_str_enums_label_by_value() -> None:
+    class Cause(str, Enum):
+        EXITED = "exited"
+
+    class State(str, Enum):
+        HEALTHY = "healthy"
+
+    metrics = Metrics()
+    metrics.restart("e0", Cause.EXITED)
+    metrics.set_state("e0", State.HEALTHY)
+    text = metrics.render().decode()
+    assert 'rollout_watchdog_restarts_total{cause="exited",engine="e0"} 1.0' in text
+    assert 'rollout_watchdog_engine_state{engine="e0",state="healthy"} 1.0' in text
+
+
+def test_unknown_state_rejected() -> None:
+    with pytest.raises(ValueError):
+        Metrics().set_state("e0", "zombie")
