@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs the project with its test extras into it.
+# CPU torch: `torch==2.13.0` is pinned first so pip never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import rollout_watchdog, torch, pytest, zmq, psutil' 2>/dev/null \
+   || [ setup.cfg -nt .venv/.installed ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch .venv/.installed
+fi
