@@ -60,6 +60,7 @@ ALLOWED: frozenset[tuple[EngineState, EngineState]] = frozenset({
     (S.BACKOFF, S.STARTING), (S.BACKOFF, S.STOPPED), (S.BACKOFF, S.FAILED),
     (S.FAILED, S.STARTING), (S.FAILED, S.STOPPED),
     (S.STOPPED, S.STARTING),
+    (S.STOPPED, S.FAILED),  # the launch itself failed (first launch, or `restart`)
 })
 
 

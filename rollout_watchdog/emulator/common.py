@@ -1,0 +1,39 @@
+"""Constants and helpers shared by the emulator's main process and its scheduler child.
+
+Nothing here imports torch: both processes import this module.
+"""
+
+from __future__ import annotations
+
+# The SGLang release whose HTTP behaviour the emulator reproduces (reported as "version").
+EMULATED_SGLANG_VERSION = "0.5.23"
+
+# Byte-level "tokenizer": token id == byte value.
+VOCAB_SIZE = 256
+EOS_TOKEN_ID = 0
+CONTEXT_LENGTH = 4096
+MAX_RUNNING_REQUESTS = 256
+
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+
+# Slots of the shared float array (multiprocessing RawArray) between main and scheduler.
+# Flags are written by the main process and read by the scheduler on every loop turn, so they
+# work even while the scheduler does not read its pipe (stalled).
+SLOT_STALL = 0  # 1.0: the scheduler stops reading input and producing output
+SLOT_IGNORE_SIGTERM = 1  # 1.0: the scheduler ignores SIGTERM
+SLOT_TOKEN_LATENCY_MS = 2  # time one decode step costs
+# Gauges written by the scheduler (like SGLang's scheduler metrics).
+SLOT_NUM_RUNNING = 3
+SLOT_NUM_QUEUE = 4
+SLOT_GEN_THROUGHPUT = 5
+SHARED_SLOTS = 8
+
+
+def encode(text: str) -> list[int]:
+    """Byte-level tokenization (UTF-8 bytes)."""
+    return list(text.encode("utf-8"))
+
+
+def decode(ids: list[int]) -> str:
+    """Inverse of :func:`encode`; invalid UTF-8 becomes U+FFFD, as with a real detokenizer."""
+    return bytes(i & 0xFF for i in ids).decode("utf-8", errors="replace")

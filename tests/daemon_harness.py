@@ -1,0 +1,214 @@
+"""Runs the real node daemon (a subprocess) against real emulator engines, and waits on what a
+user would watch: `status`, `events`, processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+import requests
+
+from rollout_watchdog.cli.client import ControlClient, ControlError
+from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key
+
+T = TypeVar("T")
+
+# Fast settings so a fault plays out in seconds; every bound is still a bound.
+FAST_PROBE = {"liveness_interval_s": 0.2, "health_interval_s": 0.2, "health_timeout_s": 1.0,
+              "failure_threshold": 2, "startup_timeout_s": 60.0}
+FAST_RESTART = {"grace_s": 2.0, "backoff_initial_s": 0.1, "backoff_max_s": 0.5,
+                "max_restarts": 5, "window_s": 600.0, "kill_timeout_s": 5.0,
+                "release_timeout_s": 10.0}
+# The emulator's own /health_generate timeout (SGLang's is 20 s), below the probe timeout.
+EMULATOR_ENV = {"SGLANG_HEALTH_CHECK_TIMEOUT": "0.8", "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], T | None], timeout: float, what: str,
+             interval: float = 0.02) -> T:
+    """Poll until `predicate` returns something truthy; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (ControlError, requests.RequestException, psutil.Error) as exc:
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
+                         + (f" (last error: {last_error})" if last_error else ""))
+
+
+def emulator_command(port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "rollout_watchdog.emulator", "--port", str(port), *flags]
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)
+
+
+@dataclass
+class EngineSpec:
+    id: str
+    port: int = field(default_factory=free_port)
+    flags: tuple[str, ...] = ()
+    command: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)   # other [[engine]] keys
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Node:
+    """A daemon with its config, state dir and control socket in `tmp`."""
+
+    def __init__(self, tmp: Path, engines: list[EngineSpec], *, probe: dict[str, Any] | None = None,
+                 restart: dict[str, Any] | None = None, top: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.engines = {e.id: e for e in engines}
+        self.control = f"ipc://{tmp}/control"
+        self.config_path = tmp / "node.toml"
+        self.state_dir = tmp / "state"
+        self.env = {**os.environ, **EMULATOR_ENV, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = ControlClient(self.control, timeout_s=5.0)
+        self.seen: set[ProcKey] = set()
+        lines = ['node_id = "test-node"', f'control = "{self.control}"',
+                 f'state_dir = "{self.state_dir}"', 'gpu_check = "none"']
+        lines += [f"{k} = {toml_value(v)}" for k, v in (top or {}).items()]
+        lines += ["[probe]"] + [f"{k} = {toml_value(v)}" for k, v in
+                                {**FAST_PROBE, **(probe or {})}.items()]
+        lines += ["[restart]"] + [f"{k} = {toml_value(v)}" for k, v in
+                                  {**FAST_RESTART, **(restart or {})}.items()]
+        for e in engines:
+            command = e.command or emulator_command(e.port, *e.flags)
+            lines += ["[[engine]]", f'id = "{e.id}"', f'url = "{e.url}"',
+                      f"command = {toml_value(command)}"]
+            lines += [f"{k} = {toml_value(v)}" for k, v in e.extra.items()
+                      if not isinstance(v, dict)]
+            for k, v in e.extra.items():
+                if isinstance(v, dict):
+                    lines += [f"[engine.{k}]"] + [f"{kk} = {toml_value(vv)}"
+                                                  for kk, vv in v.items()]
+        self.config_path.write_text("\n".join(lines) + "\n")
+
+    # -- the daemon
+
+    def start(self, *extra_args: str) -> Node:
+        with open(self.tmp / "daemon.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rollout_watchdog", "run", "--config",
+                 str(self.config_path), "--log-format", "json", *extra_args],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        wait_for(lambda: self.client.call("ping", timeout_s=1.0), 15, "the daemon to answer")
+        return self
+
+    def kill_daemon(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop_daemon(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def log_text(self) -> str:
+        return (self.tmp / "daemon.log").read_text(errors="replace")
+
+    # -- what a user looks at
+
+    def status(self) -> dict[str, Any]:
+        return self.client.call("status")
+
+    def engine(self, engine_id: str) -> dict[str, Any]:
+        for e in self.status()["engines"]:
+            if e["id"] == engine_id:
+                if e["pid"] and (key := proc_key(e["pid"])):
+                    self.seen.add(key)
+                return e
+        raise KeyError(engine_id)
+
+    def events(self, engine_id: str | None = None) -> list[dict[str, Any]]:
+        found = self.client.call("events", {"since": 0, "wait_s": 0})["events"]
+        return [e for e in found if engine_id is None or e["engine"] == engine_id]
+
+    def wait_state(self, engine_id: str, state: str, timeout: float = 30.0,
+                   incarnation: int | None = None) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            e = self.engine(engine_id)
+            if e["state"] == state and (incarnation is None or e["incarnation"] == incarnation):
+                return e
+            return None
+        what = f"engine {engine_id} to be {state}" + (
+            f" (incarnation {incarnation})" if incarnation else "")
+        return wait_for(check, timeout, what)
+
+    def wait_event(self, engine_id: str, timeout: float = 30.0,
+                   **match: Any) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            for e in self.events(engine_id):
+                if all(e.get(k) == v for k, v in match.items()):
+                    return e
+            return None
+        return wait_for(check, timeout, f"an event of {engine_id} with {match}")
+
+    def emulator(self, engine_id: str, path: str, body: dict[str, Any] | None = None,
+                 timeout: float = 5.0) -> requests.Response:
+        url = self.engines[engine_id].url + path
+        if body is None:
+            return requests.get(url, timeout=timeout)
+        return requests.post(url, json=body, timeout=timeout)
+
+    def cleanup(self) -> None:
+        """Leave nothing behind, whatever the test did: the daemon, engines, orphans."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for key in self.seen | _engine_procs_from_state(self.state_dir):
+            if not is_alive(key):
+                continue
+            try:
+                proc = psutil.Process(key.pid)
+                for p in [*proc.children(recursive=True), proc]:
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
+def _engine_procs_from_state(state_dir: Path) -> set[ProcKey]:
+    try:
+        data = json.loads((state_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    return {ProcKey.from_json(key) for record in data.get("engines", {}).values()
+            for key, _fatal in record.get("procs", [])}
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
