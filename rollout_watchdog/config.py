@@ -212,12 +212,18 @@ def _read_restart(problems: list[str], where: str, table: object,
         kill_timeout_s=c.number("kill_timeout_s", base.kill_timeout_s),
         release_timeout_s=c.number("release_timeout_s", base.release_timeout_s),
     )
-    for key in ("grace_s", "backoff_initial_s", "backoff_max_s"):
-        if getattr(restart, key) < 0:
-            c.problem(key, f"must be >= 0, got {getattr(restart, key)}")
-    if restart.backoff_max_s < restart.backoff_initial_s:
+    bad = [key for key in ("grace_s", "backoff_initial_s", "backoff_max_s")
+           if getattr(restart, key) < 0]
+    for key in bad:
+        c.problem(key, f"must be >= 0, got {getattr(restart, key)}")
+    if not bad and restart.backoff_max_s < restart.backoff_initial_s:
         c.problem("backoff_max_s", f"must be >= backoff_initial_s ({restart.backoff_initial_s}), "
                                    f"got {restart.backoff_max_s}")
+        bad.append("backoff_max_s")
+    if bad:  # fall back to the base, so that engines inheriting it do not repeat the problem
+        restart = dataclasses.replace(restart, grace_s=base.grace_s,
+                                      backoff_initial_s=base.backoff_initial_s,
+                                      backoff_max_s=base.backoff_max_s)
     return restart
 
 

@@ -167,7 +167,9 @@ class Daemon:
             for engine in self.engines.values():
                 if engine.external:
                     continue
-                if engine.state.running:
+                if engine.kill is not None:
+                    engine.kill.after = AfterKill.STOP
+                elif engine.state.running:
                     self._start_kill(engine, Cause.COMMANDED, "daemon stopping", AfterKill.STOP)
                 elif engine.state == S.BACKOFF:
                     self._transition(engine, S.STOPPED, Cause.COMMANDED, "daemon stopping")
@@ -212,6 +214,8 @@ class Daemon:
         if self.control is not None and self.control in ready:
             self._serve_control()
         now = time.monotonic()
+        self._sweep([e for e in self.engines.values()
+                     if e.state.running and e.kill is None and now >= e.next_sweep], now)
         for engine in list(self.engines.values()):
             self._tick(engine, now)
         self._answer_parked(now)
@@ -255,10 +259,6 @@ class Daemon:
             return
         if not engine.state.running:
             return
-        if now >= engine.next_sweep:
-            self._sweep(engine, now)
-            if not engine.state.running:
-                return
         if engine.state == S.STARTING and now >= engine.launched_at + \
                 engine.cfg.probe.startup_timeout_s:
             self._fail(engine, Cause.STARTUP_TIMEOUT,
@@ -338,32 +338,31 @@ class Daemon:
             self._report_state(engine)
             return
         engine.main = main
+        if main is not None:
+            procs.setdefault(main, True)
         engine.procs = procs
         now = time.monotonic()
         engine.launched_at = now - max(0.0, time.time() - float(record.get("launched_at", 0)))
-        if state == S.HEALTHY or state == S.SUSPECT:
+        engine.next_sweep = now
+        engine.next_probe = now
+        if state in (S.HEALTHY, S.SUSPECT):
             engine.healthy_since = now
         if pause and float(pause["deadline"]) > time.time():
             engine.paused = Pause(float(pause["deadline"]), pause.get("source", "local"))
-        if main is None or not is_alive(main):
-            self._emit(engine, "adopted", detail="its main process is gone")
-            engine.state = S.STARTING if state == S.STOPPING else state
-            for key in procs:
-                self._watch(engine, key)
-            self._fail(engine, Cause.EXITED, f"main process {main.pid if main else '?'} exited "
-                       "while the daemon was down (exit status unknown)", now)
-            return
-        for key in procs:
-            self._watch(engine, key)
-        self._emit(engine, "adopted", detail=f"pid {main.pid} still running, kept in {state}")
-        if state == S.STOPPING:
-            engine.state = S.SUSPECT
-            self._start_kill(engine, Cause(record.get("kill_cause", "commanded")),
-                             "kill resumed after a daemon restart",
-                             AfterKill(record.get("kill_after", "recover")))
-        engine.next_sweep = now
-        engine.next_probe = now
+        alive = main is not None and is_alive(main)
+        self._emit(engine, "adopted", detail=f"pid {main.pid} still running, kept in {state}"
+                   if alive and main else "its main process is gone")
         self._report_state(engine)
+        if state == S.STOPPING:
+            engine.state = S.SUSPECT  # so that the kill starts from a running state
+            self._start_kill(engine, Cause(record.get("kill_cause") or "commanded"),
+                             "kill resumed after a daemon restart",
+                             AfterKill(record.get("kill_after") or "recover"))
+        # A process that died while the daemon was down counts as an exit seen now.
+        for key in list(procs):
+            self._watch(engine, key)
+        if main is None and engine.state.running:
+            self._fail(engine, Cause.EXITED, "no main process recorded", now)
 
     def _adopt_external(self, engine_id: str, record: dict[str, Any]) -> None:
         try:
@@ -376,6 +375,10 @@ class Daemon:
     def _launch(self, engine: EngineRuntime, cause: Cause) -> None:
         """Start a new incarnation with the same argv, env, ports and GPUs."""
         old = engine.state
+        if self.shutdown_requested == "stop":
+            if old != S.STOPPED:
+                self._transition(engine, S.STOPPED, Cause.COMMANDED, "daemon stopping")
+            return
         engine.new_incarnation()
         env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ONLY_ENV}
         if engine.cfg.gpus and "CUDA_VISIBLE_DEVICES" not in engine.cfg.env:
@@ -388,8 +391,6 @@ class Daemon:
             engine.last_failure = Failure(Cause.LAUNCH_FAILED, str(exc), time.time())
             self._emit(engine, "launch_failed", cause=Cause.LAUNCH_FAILED, detail=str(exc))
             if old != S.FAILED:
-                if old.running:
-                    self._transition(engine, S.STOPPING, Cause.LAUNCH_FAILED, str(exc))
                 self._transition(engine, S.FAILED, Cause.LAUNCH_FAILED, str(exc))
             return
         now = time.monotonic()
@@ -398,18 +399,16 @@ class Daemon:
         engine.procs = {engine.main: True}
         engine.launched_at = now
         engine.next_sweep = now
-        engine.next_probe = now + min(engine.cfg.probe.health_interval_s, 1.0)
-        self._watch(engine, engine.main)
-        if old in (S.STOPPING, S.BACKOFF, S.FAILED, S.STOPPED):
-            self._transition(engine, S.STARTING, cause, f"pid {popen.pid}")
-        else:  # first launch of this daemon's life
-            self._transition(engine, S.STARTING, cause, f"pid {popen.pid}", check=False)
+        self._transition(engine, S.STARTING, cause, f"pid {popen.pid}")
+        engine.next_probe = now + _probe_interval(engine)
         self._report_state(engine)
+        self._watch(engine, engine.main)
 
     def _watch(self, engine: EngineRuntime, key: ProcKey) -> None:
+        """Watch a process of the engine; one already gone counts as an exit seen now."""
         fd = open_pidfd(key)
         if fd is None:
-            engine.dead.add(key)
+            self._process_gone(engine, key)
             return
         self.pidfds[fd] = (engine.id, key)
         self.poller.register(fd, zmq.POLLIN)
@@ -424,8 +423,12 @@ class Daemon:
     def _on_exit(self, engine_id: str, key: ProcKey, fd: int) -> None:
         self._unwatch(fd)
         engine = self.engines.get(engine_id)
-        if engine is None or key not in engine.procs:
-            return
+        if engine is not None and key in engine.procs:
+            self._process_gone(engine, key)
+
+    def _process_gone(self, engine: EngineRuntime, key: ProcKey) -> None:
+        """An exit is fatal for the main process and for the processes the engine had when it
+        became healthy; later arrivals (compile workers) may come and go."""
         engine.dead.add(key)
         if key == engine.main and engine.popen is not None:
             engine.returncode = engine.popen.poll()
@@ -439,30 +442,36 @@ class Daemon:
             self._fail(engine, Cause.EXITED, f"process {key.pid} of the engine tree exited",
                        time.monotonic())
 
-    def _sweep(self, engine: EngineRuntime, now: float) -> None:
-        """Refresh the engine's tree: new processes are watched (so a kill reaches them); a
-        watched process found dead without its event (never expected) still counts."""
-        engine.next_sweep = now + engine.cfg.probe.liveness_interval_s
-        if engine.main is None:
-            return
-        if not is_alive(engine.main):
-            if engine.main not in engine.dead:
+    def _sweep(self, engines: list[EngineRuntime], now: float) -> None:
+        """Refresh the trees of these engines from one scan of the process table: new processes
+        are watched (so a kill reaches them); a main process found gone without its exit event
+        (not expected) still counts."""
+        alive = []
+        for engine in engines:
+            engine.next_sweep = now + engine.cfg.probe.liveness_interval_s
+            if engine.main is None:
+                continue
+            if is_alive(engine.main):
+                alive.append(engine)
+            elif engine.main not in engine.dead:
                 engine.dead.add(engine.main)
                 if engine.popen is not None:
                     engine.returncode = engine.popen.poll()
                 self._fail(engine, Cause.EXITED, f"main process {engine.main.pid} is gone "
                            f"({describe_exit(engine.returncode)})", now)
-            return
-        self._refresh_tree(engine)
+        self._refresh_trees(alive)
 
-    def _refresh_tree(self, engine: EngineRuntime) -> None:
-        if engine.main is None:
+    def _refresh_trees(self, engines: list[EngineRuntime]) -> None:
+        if not engines:
             return
-        for key in descendants([engine.main.pid]).get(engine.main.pid, []):
-            if key not in engine.procs:
-                engine.procs[key] = False
-                self._watch(engine, key)
-                self._dirty = True
+        trees = descendants([e.main.pid for e in engines if e.main is not None])
+        for engine in engines:
+            assert engine.main is not None
+            for key in trees.get(engine.main.pid, []):
+                if key not in engine.procs:
+                    engine.procs[key] = False
+                    self._watch(engine, key)
+                    self._dirty = True
 
     # ------------------------------------------------------------------ deep probes
 
@@ -478,7 +487,7 @@ class Daemon:
         if engine is None or result.probe_id != engine.probe_id or engine.probe_started is None:
             return  # a late answer to a probe already judged, or of an older incarnation
         engine.probe_started = None
-        engine.next_probe = time.monotonic() + engine.cfg.probe.health_interval_s
+        engine.next_probe = time.monotonic() + _probe_interval(engine)
         self.metrics.probe(engine.id, result.finished - result.started, result.ok)
         if not engine.state.running:
             return
@@ -506,7 +515,7 @@ class Daemon:
     def _become_healthy(self, engine: EngineRuntime, detail: str) -> None:
         """The processes in the tree now are the engine (schedulers, detokenizer): from here on
         the exit of any of them is fatal. Later arrivals are only tracked."""
-        self._refresh_tree(engine)
+        self._refresh_trees([engine])
         for key in engine.alive_procs():
             engine.procs[key] = True
         engine.healthy_since = time.monotonic()
@@ -539,7 +548,7 @@ class Daemon:
 
     def _refresh_tree_if_alive(self, engine: EngineRuntime) -> None:
         if engine.main is not None and is_alive(engine.main):
-            self._refresh_tree(engine)
+            self._refresh_trees([engine])
 
     def _signal_term(self, engine: EngineRuntime) -> None:
         if engine.main is None:
@@ -796,9 +805,9 @@ class Daemon:
         engine.next_probe = now
         self.engines[engine_id] = engine
         self._watch(engine, key)
-        self._refresh_tree(engine)
+        self._refresh_trees([engine])
         self._transition(engine, S.STARTING, Cause.ADOPTED if adopted else Cause.LAUNCHED,
-                         f"external pid {key.pid}", check=False)
+                         f"external pid {key.pid}")
         self._report_state(engine)
 
     def unregister(self, engine_id: str) -> str:
@@ -840,11 +849,10 @@ class Daemon:
             "gpus": list(e.cfg.gpus), "ports": list(e.cfg.ports),
         }
 
-    def _transition(self, engine: EngineRuntime, new: EngineState, cause: Cause, detail: str,
-                    *, check: bool = True) -> None:
+    def _transition(self, engine: EngineRuntime, new: EngineState, cause: Cause,
+                    detail: str) -> None:
         old = engine.state
-        if check:
-            check_transition(old, new)
+        check_transition(old, new)
         engine.state = new
         engine.state_since = time.time()
         if new != S.HEALTHY:
@@ -864,11 +872,12 @@ class Daemon:
                       incarnation=engine.incarnation if engine else None, kind=kind,
                       from_=from_, to=to, cause=str(cause) if cause else None, detail=detail)
         self.events.append(event)
-        extra = {k: v for k, v in event.to_json().items() if k not in ("ts", "node_id")
-                 and v is not None}
-        extra["from_state"] = extra.pop("from", None)
-        text = f"{kind} {from_} -> {to}" if kind == "state" else kind
-        log.info("%s%s", text, f": {detail}" if detail else "", extra=extra)
+        who = f"{event.engine}#{event.incarnation}" if engine else "daemon"
+        what = f"{from_} -> {to}" if kind == "state" else kind
+        log.info("%s %s%s%s", who, what, f" [{cause}]" if cause else "",
+                 f": {detail}" if detail else "",
+                 extra={"engine": event.engine, "incarnation": event.incarnation, "kind": kind,
+                        "cause": event.cause})
 
     def _notify_systemd(self, now: float) -> None:
         """WATCHDOG=1 only from here, so systemd restarts a daemon whose loop is stuck."""
@@ -970,6 +979,12 @@ class Daemon:
         self.bad_messages += 1
         self.metrics.bad_control_message()
         log.warning("bad control message: %s", why)
+
+
+def _probe_interval(engine: EngineRuntime) -> float:
+    """While starting, probe at least every second: boot completion should be seen quickly."""
+    interval = engine.cfg.probe.health_interval_s
+    return min(interval, 1.0) if engine.state == S.STARTING else interval
 
 
 def _is_group_leader(pid: int) -> bool:
