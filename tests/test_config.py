@@ -381,6 +381,8 @@ PROBLEMS: list[tuple[str, str, tuple[str, ...]]] = [
      ("engine 'e0' [restart]", "'backoff_max_s'", "backoff_initial_s")),
     ("negative-grace", "[restart]\ngrace_s = -1.0\n" + engine_toml(),
      ("[restart]", "'grace_s'", ">= 0")),
+    ("negative-backoff-max", "[restart]\nbackoff_max_s = -1.0\n" + engine_toml(),
+     ("[restart]", "'backoff_max_s'", ">= 0")),
     ("negative-backoff-initial", "[restart]\nbackoff_initial_s = -1.0\n" + engine_toml(),
      ("'backoff_initial_s'", ">= 0")),
     ("window-zero", "[restart]\nwindow_s = 0\n" + engine_toml(),
@@ -413,6 +415,17 @@ PROBLEMS: list[tuple[str, str, tuple[str, ...]]] = [
 def test_each_problem_is_one_line_naming_engine_and_key(tmp_path: Path, text: str,
                                                         fragments: tuple[str, ...]) -> None:
     one_problem(tmp_path, text, *fragments)
+
+
+@pytest.mark.parametrize("restart", [
+    "grace_s = -1.0", "backoff_max_s = -1.0", "backoff_initial_s = 10.0\nbackoff_max_s = 5.0",
+    "backoff_initial_s = -1.0\nbackoff_max_s = 0.5"])
+def test_a_bad_node_default_is_not_blamed_on_every_engine(tmp_path: Path, restart: str) -> None:
+    text = (f"[restart]\n{restart}\n" + engine_toml("e0", 30000, (0,))
+            + engine_toml("e1", 30001, (1,)))
+    lines = problems(tmp_path, text)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("[restart]: ")
 
 
 def test_command_path_that_is_not_executable(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Restart policy as pure functions: backoff with jitter, the restart budget, the probe threshold."""
+"""Restart policy as pure functions: backoff with jitter, restart budget, probe threshold."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def test_a_state_does_not_transition_to_itself(state: EngineState) -> None:
 def test_the_recovery_cycle_of_design_md_is_walkable() -> None:
     cycle = [S.STARTING, S.HEALTHY, S.SUSPECT, S.HEALTHY, S.SUSPECT, S.STOPPING, S.BACKOFF,
              S.STARTING]
-    for old, new in zip(cycle, cycle[1:]):
+    for old, new in zip(cycle, cycle[1:], strict=False):
         check_transition(old, new)
 
 

@@ -16,6 +16,9 @@ MAX_RUNNING_REQUESTS = 256
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 
+# In the argv of orphan processes (fault "orphan"), so cleanup code can recognise them.
+ORPHAN_MARKER = "rollout-watchdog-emulator-orphan"
+
 # Slots of the shared float array (multiprocessing RawArray) between main and scheduler.
 # Flags are written by the main process and read by the scheduler on every loop turn, so they
 # work even while the scheduler does not read its pipe (stalled).

@@ -22,6 +22,7 @@ scheduler -> main:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -127,19 +128,24 @@ class Scheduler:
         """Run forever; the main process ends us (SIGKILL, PDEATHSIG or pipe EOF)."""
         while True:
             self._apply_flags()
-            if self.shared[SLOT_STALL] >= 0.5:
+            if self._stalled():
                 # Stalled: read nothing, produce nothing (a stuck forward pass or collective).
                 time.sleep(0.01)
                 continue
             timeout = 0.0 if self._runnable() else 0.05
-            if self.recv.poll(timeout):
+            # Re-check the stall flag once poll() returns: a message that arrives after the
+            # flag was set must not be served (the fault is answered before the next request).
+            if self.recv.poll(timeout) and not self._stalled():
                 for _ in range(10_000):
                     self._handle(self.recv.recv())
-                    if not self.recv.poll(0):
+                    if self._stalled() or not self.recv.poll(0):
                         break
-            if self._runnable():
+            if self._runnable() and not self._stalled():
                 self._step()
             self._publish_gauges()
+
+    def _stalled(self) -> bool:
+        return self.shared[SLOT_STALL] >= 0.5
 
     def _apply_flags(self) -> None:
         """Follow the main process's run-time fault flags that concern this process."""
@@ -286,7 +292,7 @@ class Scheduler:
             [r.temperature for r in reqs],
         )
         items: list[tuple[str, list[int], dict[str, Any] | None]] = []
-        for req, tok in zip(reqs, tokens):
+        for req, tok in zip(reqs, tokens, strict=True):
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
             items.append((req.rid, [tok], reason))
@@ -342,8 +348,6 @@ def run_scheduler(
     except Exception as exc:  # noqa: BLE001 - any scheduler error kills the server, as in SGLang
         print(f"[emulator scheduler] Scheduler hit an exception: {exc!r}", file=sys.stderr)
         sys.stderr.flush()
-        try:
+        with contextlib.suppress(OSError):
             os.kill(parent_pid, signal.SIGQUIT)
-        except OSError:
-            pass
         os._exit(1)

@@ -14,6 +14,7 @@ through the private endpoint ``POST /_emulator/fault``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -28,10 +29,11 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from rollout_watchdog.emulator import scheduler as scheduler_mod
@@ -39,6 +41,7 @@ from rollout_watchdog.emulator.common import (
     CONTEXT_LENGTH,
     EMULATED_SGLANG_VERSION,
     HEALTH_CHECK_RID_PREFIX,
+    ORPHAN_MARKER,
     SHARED_SLOTS,
     SLOT_GEN_THROUGHPUT,
     SLOT_IGNORE_SIGTERM,
@@ -59,7 +62,6 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 SCHEDULER_LOAD_TIMEOUT_S = 300.0  # on top of --startup-delay
 WARMUP_TIMEOUT_S = 600.0
 CHILD_POLL_INTERVAL_S = 1.0  # SGLang 0.5.12+ polls its children every second
-ORPHAN_MARKER = "rollout-watchdog-emulator-orphan"
 ORPHAN_CODE = "import time\nwhile True:\n    time.sleep(1)\n"
 FAULTS = (
     "crash",
@@ -248,6 +250,7 @@ class EmulatorServer:
         self.cond = threading.Condition(self.lock)
         self.rid_to_state: dict[str, ReqState] = {}
         self.inflight = 0  # submitted, unfinished, non-health requests (SGLang's reader lock)
+        self.responding = 0  # /generate handlers that have not finished writing their answer
         self.is_pause = False
         self.status = STARTING
         self.serving = False
@@ -411,9 +414,18 @@ class EmulatorServer:
                 if remaining == 0 or unhealthy or self.force_shutdown:
                     if remaining:
                         _log(f"SIGTERM while unhealthy: exiting with {remaining} requests left")
+                    else:
+                        self._wait_responses_written(5.0)
                     self.stopping = True
                     self._kill_scheduler()
                     self._exit(0)
+
+    def _wait_responses_written(self, timeout: float) -> None:
+        """Let finished /generate handlers write their answers before the process exits."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.responding > 0 and time.monotonic() < deadline:
+                self.cond.wait(0.05)
 
     def _poll_children(self) -> None:
         for orphan in self.orphans:
@@ -491,10 +503,9 @@ class EmulatorServer:
     def _send_loop(self) -> None:
         while True:
             msg = self.send_queue.get()
-            try:
+            # A dead scheduler loses the message, like a dead ZMQ peer.
+            with contextlib.suppress(OSError, ValueError):
                 self.to_sched.send(msg)
-            except (OSError, ValueError):
-                pass  # scheduler gone: the message is lost, like on a dead ZMQ peer
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -671,7 +682,7 @@ class EmulatorServer:
         for ids in prompts:
             for tok in ids:
                 if not 0 <= tok < VOCAB_SIZE:
-                    raise BadRequest(f"Token id {tok} is out of vocabulary range [0, {VOCAB_SIZE}).")
+                    raise BadRequest(f"Token id {tok} is out of the vocabulary [0, {VOCAB_SIZE}).")
         raw_sampling = obj.get("sampling_params")
         if isinstance(raw_sampling, list):
             if len(raw_sampling) != len(prompts):
@@ -691,7 +702,7 @@ class EmulatorServer:
         else:
             raise BadRequest("rid must be a string (a list of strings for a batch)", True)
         states = []
-        for ids, sampling, r in zip(prompts, samplings, rids):
+        for ids, sampling, r in zip(prompts, samplings, rids, strict=True):
             total = len(ids) + sampling["max_new_tokens"]
             if total > CONTEXT_LENGTH:
                 raise BadRequest(
@@ -1198,6 +1209,18 @@ class EmulatorHandler(BaseHTTPRequestHandler):
         if stream and is_batch:
             raise BadRequest("streaming batch requests are not supported by the emulator")
         emu.register(states)
+        with emu.lock:
+            emu.responding += 1
+        try:
+            self._generate_registered(emu, states, is_batch, stream)
+        finally:
+            with emu.cond:
+                emu.responding -= 1
+                emu.cond.notify_all()
+
+    def _generate_registered(
+        self, emu: EmulatorServer, states: list[ReqState], is_batch: bool, stream: bool
+    ) -> None:
         emu.pass_pause_gate_and_submit(states)
         try:
             if stream:

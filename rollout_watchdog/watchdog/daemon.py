@@ -110,6 +110,7 @@ class Daemon:
         self.poller = zmq.Poller()
         self.pidfds: dict[int, tuple[str, ProcKey]] = {}
         self.parked: list[_Parked] = []
+        self._replies: list[list[bytes]] = []
         self.shutdown_requested: str | None = None     # "stop" or "detach"
         self.bad_messages = 0
         self._dirty = True
@@ -221,6 +222,7 @@ class Daemon:
         self._answer_parked(now)
         if self._dirty:
             self._save_state()
+        self._flush_replies()  # after the save: an acknowledged command survives a crash
         self._notify_systemd(now)
         self.metrics.loop_iteration(time.monotonic() - started)
 
@@ -969,11 +971,16 @@ class Daemon:
                error: str | None = None) -> None:
         body = {"v": 1, "id": request_id, "status": "error" if error else "ok",
                 "reason": error, "result": result}
+        self._replies.append([*envelope, json.dumps(body).encode()])
+
+    def _flush_replies(self) -> None:
         assert self.control is not None
-        try:
-            self.control.send_multipart([*envelope, json.dumps(body).encode()], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the client went away; nothing to do
-            log.debug("control reply dropped: %s", exc)
+        for frames in self._replies:
+            try:
+                self.control.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the client went away; nothing to do
+                log.debug("control reply dropped: %s", exc)
+        self._replies.clear()
 
     def _bad_message(self, why: str) -> None:
         self.bad_messages += 1

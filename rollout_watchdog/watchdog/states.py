@@ -59,8 +59,7 @@ ALLOWED: frozenset[tuple[EngineState, EngineState]] = frozenset({
     (S.STOPPING, S.STOPPED),
     (S.BACKOFF, S.STARTING), (S.BACKOFF, S.STOPPED), (S.BACKOFF, S.FAILED),
     (S.FAILED, S.STARTING), (S.FAILED, S.STOPPED),
-    (S.STOPPED, S.STARTING), (S.STOPPED, S.FAILED),
-    (S.STOPPED, S.FAILED),  # the launch itself failed (first launch, or `restart`)
+    (S.STOPPED, S.STARTING), (S.STOPPED, S.FAILED),  # FAILED: the launch itself failed
 })
 
 
