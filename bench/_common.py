@@ -287,17 +287,23 @@ class Fleet:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def kill_marked(token: str) -> int:
-    """SIGKILL every process whose environment carries this run's marker; wait for them."""
+def marked(token: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this run's marker."""
     found = []
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
             continue
         try:
-            if proc.environ().get(MARKER_ENV) == token:
+            if proc.environ().get(MARKER_ENV) == token and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
+    return found
+
+
+def kill_marked(token: str) -> int:
+    """SIGKILL every process that carries this run's marker; wait for them to be gone."""
+    found = marked(token)
     for proc in found:
         with contextlib.suppress(psutil.Error):
             proc.kill()

@@ -1,0 +1,198 @@
+"""What operators and tools see of a running daemon: systemd notifications, Prometheus metrics,
+JSON logs, the CLI, the control socket's permissions, and adoption's guard against pid reuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import requests
+from daemon_harness import EngineSpec, Node, free_port, pid_gone, wait_for
+
+MakeNode = Callable[..., Node]
+
+
+def cli(node: Node, *args: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rollout_watchdog", *args,
+                           "--control", node.control], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_sd_notify_ready_watchdog_status_stopping(make_node: MakeNode, tmp_path: Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0.2)
+    received: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        """Read as systemd does, at once: a datagram queue holds only a few messages."""
+        while not done.is_set():
+            try:
+                received.append(sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def messages() -> list[str]:
+        return list(received)
+
+    def seen(text: str) -> bool:
+        return any(text in m for m in messages())
+
+    node = make_node([EngineSpec("e0")], env={"NOTIFY_SOCKET": path,
+                                              "WATCHDOG_USEC": "400000"}).start()
+    try:
+        wait_for(lambda: seen("READY=1"), 10, "READY=1")
+        node.wait_state("e0", "healthy")
+        wait_for(lambda: seen("STATUS=1 engine(s): 1 healthy"), 10, "a STATUS line")
+        count = sum(m == "WATCHDOG=1" for m in messages())
+        wait_for(lambda: sum(m == "WATCHDOG=1" for m in messages()) >= count + 3, 10,
+                 "the main loop to keep pinging the watchdog")
+        # the engine does not inherit the daemon's systemd handshake
+        engine_env = psutil.Process(node.engine("e0")["pid"]).environ()
+        assert "NOTIFY_SOCKET" not in engine_env and "WATCHDOG_USEC" not in engine_env
+        assert node.stop_daemon() == 0
+        wait_for(lambda: seen("STOPPING=1"), 5, "STOPPING=1")
+    finally:
+        done.set()
+        reader.join(timeout=5)
+        sock.close()
+
+
+def test_prometheus_metrics(make_node: MakeNode) -> None:
+    port = free_port()
+    node = make_node([EngineSpec("e0")], top={"metrics_port": port}).start()
+    first = node.wait_state("e0", "healthy")
+    os.kill(first["pid"], signal.SIGKILL)
+    node.wait_state("e0", "healthy", incarnation=2)
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    assert 'rollout_watchdog_engine_state{engine="e0",state="healthy"} 1.0' in text
+    assert 'rollout_watchdog_restarts_total{cause="exited",engine="e0"} 1.0' in text
+    assert 'rollout_watchdog_detection_latency_seconds_count{cause="exited",engine="e0"} 1.0' \
+        in text
+    assert 'rollout_watchdog_probe_latency_seconds_count{engine="e0"}' in text
+    assert 'rollout_watchdog_engine_incarnation{engine="e0"} 2.0' in text
+
+
+def test_json_logs_one_object_a_line(make_node: MakeNode) -> None:
+    node = make_node([EngineSpec("e0")]).start()
+    node.wait_state("e0", "healthy")
+    node.stop_daemon()
+    lines = [json.loads(line) for line in node.log_text().splitlines() if line.strip()]
+    transitions = [entry for entry in lines if entry.get("kind") == "state"]
+    assert transitions and all(entry["engine"] == "e0" for entry in transitions)
+    assert {"ts", "level", "logger", "msg"} <= set(transitions[0])
+
+
+def test_control_socket_is_private(make_node: MakeNode) -> None:
+    node = make_node([]).start()
+    mode = os.stat(node.control[len("ipc://"):]).st_mode
+    assert stat.S_IMODE(mode) == 0o600
+
+
+def test_cli_status_table_and_json(make_node: MakeNode) -> None:
+    node = make_node([EngineSpec("e0"), EngineSpec("e1")]).start()
+    node.wait_state("e0", "healthy")
+    node.wait_state("e1", "healthy")
+    table = cli(node, "status")
+    assert table.returncode == 0
+    assert table.stdout.splitlines()[1].split()[:3] == ["ENGINE", "STATE", "PROBES"]
+    assert any(line.split()[:2] == ["e0", "healthy"] for line in table.stdout.splitlines())
+    status = json.loads(cli(node, "status", "--json").stdout)
+    assert status["node_id"] == "test-node"
+    assert {"id", "state", "paused", "pid", "incarnation", "restarts", "url",
+            "last_failure"} <= set(status["engines"][0])
+
+
+def test_cli_commands_pause_resume_stop_restart(make_node: MakeNode) -> None:
+    node = make_node([EngineSpec("e0")]).start()
+    node.wait_state("e0", "healthy")
+    assert cli(node, "pause", "--all", "--deadline", "60").returncode == 0
+    assert node.engine("e0")["paused"] is True
+    assert cli(node, "resume", "e0").returncode == 0
+    assert node.engine("e0")["paused"] is False
+    assert cli(node, "stop", "e0").returncode == 0
+    node.wait_state("e0", "stopped")
+    assert cli(node, "restart", "e0").returncode == 0
+    node.wait_state("e0", "healthy", incarnation=2)
+    bad = cli(node, "pause", "nope")
+    assert bad.returncode != 0 and "no engine 'nope'" in bad.stderr
+
+
+def test_cli_without_a_daemon_fails_fast_with_a_message(tmp_path: Path) -> None:
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rollout_watchdog", "status", "--control",
+                          f"ipc://{tmp_path}/none"], capture_output=True, text=True, timeout=20)
+    assert out.returncode != 0 and "no daemon" in out.stderr
+    assert time.monotonic() - started < 10
+
+
+def test_events_follow_the_daemon_across_its_restart(make_node: MakeNode) -> None:
+    node = make_node([EngineSpec("e0")]).start()
+    node.wait_state("e0", "healthy")
+    out_path = node.tmp / "events.out"
+    with open(out_path, "w") as out:
+        follower = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "events", "--json",
+                                     "--control", node.control], stdout=out,
+                                    stderr=subprocess.DEVNULL, text=True)
+    try:
+        def events() -> list[dict]:
+            return [json.loads(line) for line in out_path.read_text().splitlines()]
+
+        wait_for(lambda: any(e.get("to") == "healthy" for e in events()), 15,
+                 "the follower to print the healthy transition")
+        node.kill_daemon()
+        node.start()
+        wait_for(lambda: any(e["kind"] == "adopted" for e in events()), 20,
+                 "the follower to print the new daemon's adoption event")
+        assert {"ts", "node_id", "engine", "incarnation", "kind", "from", "to", "cause",
+                "detail"} == set(events()[0])
+    finally:
+        follower.kill()
+        follower.wait()
+
+
+def test_adoption_does_not_trust_a_reused_pid(make_node: MakeNode) -> None:
+    """A state file naming a pid that now belongs to another process (other create time): that
+    process is left alone and the engine is relaunched."""
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        node = make_node([EngineSpec("e0")])
+        created = psutil.Process(stranger.pid).create_time()
+        node.state_dir.mkdir(parents=True)
+        key = [stranger.pid, created - 100.0]
+        (node.state_dir / "state.json").write_text(json.dumps({
+            "version": 1, "node_id": "test-node", "engines": {"e0": {
+                "state": "healthy", "incarnation": 4, "main": key, "procs": [[key, True]],
+                "launched_at": time.time() - 100}}}))
+        node.start()
+        e = node.wait_state("e0", "healthy", incarnation=5)
+        assert e["pid"] != stranger.pid
+        assert stranger.poll() is None and not pid_gone(stranger.pid)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_corrupt_state_file_is_set_aside(make_node: MakeNode) -> None:
+    node = make_node([EngineSpec("e0")])
+    node.state_dir.mkdir(parents=True)
+    (node.state_dir / "state.json").write_text("{not json")
+    node.start()
+    node.wait_state("e0", "healthy", incarnation=1)
+    assert (node.state_dir / "state.json.corrupt").read_text() == "{not json"
+    assert "unusable" in node.log_text()
