@@ -7,6 +7,7 @@ by a short join or by a request that itself takes the health-check timeout.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -191,8 +192,6 @@ def test_streaming(emu: Emu) -> None:
     assert resp.status_code == 200
     events = [line for line in resp.iter_lines() if line]
     assert events[-1] == b"data: [DONE]"
-    import json
-
     last = json.loads(events[-2][len(b"data: "):])
     assert last["meta_info"]["finish_reason"]["type"] == "length"
     assert len(last["output_ids"]) == 5

@@ -84,7 +84,9 @@ _FOREVER = threading.Event()  # never set: waited on by deliberately endless blo
 
 
 def _log(msg: str) -> None:
-    print(f"[emulator {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+    # Also called from signal handlers: a re-entrant write to stderr must not raise.
+    with contextlib.suppress(RuntimeError, OSError, ValueError):
+        print(f"[emulator {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -280,6 +282,7 @@ class EmulatorServer:
         self.httpd: EmulatorHTTPServer | None = None
         self.port = int(args.port)
         self.zombie_logged = False
+        self.hang_logged = False
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -407,7 +410,12 @@ class EmulatorServer:
             if now >= next_poll:
                 next_poll = now + CHILD_POLL_INTERVAL_S
                 self._poll_children()
-            if self.gracefully_exit:
+            if self.gracefully_exit and self.hang_http:
+                # SGLang drains from its (here hung) event loop: SIGTERM cannot complete.
+                if not self.hang_logged:
+                    self.hang_logged = True
+                    _log("SIGTERM received while the HTTP loop is hung: cannot drain")
+            elif self.gracefully_exit:
                 with self.lock:
                     remaining = len(self.rid_to_state)
                     unhealthy = self.status == UNHEALTHY

@@ -606,6 +606,9 @@ class Daemon:
                          else Cause.PORT_NOT_RELEASED)
                 self._finish_kill(engine, S.FAILED, cause, "; ".join(problems))
             else:
+                if problems != job.problems:
+                    log.debug("waiting for release: %s", "; ".join(problems),
+                              extra={"engine": engine.id})
                 job.problems = problems
                 job.next_check = now + RELEASE_CHECK_INTERVAL_S
 
@@ -627,6 +630,7 @@ class Daemon:
         if engine.popen is not None and engine.returncode is None:
             engine.returncode = engine.popen.poll()
         engine.kill.phase = KillPhase.RELEASE
+        log.debug("processes gone, checking ports and GPUs", extra={"engine": engine.id})
         engine.kill.deadline = now + engine.cfg.restart.release_timeout_s
         engine.kill.next_check = now
 
@@ -878,8 +882,9 @@ class Daemon:
         what = f"{from_} -> {to}" if kind == "state" else kind
         log.info("%s %s%s%s", who, what, f" [{cause}]" if cause else "",
                  f": {detail}" if detail else "",
-                 extra={"engine": event.engine, "incarnation": event.incarnation, "kind": kind,
-                        "cause": event.cause})
+                 extra={k: v for k, v in (("engine", event.engine), ("kind", kind),
+                                          ("incarnation", event.incarnation),
+                                          ("cause", event.cause)) if v is not None})
 
     def _notify_systemd(self, now: float) -> None:
         """WATCHDOG=1 only from here, so systemd restarts a daemon whose loop is stuck."""

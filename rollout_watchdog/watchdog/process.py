@@ -124,14 +124,26 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 
 def group_alive(pgid: int) -> bool:
-    """Is any process left in the group (zombies included: they still hold the group)?"""
+    """Is any live process left in the group? Zombies do not count: they wait for a reaper that
+    may be slow (or absent: a container whose PID 1 does not reap), and hold nothing."""
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        # after the command: state, ppid, pgrp
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def stop_signal_group(pgid: int) -> None:

@@ -1,0 +1,76 @@
+"""The OS edge of the watchdog: process identity, group liveness, trees, ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from daemon_harness import wait_for
+
+from rollout_watchdog.watchdog.process import (
+    ProcKey,
+    descendants,
+    describe_exit,
+    group_alive,
+    is_alive,
+    open_pidfd,
+    port_bindable,
+    proc_key,
+)
+
+
+def test_a_zombie_group_counts_as_gone() -> None:
+    """A group whose only member exited but is not reaped yet holds nothing: don't wait on it."""
+    child = subprocess.Popen(["sh", "-c", "exit 0"], start_new_session=True)
+    key = proc_key(child.pid)
+    wait_for(lambda: not group_alive(child.pid), 5, "the group to count as gone")
+    assert key is not None and not is_alive(key)
+    assert child.poll() == 0  # it was a zombie until now
+
+
+def test_a_live_group_member_keeps_the_group_alive() -> None:
+    leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert group_alive(leader.pid)
+    finally:
+        leader.kill()
+        leader.wait()
+    assert not group_alive(leader.pid)
+
+
+def test_identity_is_pid_plus_create_time() -> None:
+    me = proc_key(os.getpid())
+    assert me is not None and is_alive(me)
+    assert not is_alive(ProcKey(me.pid, me.create_time - 50))  # same pid, another process
+    assert open_pidfd(ProcKey(me.pid, me.create_time - 50)) is None
+
+
+def test_descendants_walk_the_whole_tree() -> None:
+    outer = subprocess.Popen([sys.executable, "-c",
+                              "import subprocess,sys; subprocess.run(['sleep', '30'])"])
+    try:
+        tree = wait_for(lambda: descendants([outer.pid])[outer.pid], 10, "the grandchild")
+        assert any(os.path.basename(os.readlink(f"/proc/{k.pid}/exe")) == "sleep" for k in tree)
+    finally:
+        for key in descendants([outer.pid])[outer.pid]:
+            os.kill(key.pid, signal.SIGKILL)
+        outer.kill()
+        outer.wait()
+
+
+def test_port_bindable_sees_a_listener() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not port_bindable(port)
+    assert port_bindable(port)
+
+
+def test_exit_descriptions() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(None) == "exit status unknown"
