@@ -277,3 +277,13 @@ def test_garbage_on_the_control_socket_is_answered_or_dropped(make_node: MakeNod
         dealer.close()
     assert node.client.call("status")["node_id"] == "test-node"
     assert node.proc is not None and node.proc.poll() is None
+
+
+def test_liveness_only_engine(make_node: MakeNode) -> None:
+    """A multi-node follower part runs with deep probes off: its processes are still watched."""
+    node = make_node([EngineSpec("e0", extra={"probe": {"health_path": ""}})]).start()
+    first = node.wait_state("e0", "healthy")
+    assert "liveness alone" in node.wait_event("e0", kind="state", to="healthy")["detail"]
+    os.kill(first["pid"], signal.SIGKILL)
+    again = node.wait_state("e0", "healthy", incarnation=2)
+    assert again["last_failure"]["cause"] == "exited"

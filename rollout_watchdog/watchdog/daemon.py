@@ -261,6 +261,9 @@ class Daemon:
             return
         if not engine.state.running:
             return
+        if engine.state == S.STARTING and not engine.cfg.probe.health_path:
+            # Deep probes off (a multi-node follower answers a dummy /health): liveness only.
+            self._become_healthy(engine, "deep probes off: watched by liveness alone")
         if engine.state == S.STARTING and now >= engine.launched_at + \
                 engine.cfg.probe.startup_timeout_s:
             self._fail(engine, Cause.STARTUP_TIMEOUT,
