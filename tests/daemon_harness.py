@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ import psutil
 import requests
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
+from rollout_watchdog.emulator.testing import emulator_command, free_port, wait_until
 from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key
 
 T = TypeVar("T")
@@ -33,31 +32,23 @@ FAST_RESTART = {"grace_s": 2.0, "backoff_initial_s": 0.1, "backoff_max_s": 0.5,
 EMULATOR_ENV = {"SGLANG_HEALTH_CHECK_TIMEOUT": "0.8", "OMP_NUM_THREADS": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_for(predicate: Callable[[], T | None], timeout: float, what: str,
              interval: float = 0.02) -> T:
-    """Poll until `predicate` returns something truthy; fail naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
+    """`wait_until`, tolerating the errors of a daemon or engine that is between lives."""
+    last_error: list[Exception] = []
+
+    def attempt() -> T | None:
         try:
-            value = predicate()
-            if value:
-                return value
+            return predicate()
         except (ControlError, requests.RequestException, psutil.Error) as exc:
-            last_error = exc
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}"
-                         + (f" (last error: {last_error})" if last_error else ""))
+            last_error[:] = [exc]
+            return None
 
-
-def emulator_command(port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "rollout_watchdog.emulator", "--port", str(port), *flags]
+    try:
+        return wait_until(attempt, timeout, interval, what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}" + (f" (last error: {last_error[0]})"
+                                         if last_error else "")) from None
 
 
 def toml_value(value: Any) -> str:
