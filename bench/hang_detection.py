@@ -7,8 +7,8 @@ the failure is declared. Ours: the `ts` of the daemon's event `state -> stopping
 threshold for that engine. Goal (issue 2): every hung engine declared within
 failure_threshold x (health_interval_s + health_timeout_s) + 1 s, independent of the engine count.
 
-Settings (realistic but short, the same for both approaches): health_interval_s = 1, health_timeout_s
-= 2, failure_threshold = 3, so the bound is 3 x (1 + 2) + 1 = 10 s. The engines run with
+Settings (realistic but short, the same for both approaches): health_interval_s = 1,
+health_timeout_s = 2, failure_threshold = 3, so the bound is 3 x (1 + 2) + 1 = 10 s. The engines run with
 SGLANG_HEALTH_CHECK_TIMEOUT = 20 (SGLang's default, above the probe timeout), so the probe's own
 timeout rules, as in production.
 
