@@ -19,6 +19,8 @@ import psutil
 import requests
 from daemon_harness import EngineSpec, Node, free_port, pid_gone, wait_for
 
+from rollout_watchdog.watchdog.statefile import kernel_boot_id
+
 MakeNode = Callable[..., Node]
 
 
@@ -176,7 +178,8 @@ def test_adoption_does_not_trust_a_reused_pid(make_node: MakeNode) -> None:
         node.state_dir.mkdir(parents=True)
         key = [stranger.pid, created - 100.0]
         (node.state_dir / "state.json").write_text(json.dumps({
-            "version": 1, "node_id": "test-node", "engines": {"e0": {
+            "version": 1, "node_id": "test-node", "boot_id": kernel_boot_id(),
+            "engines": {"e0": {
                 "state": "healthy", "incarnation": 4, "main": key, "procs": [[key, True]],
                 "launched_at": time.time() - 100}}}))
         node.start()

@@ -46,6 +46,7 @@ def test_pause_is_acknowledged_only_after_the_inflight_probe(tmp_path: Path) -> 
     engine = healthy(daemon)
     daemon._start_probe = lambda e, now: None  # type: ignore[method-assign]
     engine.probe_id, engine.probe_started = 7, time.monotonic()
+    engine.probes_out.add(7)
     deferred = daemon.pause(["e0"], 60.0)
     assert deferred.poll() is None            # a probe is still out: no acknowledgement yet
     assert not engine.probing                 # but no new probe will start

@@ -102,7 +102,8 @@ def _simple(cmd: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         request = _target(args)
         if cmd == "pause":
-            request["deadline_s"] = args.deadline
+            # the daemon answers (with a clear error if probes are still out) before we give up
+            request.update(deadline_s=args.deadline, wait_s=max(0.0, args.timeout - 1.0))
         result = _client(args).call(cmd, request)
         print(json.dumps(result))
         return EXIT_OK

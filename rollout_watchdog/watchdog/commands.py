@@ -7,17 +7,13 @@ reply `{"v": 1, "id": ANY, "status": "ok"|"error", "reason": str|null, "result":
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
-from rollout_watchdog.watchdog.daemon import (
-    DEFAULT_PAUSE_S,
-    CommandError,
-    Daemon,
-    Deferred,
-    engine_ids,
-)
+from rollout_watchdog.watchdog.control import CommandError, Deferred
+from rollout_watchdog.watchdog.daemon import DEFAULT_PAUSE_S, Daemon, engine_ids
 
 Handler = Callable[[Daemon, dict[str, Any]], "dict[str, Any] | Deferred"]
 COMMANDS: dict[str, Handler] = {}
@@ -40,9 +36,14 @@ def dispatch(daemon: Daemon, name: str, args: dict[str, Any]) -> dict[str, Any] 
 
 def _number(args: dict[str, Any], key: str, default: float) -> float:
     value = args.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise CommandError(f"'{key}' must be a number >= 0, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(number) or number < 0:
+        raise CommandError(f"'{key}' must be a finite number >= 0, got {str(value)[:40]}")
+    return number
 
 
 @command("status")
@@ -86,14 +87,18 @@ def events(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any] | Deferred:
 def pause(daemon: Daemon, args: dict[str, Any]) -> Deferred:
     """Pause deep probes of ENGINE (or all) until resumed or until the deadline passes.
 
-    args: {"engine": ID} or {"all": true}, optional "deadline_s" (default 600). Answered only
-    once no probe of those engines is in flight. Liveness is never paused.
+    args: {"engine": ID} or {"all": true}, optional "deadline_s" (default 600), optional
+    "wait_s": how long to wait for in-flight probes before answering with an error (the pause
+    stays recorded). Answered only once no probe of those engines is in flight. Liveness is
+    never paused.
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
     deadline_s = _number(args, "deadline_s", DEFAULT_PAUSE_S)
     if deadline_s <= 0:
         raise CommandError("'deadline_s' must be > 0")
-    return daemon.pause(engine_ids(daemon, args), deadline_s, str(args.get("source", "local")))
+    wait_s = _number(args, "wait_s", 0.0) if "wait_s" in args else None
+    return daemon.pause(engine_ids(daemon, args), deadline_s, wait_s,
+                        str(args.get("source", "local")))
 
 
 @command("resume")

@@ -33,8 +33,8 @@ class KillJob:
     cause: Cause
     detail: str
     after: AfterKill
-    phase: KillPhase
-    deadline: float                 # monotonic: end of the current phase
+    phase: KillPhase = KillPhase.TERM
+    deadline: float = 0.0           # monotonic: end of the current phase
     next_check: float = 0.0         # monotonic: next release check
     problems: list[str] = field(default_factory=list)
 
@@ -74,10 +74,12 @@ class EngineRuntime:
     dead: set[ProcKey] = field(default_factory=set)
     launched_at: float = 0.0                                      # monotonic
     healthy_since: float | None = None                            # monotonic
-    next_sweep: float = 0.0
     # deep probes
     probe_id: int = 0
-    probe_started: float | None = None                            # monotonic, None: no probe out
+    probe_started: float | None = None                            # monotonic, None: not waiting
+    # Probe requests still on the wire, judged or not (a judged-late one may still be running);
+    # kept across incarnations: a pause must not be acknowledged while any is out.
+    probes_out: set[int] = field(default_factory=set)
     next_probe: float = 0.0
     probe_failures: int = 0
     first_failure_at: float | None = None                         # monotonic

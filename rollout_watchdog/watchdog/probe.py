@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import requests
 
+# A probe request ends within MAX_CONNECT_S + its timeout (connect, then no byte for the timeout).
+MAX_CONNECT_S = 5.0
+
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -37,7 +40,7 @@ class ProbeRunner:
     def _probe(self, engine: str, probe_id: int, url: str, timeout_s: float) -> None:
         started = time.monotonic()
         try:
-            response = requests.get(url, timeout=(min(timeout_s, 5.0), timeout_s))
+            response = requests.get(url, timeout=(min(timeout_s, MAX_CONNECT_S), timeout_s))
             ok = response.status_code == 200
             detail = f"HTTP {response.status_code}"
         except requests.Timeout:

@@ -123,27 +123,43 @@ def signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def group_alive(pgid: int) -> bool:
-    """Is any live process left in the group? Zombies do not count: they wait for a reaper that
-    may be slow (or absent: a container whose PID 1 does not reap), and hold nothing."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def live_process_groups() -> set[int]:
+    """Process groups with at least one live member, from one scan of /proc. Zombies do not
+    count: they wait for a reaper that may be slow (or absent: a container whose PID 1 does not
+    reap), and hold nothing."""
+    groups = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
+        except (OSError, IndexError):
             continue  # gone meanwhile
         # after the command: state, ppid, pgrp
-        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+        if fields[0] not in (b"Z", b"X"):
+            groups.add(int(fields[2]))
+    return groups
+
+
+def group_alive(pgid: int) -> bool:
+    """Is any live process left in the group?"""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pgid in live_process_groups()
+
+
+def process_group(key: ProcKey) -> int | None:
+    """The process group of a live process we know, or None."""
+    try:
+        pgid = os.getpgid(key.pid)
+    except ProcessLookupError:
+        return None
+    return pgid if is_alive(key) else None
 
 
 def stop_signal_group(pgid: int) -> None:
@@ -167,9 +183,9 @@ def port_bindable(port: int) -> bool:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 return False
-            if family == socket.AF_INET6:
-                continue
-            raise
+            # Anything else (no IPv6, a privileged port for a non-root daemon): this check
+            # cannot tell, and must not block a relaunch on its own account.
+            continue
         finally:
             sock.close()
     return True

@@ -1,0 +1,357 @@
+"""Regressions found in review of the node daemon, each driven in-process (no emulator)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from rollout_watchdog.config import parse_config
+from rollout_watchdog.emulator.testing import free_port
+from rollout_watchdog.watchdog import daemon as daemon_mod
+from rollout_watchdog.watchdog.commands import CommandError
+from rollout_watchdog.watchdog.daemon import Daemon
+from rollout_watchdog.watchdog.process import proc_key
+from rollout_watchdog.watchdog.statefile import kernel_boot_id
+from rollout_watchdog.watchdog.states import Cause, EngineState
+
+S = EngineState
+
+
+class NoGpus:
+    def compute_pids(self, gpu: int) -> set[int]:
+        return set()
+
+
+def make_daemon(tmp_path: Path, engines: list[dict[str, Any]] | None = None,
+                restart: dict[str, Any] | None = None) -> Daemon:
+    engines = engines if engines is not None else [
+        {"id": "e0", "url": f"http://127.0.0.1:{free_port()}", "command": ["sleep", "100"]}]
+    config = parse_config({"state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
+                           "restart": {"release_timeout_s": 1.0, "backoff_initial_s": 1.0,
+                                       **(restart or {})},
+                           "engine": engines})
+    return Daemon(config, inspector=NoGpus(), rng=random.Random(0))
+
+
+def cleanup(daemon: Daemon) -> None:
+    """Kill every process the daemon launched or was told about (tests only)."""
+    for engine in daemon.engines.values():
+        for key in list(engine.procs):
+            try:
+                proc = psutil.Process(key.pid)
+                if proc.create_time() == key.create_time:
+                    proc.kill()
+            except psutil.Error:
+                pass
+        if engine.popen is not None:
+            engine.popen.kill()
+            engine.popen.wait()
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[Daemon, zmq.Socket]]:
+    """A daemon with its control socket bound (no engines launched) and a DEALER client."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
+    daemon = make_daemon(tmp_path)
+    daemon._setup()
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(daemon.config.control)
+    try:
+        yield daemon, client
+    finally:
+        client.close()
+        cleanup(daemon)
+        daemon._teardown()
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def send_and_step(daemon: Daemon, client: zmq.Socket, *payloads: bytes) -> list[dict[str, Any]]:
+    for payload in payloads:
+        client.send(payload)
+    replies: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 10
+    while len(replies) < len(payloads) and time.monotonic() < deadline:
+        daemon.step()
+        while client.poll(10):
+            replies.append(json.loads(client.recv()))
+    return replies
+
+
+# ---------------------------------------------------------------- 1. exceptions escaping step()
+
+@pytest.mark.parametrize("payload", [
+    b'{"v": 1, "id": 1, "cmd": "events", "args": {"since": 1e400}}',          # inf -> int()
+    b'{"v": 1, "id": 1, "cmd": "events", "args": {"since": Infinity}}',
+    b'{"v": 1, "id": 1, "cmd": "pause", "args": {"all": true, "deadline_s": 1'
+    + b"0" * 400 + b"}}",                                                     # float(10**400)
+    b"[" * 50000,                                                            # RecursionError
+], ids=["since-1e400", "since-Infinity", "deadline-huge-int", "deep-nesting"])
+def test_garbage_on_the_control_socket_does_not_crash_the_loop(
+        live: tuple[Daemon, zmq.Socket], payload: bytes) -> None:
+    daemon, client = live
+    replies = send_and_step(daemon, client, payload)   # raises today: the daemon would die
+    assert replies and replies[0]["status"] == "error"
+
+
+def test_pause_then_unregister_in_one_batch_does_not_crash_the_loop(
+        live: tuple[Daemon, zmq.Socket]) -> None:
+    """A parked pause acknowledgement looks its engines up by id; unregister removed it."""
+    daemon, client = live
+    ext = subprocess.Popen(["sleep", "100"])
+    try:
+        daemon.register("x", f"http://127.0.0.1:{free_port()}", ext.pid)
+        replies = send_and_step(
+            daemon, client,
+            b'{"v": 1, "id": 1, "cmd": "pause", "args": {"engine": "x"}}',
+            b'{"v": 1, "id": 2, "cmd": "unregister", "args": {"engine": "x"}}')
+        assert {r["id"] for r in replies} == {1, 2}
+    finally:
+        ext.kill()
+        ext.wait()
+
+
+# ---------------------------------------------------------------- 2. adoption
+
+def dead_key() -> list[float]:
+    p = subprocess.Popen(["true"])
+    key = proc_key(p.pid)
+    p.wait()
+    assert key is not None
+    return key.to_json()
+
+
+def write_state(tmp_path: Path, engines: dict[str, dict[str, Any]],
+                boot_id: str | None = None) -> None:
+    (tmp_path / "state.json").write_text(json.dumps({
+        "version": 1, "node_id": "n", "boot_id": boot_id or kernel_boot_id(),
+        "engines": engines}))
+
+
+def record(main: list[float], state: str, **extra: Any) -> dict[str, Any]:
+    return {"state": state, "state_since": time.time(), "incarnation": 3, "restarts": 0,
+            "relaunch_times": [], "consecutive_failures": 0, "main": main,
+            "procs": [[main, True]], "launched_at": time.time() - 10, "paused": None,
+            "last_failure": None, "deferred_waiting": False, "kill_cause": None,
+            "kill_after": None, "external": False, **extra}
+
+
+def test_adopting_a_commanded_restart_whose_processes_are_gone(tmp_path: Path) -> None:
+    """Daemon SIGKILLed while `restart e0` was killing the engine; the old processes died
+    meanwhile. The adopted kill completes at once and relaunches (incarnation 4); then _adopt
+    goes on watching the *old* process keys and _process_gone does engine.procs[old] ->
+    KeyError, before the loop even starts (and before the state file is rewritten: the daemon
+    crash-loops, launching one more engine each time)."""
+    write_state(tmp_path, {"e0": record(dead_key(), "stopping", kill_cause="commanded",
+                                        kill_after="restart")})
+    daemon = make_daemon(tmp_path)
+    try:
+        daemon._adopt_or_launch()
+        assert daemon.engines["e0"].state == S.STARTING
+        assert daemon.engines["e0"].incarnation == 4
+    finally:
+        cleanup(daemon)
+
+
+def test_adopting_with_zero_backoff_and_a_dead_engine(tmp_path: Path) -> None:
+    """Same KeyError through the recover path when backoff_initial_s = 0 (allowed by config)."""
+    main = dead_key()
+    rec = record(main, "healthy")
+    rec["procs"] = [[main, True], [dead_key(), True]]
+    write_state(tmp_path, {"e0": rec})
+    daemon = make_daemon(tmp_path, restart={"backoff_initial_s": 0.0})
+    try:
+        daemon._adopt_or_launch()
+        assert daemon.engines["e0"].state == S.STARTING
+    finally:
+        cleanup(daemon)
+
+
+def test_unknown_kill_cause_in_the_state_file_does_not_crash_startup(tmp_path: Path) -> None:
+    """Cause(...)/AfterKill(...) of a stopping record are parsed outside the try: a state file
+    from a newer version (a new cause name) crashes every start (downgrade = crash loop)."""
+    write_state(tmp_path, {"e0": record(dead_key(), "stopping", kill_cause="progress_stalled",
+                                        kill_after="recover")})
+    daemon = make_daemon(tmp_path)
+    try:
+        daemon._adopt_or_launch()
+    finally:
+        cleanup(daemon)
+
+
+def test_stale_state_after_reboot_never_signals_a_reused_pid_group(tmp_path: Path) -> None:
+    """After a power loss the state file still names the old pids. If one of them now belongs
+    to an unrelated group leader, the kill of the 'dead' engine waits for that group (grace)
+    and then killpg(SIGKILL)s it: `_sigkill_all` signals main.pid's group unconditionally."""
+    victim = subprocess.Popen(["sleep", "100"], start_new_session=True)  # some other service
+    try:
+        key = proc_key(victim.pid)
+        assert key is not None
+        stale = [victim.pid, key.create_time - 1000.0]  # same pid, previous boot
+        write_state(tmp_path, {"e0": record(stale, "healthy")})
+        daemon = make_daemon(tmp_path, restart={"grace_s": 0.5})
+        try:
+            daemon._adopt_or_launch()
+            engine = daemon.engines["e0"]
+            for _ in range(3):
+                if engine.kill is not None:
+                    daemon._advance_kill(engine, time.monotonic() + 5.0)
+            time.sleep(0.2)
+            assert victim.poll() is None, f"unrelated process group killed ({victim.poll()})"
+        finally:
+            cleanup(daemon)
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_engine_removed_from_config_is_not_left_running_unsupervised(tmp_path: Path) -> None:
+    """Design gap: an engine that was in the state file but not in the new config keeps running
+    with nobody watching it (holding its GPUs and ports); not killed, not even reported."""
+    old = subprocess.Popen(["sleep", "100"], start_new_session=True)
+    try:
+        key = proc_key(old.pid)
+        assert key is not None
+        write_state(tmp_path, {"old": record(key.to_json(), "healthy")})
+        daemon = make_daemon(tmp_path)
+        try:
+            daemon._adopt_or_launch()
+            mentioned = any("old" in (e.detail or "") or e.engine == "old"
+                            for _, e in daemon.events.since(0))
+            time.sleep(0.1)
+            assert mentioned or old.poll() is not None
+        finally:
+            cleanup(daemon)
+    finally:
+        old.kill()
+        old.wait()
+
+
+# ---------------------------------------------------------------- 2. budget and backoff
+
+def crash(daemon: Daemon, engine_id: str) -> None:
+    engine = daemon.engines[engine_id]
+    assert engine.popen is not None and engine.main is not None
+    engine.popen.kill()
+    engine.popen.wait()
+    daemon._process_gone(engine, engine.main)
+
+
+def test_deferred_engine_that_crash_loops_exhausts_its_budget(tmp_path: Path) -> None:
+    """DESIGN: 'no restart budget: a crash-looping engine is restarted forever' is a defect to
+    fix. A deferred engine's relaunch after a failure (restart at the next refit) never counts:
+    relaunch_times/restarts are only updated on the immediate path, so it never gets `failed`."""
+    daemon = make_daemon(tmp_path, engines=[{
+        "id": "e0", "url": f"http://127.0.0.1:{free_port()}", "command": ["sleep", "100"],
+        "restart_policy": "deferred"}], restart={"max_restarts": 2})
+    engine = daemon.engines["e0"]
+    try:
+        daemon._launch(engine, Cause.LAUNCHED)
+        for _ in range(6):
+            crash(daemon, "e0")
+            if engine.state == S.FAILED:
+                break
+            assert engine.state == S.BACKOFF and engine.deferred_waiting
+            daemon.restart("e0")     # what the coordinator does at the next refit
+        assert engine.state == S.FAILED, (
+            f"incarnation {engine.incarnation}, restarts {engine.restarts}")
+    finally:
+        cleanup(daemon)
+
+
+def test_shutdown_does_not_spin_on_a_stale_backoff_timer(tmp_path: Path) -> None:
+    """_begin_shutdown moves a backoff engine to stopped but keeps backoff_until: once that time
+    passes, _next_deadline is in the past and the loop polls with timeout 0 (100 % CPU, each
+    turn rescanning /proc for the engines still being killed) until shutdown ends."""
+    daemon = make_daemon(tmp_path)
+    engine = daemon.engines["e0"]
+    engine.state = S.BACKOFF
+    engine.backoff_until = time.monotonic() + 0.01
+    daemon.shutdown_requested = "stop"
+    daemon._begin_shutdown()
+    assert engine.state == S.STOPPED
+    time.sleep(0.05)
+    now = time.monotonic()
+    daemon._tick(engine, now)
+    assert daemon._next_deadline(now) > now
+
+
+# ---------------------------------------------------------------- 3. external engines
+
+def test_register_does_not_abandon_the_kill_of_the_previous_external_engine(
+        tmp_path: Path) -> None:
+    """register() only refuses a *running* existing external engine; one in `stopping` (its kill
+    in progress) is silently replaced, its KillJob dropped: a process that ignores SIGTERM never
+    gets SIGKILL."""
+    stubborn = subprocess.Popen([sys.executable, "-c",
+                                 "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(100)"],
+                                stdout=subprocess.PIPE)
+    assert stubborn.stdout is not None and stubborn.stdout.readline().strip() == b"ready"
+    other = subprocess.Popen(["sleep", "100"])
+    daemon = make_daemon(tmp_path, restart={"grace_s": 0.5, "kill_timeout_s": 1.0})
+    try:
+        daemon.register("x", f"http://127.0.0.1:{free_port()}", stubborn.pid)
+        daemon.stop("x")
+        assert daemon.engines["x"].state == S.STOPPING
+        replaced = True
+        try:
+            daemon.register("x", f"http://127.0.0.1:{free_port()}", other.pid)
+        except CommandError:
+            replaced = False
+        for engine in list(daemon.engines.values()):
+            if engine.kill is not None:
+                daemon._advance_kill(engine, time.monotonic() + 5.0)
+        time.sleep(0.2)
+        assert not replaced or stubborn.poll() is not None, \
+            "kill job dropped: the SIGTERM-ignoring process was never SIGKILLed"
+    finally:
+        for p in (stubborn, other):
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------- 5. performance
+
+
+def test_one_process_table_scan_per_liveness_interval(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines relaunched at different times must not each get their own sweep: one scan of
+    the process table per liveness interval serves them all."""
+    engines = [{"id": f"e{i}", "url": f"http://127.0.0.1:{free_port()}",
+                "command": ["sleep", "100"], "probe": {"health_path": ""}} for i in range(4)]
+    config = parse_config({"state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
+                           "probe": {"liveness_interval_s": 0.2}, "engine": engines})
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
+    daemon = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
+    scans: list[int] = []
+    real = daemon_mod.descendants
+    monkeypatch.setattr(daemon_mod, "descendants", lambda roots: scans.append(1) or real(roots))
+    daemon._setup()
+    try:
+        for engine in daemon.engines.values():
+            daemon._launch(engine, Cause.LAUNCHED)
+            time.sleep(0.03)  # launched at different times, as after relaunches
+        scans.clear()
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:
+            daemon.step()
+        assert all(e.state == S.HEALTHY for e in daemon.engines.values())
+        assert len(scans) <= 2.0 / 0.2 + 5, f"{len(scans)} process-table scans in 2 s"
+    finally:
+        cleanup(daemon)
+        daemon._teardown()
+        for s, h in saved.items():
+            signal.signal(s, h)
