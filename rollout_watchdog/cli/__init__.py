@@ -39,8 +39,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = replace(config, control=args.control)
     try:
         return Daemon(config).run()
-    except RuntimeError as exc:  # e.g. the control socket is taken by another daemon
-        print(f"rollout-watchdog: {exc}", file=sys.stderr)
+    except (RuntimeError, OSError) as exc:
+        # the control socket taken by another daemon, an unwritable state_dir, a metrics port
+        # in use: the operator's to fix, so a message rather than a traceback
+        print(f"rollout-watchdog: cannot run: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
 
