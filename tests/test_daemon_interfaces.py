@@ -19,6 +19,7 @@ import psutil
 import requests
 from daemon_harness import EngineSpec, Node, free_port, pid_gone, wait_for
 
+from rollout_watchdog.watchdog.process import proc_key
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 
 MakeNode = Callable[..., Node]
@@ -174,9 +175,10 @@ def test_adoption_does_not_trust_a_reused_pid(make_node: MakeNode) -> None:
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         node = make_node([EngineSpec("e0")])
-        created = psutil.Process(stranger.pid).create_time()
+        started = proc_key(stranger.pid)
+        assert started is not None
         node.state_dir.mkdir(parents=True)
-        key = [stranger.pid, created - 100.0]
+        key = [stranger.pid, started.start_time - 100.0]
         (node.state_dir / "state.json").write_text(json.dumps({
             "version": 1, "node_id": "test-node", "boot_id": kernel_boot_id(),
             "engines": {"e0": {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -12,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import zmq
 
@@ -21,7 +22,7 @@ from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.watchdog import daemon as daemon_mod
 from rollout_watchdog.watchdog.commands import CommandError
 from rollout_watchdog.watchdog.daemon import Daemon
-from rollout_watchdog.watchdog.process import proc_key
+from rollout_watchdog.watchdog.process import is_alive, proc_key
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 from rollout_watchdog.watchdog.states import Cause, EngineState
 
@@ -48,12 +49,9 @@ def cleanup(daemon: Daemon) -> None:
     """Kill every process the daemon launched or was told about (tests only)."""
     for engine in daemon.engines.values():
         for key in list(engine.procs):
-            try:
-                proc = psutil.Process(key.pid)
-                if proc.create_time() == key.create_time:
-                    proc.kill()
-            except psutil.Error:
-                pass
+            if is_alive(key):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(key.pid, signal.SIGKILL)
         if engine.popen is not None:
             engine.popen.kill()
             engine.popen.wait()
@@ -199,7 +197,7 @@ def test_stale_state_after_reboot_never_signals_a_reused_pid_group(tmp_path: Pat
     try:
         key = proc_key(victim.pid)
         assert key is not None
-        stale = [victim.pid, key.create_time - 1000.0]  # same pid, previous boot
+        stale = [victim.pid, key.start_time - 1000.0]  # same pid, previous boot
         write_state(tmp_path, {"e0": record(stale, "healthy")})
         daemon = make_daemon(tmp_path, restart={"grace_s": 0.5})
         try:
@@ -337,8 +335,8 @@ def test_one_process_table_scan_per_liveness_interval(tmp_path: Path,
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
     daemon = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
     scans: list[int] = []
-    real = daemon_mod.descendants
-    monkeypatch.setattr(daemon_mod, "descendants", lambda roots: scans.append(1) or real(roots))
+    real = daemon_mod.process_table
+    monkeypatch.setattr(daemon_mod, "process_table", lambda: scans.append(1) or real())
     daemon._setup()
     try:
         for engine in daemon.engines.values():

@@ -41,11 +41,11 @@ def test_a_live_group_member_keeps_the_group_alive() -> None:
     assert not group_alive(leader.pid)
 
 
-def test_identity_is_pid_plus_create_time() -> None:
+def test_identity_is_pid_plus_start_time() -> None:
     me = proc_key(os.getpid())
     assert me is not None and is_alive(me)
-    assert not is_alive(ProcKey(me.pid, me.create_time - 50))  # same pid, another process
-    assert open_pidfd(ProcKey(me.pid, me.create_time - 50)) is None
+    assert not is_alive(ProcKey(me.pid, me.start_time - 50))  # same pid, another process
+    assert open_pidfd(ProcKey(me.pid, me.start_time - 50)) is None
 
 
 def test_descendants_walk_the_whole_tree() -> None:

@@ -30,6 +30,7 @@ from rollout_watchdog.watchdog.metrics import Metrics
 from rollout_watchdog.watchdog.probe import MAX_CONNECT_S, ProbeResult, ProbeRunner
 from rollout_watchdog.watchdog.process import (
     ProcKey,
+    ProcStat,
     descendants,
     describe_exit,
     is_alive,
@@ -37,6 +38,7 @@ from rollout_watchdog.watchdog.process import (
     live_process_groups,
     open_pidfd,
     proc_key,
+    process_table,
 )
 from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
 from rollout_watchdog.watchdog.statefile import EngineRecord, load_state, save_state
@@ -445,21 +447,26 @@ class Daemon:
         """Refresh the trees of the running engines from one scan of the process table: new
         processes are watched (so a kill reaches them); a main process found gone without its
         exit event (not expected) still counts."""
+        if not engines:
+            return
+        table = process_table()
         alive = []
         for engine in engines:
             if engine.main is None:
                 continue
-            if is_alive(engine.main):
+            stat = table.get(engine.main.pid)
+            if stat is not None and stat.alive and stat.key == engine.main:
                 alive.append(engine)
             elif engine.main not in engine.dead:
                 self._process_gone(engine, engine.main)
-        self._refresh_trees(alive)
+        self._refresh_trees(alive, table)
 
-    def _refresh_trees(self, engines: list[EngineRuntime]) -> None:
+    def _refresh_trees(self, engines: list[EngineRuntime],
+                       table: dict[int, ProcStat] | None = None) -> None:
         roots = [e for e in engines if e.main is not None]
         if not roots:
             return
-        trees = descendants([e.main.pid for e in roots if e.main is not None])
+        trees = descendants([e.main.pid for e in roots if e.main is not None], table)
         for engine in roots:
             assert engine.main is not None
             for key in trees.get(engine.main.pid, []):
@@ -819,9 +826,9 @@ class Daemon:
         for e in self.engines.values():
             counts[str(e.state)] = counts.get(str(e.state), 0) + 1
         summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no engines"
-        if summary != self._last_summary:
-            self._last_summary = summary
-            self.notifier.status(f"{len(self.engines)} engine(s): {summary}")
+        if summary != self._last_summary and \
+                self.notifier.status(f"{len(self.engines)} engine(s): {summary}"):
+            self._last_summary = summary  # a dropped datagram is sent again next time
 
     def _save_state(self, *, clean: bool = False) -> None:
         records = {} if clean else {e.id: _record(e) for e in self.engines.values()}

@@ -13,41 +13,78 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
 class ProcKey:
-    """A process identity that survives pid reuse: the same pid with another create time is
-    another process."""
+    """A process identity that survives pid reuse: the same pid with another start time is
+    another process. `start_time` is the kernel's starttime, in seconds after boot: unlike a
+    wall-clock create time it does not move when the clock is adjusted (within one boot; the
+    state file records the boot id for the rest)."""
 
     pid: int
-    create_time: float
+    start_time: float
 
     def to_json(self) -> list[float]:
-        return [self.pid, self.create_time]
+        return [self.pid, self.start_time]
 
     @classmethod
     def from_json(cls, data: list[float]) -> ProcKey:
         return cls(int(data[0]), float(data[1]))
 
 
-def proc_key(pid: int) -> ProcKey | None:
-    """The identity of a live pid, or None if it is gone."""
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/PID/stat the watchdog needs."""
+
+    pid: int
+    state: bytes
+    ppid: int
+    pgrp: int
+    start_time: float
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in (b"Z", b"X")  # a zombie holds nothing and counts as dead
+
+    @property
+    def key(self) -> ProcKey:
+        return ProcKey(self.pid, self.start_time)
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """One read of /proc/PID/stat (cheaper than psutil by far: the daemon does this a lot)."""
     try:
-        return ProcKey(pid, psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # after "pid (comm)": state, ppid, pgrp, ..., starttime is the 20th
+        fields = data.rsplit(b")", 1)[1].split()
+        return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]),
+                        int(fields[19]) / CLOCK_TICKS)
+    except (OSError, IndexError, ValueError):
         return None
+
+
+def process_table() -> dict[int, ProcStat]:
+    """Every process on the host, from one scan of /proc."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := read_stat(int(entry.name))) is not None:
+            table[stat.pid] = stat
+    return table
+
+
+def proc_key(pid: int) -> ProcKey | None:
+    """The identity of a pid that exists (a zombie included), or None if it is gone."""
+    stat = read_stat(pid)
+    return stat.key if stat else None
 
 
 def is_alive(key: ProcKey) -> bool:
     """Still running, and still the same process. A zombie counts as dead."""
-    try:
-        proc = psutil.Process(key.pid)
-        return (proc.create_time() == key.create_time
-                and proc.status() != psutil.STATUS_ZOMBIE)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+    stat = read_stat(key.pid)
+    return stat is not None and stat.start_time == key.start_time and stat.alive
 
 
 def launch(command: tuple[str, ...], env: Mapping[str, str], log_path: Path,
@@ -75,28 +112,26 @@ def open_pidfd(key: ProcKey) -> int | None:
     return fd
 
 
-def descendants(roots: Iterable[int]) -> dict[int, list[ProcKey]]:
+def descendants(roots: Iterable[int], table: dict[int, ProcStat] | None = None
+                ) -> dict[int, list[ProcKey]]:
     """Every live descendant of each root pid, from one scan of the process table."""
-    children: dict[int, list[int]] = {}
-    created: dict[int, float] = {}
-    for proc in psutil.process_iter(["ppid", "create_time"]):
-        info = proc.info
-        if info["ppid"] is None or info["create_time"] is None:
-            continue
-        children.setdefault(info["ppid"], []).append(proc.pid)
-        created[proc.pid] = info["create_time"]
+    table = process_table() if table is None else table
+    children: dict[int, list[ProcStat]] = {}
+    for stat in table.values():
+        children.setdefault(stat.ppid, []).append(stat)
     found: dict[int, list[ProcKey]] = {}
     for root in roots:
         out: list[ProcKey] = []
         stack = list(children.get(root, ()))
         seen = set()
         while stack:
-            pid = stack.pop()
-            if pid in seen:
+            stat = stack.pop()
+            if stat.pid in seen:
                 continue
-            seen.add(pid)
-            out.append(ProcKey(pid, created[pid]))
-            stack.extend(children.get(pid, ()))
+            seen.add(stat.pid)
+            if stat.alive:
+                out.append(stat.key)
+            stack.extend(children.get(stat.pid, ()))
         found[root] = out
     return found
 
@@ -123,23 +158,11 @@ def signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def live_process_groups() -> set[int]:
-    """Process groups with at least one live member, from one scan of /proc. Zombies do not
-    count: they wait for a reaper that may be slow (or absent: a container whose PID 1 does not
-    reap), and hold nothing."""
-    groups = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        # after the command: state, ppid, pgrp
-        if fields[0] not in (b"Z", b"X"):
-            groups.add(int(fields[2]))
-    return groups
+def live_process_groups(table: dict[int, ProcStat] | None = None) -> set[int]:
+    """Process groups with at least one live member. Zombies do not count: they wait for a
+    reaper that may be slow (or absent: a container whose PID 1 does not reap)."""
+    table = process_table() if table is None else table
+    return {stat.pgrp for stat in table.values() if stat.alive}
 
 
 def group_alive(pgid: int) -> bool:
@@ -155,11 +178,10 @@ def group_alive(pgid: int) -> bool:
 
 def process_group(key: ProcKey) -> int | None:
     """The process group of a live process we know, or None."""
-    try:
-        pgid = os.getpgid(key.pid)
-    except ProcessLookupError:
+    stat = read_stat(key.pid)
+    if stat is None or not stat.alive or stat.start_time != key.start_time:
         return None
-    return pgid if is_alive(key) else None
+    return stat.pgrp
 
 
 def stop_signal_group(pgid: int) -> None:
