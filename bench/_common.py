@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +38,9 @@ for _path in (str(REPO / "tests"), str(REPO)):
 
 from daemon_harness import EngineSpec, Node, wait_for  # noqa: E402
 
-__all__ = ["EngineSpec", "EventStream", "Fleet", "TimeLimit", "bench_main", "engines",
-           "fault", "kill_and_follow", "summary", "wait_for"]
+__all__ = ["EngineSpec", "EventStream", "Fleet", "KillRecord", "Summary", "TimeLimit",
+           "bench_main", "emulator_info", "engines", "fault", "goal", "kill_and_follow",
+           "parse_args", "step", "summary", "wait_for"]
 
 # Every process a benchmark starts carries this variable (the daemon passes its environment to
 # its engines), so the final sweep finds them all, orphans in other sessions included.
@@ -83,6 +85,19 @@ def _raise_time_limit(signum: int, frame: FrameType | None) -> None:
     raise TimeLimit("time limit reached")
 
 
+def code_version() -> str:
+    """The commit measured, and whether the package differs from it (uncommitted changes)."""
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "rollout_watchdog")
+    return commit + (" + uncommitted changes in rollout_watchdog/" if dirty else "")
+
+
 def bench_main(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> None:
     """Print the exact command line, arm the time limit, run `main`, exit with its status.
 
@@ -90,8 +105,10 @@ def bench_main(main: Callable[[argparse.Namespace], int], args: argparse.Namespa
     cleans up on Ctrl-C, on `kill`, on the time limit and on errors alike.
     """
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"cwd: {os.getcwd()}   host: {os.uname().nodename}   cpus: {os.cpu_count()}   "
-          f"started: {time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+          f"load: {load}   started: {time.strftime('%Y-%m-%d %H:%M:%S')}   "
+          f"code: {code_version()}", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGALRM, _raise_time_limit)
     signal.alarm(max(1, int(args.time_limit)))
@@ -99,7 +116,7 @@ def bench_main(main: Callable[[argparse.Namespace], int], args: argparse.Namespa
     try:
         status = main(args)
     except KeyboardInterrupt as exc:
-        print(f"\ninterrupted ({exc or 'Ctrl-C'}); cleaned up", file=sys.stderr)
+        print(f"\ninterrupted ({str(exc) or 'Ctrl-C'}); cleaned up", file=sys.stderr)
         status = 130
     except TimeLimit:
         print(f"\nstopped: --time-limit {args.time_limit:g} s reached; cleaned up",
@@ -227,6 +244,9 @@ class Fleet:
             self.node.start()
         except BaseException:
             self.failed = True
+            with contextlib.suppress(OSError):
+                tail = self.node.log_text().splitlines()[-15:]
+                print("daemon log (last lines):\n  " + "\n  ".join(tail), file=sys.stderr)
             self.close()
             raise
         return self

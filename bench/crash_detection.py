@@ -55,12 +55,13 @@ def main(args: argparse.Namespace) -> int:
     for target in TARGETS:
         s = summary(f"SIGKILL of the {target} process", samples[target], "ms", digits=2)
         print(f"    declared as: {', '.join(sorted(details[target]))}")
-        summary("  of which the kernel's teardown (*)", kernel[target], "ms", digits=2)
+        summary("  kill -> gone, by the bench's own pidfd (*)", kernel[target], "ms", digits=2)
         ok &= goal(f"{target}: median <= 20 ms", s.median <= 20)
         ok &= goal(f"{target}: max <= 100 ms", s.max <= 100)
-    print("(*) kill(2) until a pidfd of our own on the process became readable: the time the "
-          "kernel takes\n    to tear the process down, before which no watcher can see the exit "
-          "(a large\n    address space, like the scheduler's torch heap, takes longer).")
+    print("(*) kill(2) until a pidfd of the benchmark's own on the process became readable: "
+          "the kernel's\n    teardown of the process (plus the benchmark's own wake-up), before "
+          "which no watcher can\n    see the exit; a large address space, like the scheduler's "
+          "torch heap, takes longer.")
     return 0 if ok else 2
 
 

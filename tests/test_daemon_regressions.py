@@ -353,3 +353,18 @@ def test_one_process_table_scan_per_liveness_interval(tmp_path: Path,
         daemon._teardown()
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_a_signal_late_in_a_step_still_stops_the_engines(tmp_path: Path) -> None:
+    """SIGTERM handled after the step's shutdown check: the loop must not see itself finished
+    (no kill started yet) and exit leaving every engine running."""
+    daemon = make_daemon(tmp_path)
+    engine = daemon.engines["e0"]
+    daemon._launch(engine, Cause.LAUNCHED)
+    try:
+        daemon.shutdown_requested = "stop"      # what the signal handler does
+        assert not daemon._finished()
+        daemon._begin_shutdown()
+        assert engine.state == S.STOPPING and engine.kill is not None
+    finally:
+        cleanup(daemon)

@@ -100,7 +100,11 @@ class Daemon:
         self.notifier.ready()
         log.info("watching %d engine(s) on node %s", len(self.engines), self.node_id)
         try:
-            while not self._finished():
+            while True:
+                if self.shutdown_requested and not self._shutdown_started:
+                    self._begin_shutdown()  # a signal may arrive anywhere in a step
+                if self._finished():
+                    break
                 self.step()
         finally:
             self._teardown()
@@ -130,7 +134,7 @@ class Daemon:
         self.shutdown_requested = "detach" if signum == signal.SIGUSR2 else "stop"
 
     def _finished(self) -> bool:
-        if not self.shutdown_requested:
+        if not self._shutdown_started:
             return False
         if self.shutdown_requested == "detach":
             return True
