@@ -365,6 +365,6 @@ def test_a_signal_late_in_a_step_still_stops_the_engines(tmp_path: Path) -> None
         daemon.shutdown_requested = "stop"      # what the signal handler does
         assert not daemon._finished()
         daemon._begin_shutdown()
-        assert engine.state == S.STOPPING and engine.kill is not None
+        assert engine.state in (S.STOPPING, S.STOPPED)  # the kill began (or is already done)
     finally:
         cleanup(daemon)

@@ -14,8 +14,8 @@ from rollout_watchdog.watchdog.process import (
     ProcKey,
     descendants,
     describe_exit,
-    group_alive,
     is_alive,
+    live_process_groups,
     open_pidfd,
     port_bindable,
     proc_key,
@@ -26,7 +26,7 @@ def test_a_zombie_group_counts_as_gone() -> None:
     """A group whose only member exited but is not reaped yet holds nothing: don't wait on it."""
     child = subprocess.Popen(["sh", "-c", "exit 0"], start_new_session=True)
     key = proc_key(child.pid)
-    wait_for(lambda: not group_alive(child.pid), 5, "the group to count as gone")
+    wait_for(lambda: child.pid not in live_process_groups(), 5, "the group to count as gone")
     assert key is not None and not is_alive(key)
     assert child.poll() == 0  # it was a zombie until now
 
@@ -34,11 +34,11 @@ def test_a_zombie_group_counts_as_gone() -> None:
 def test_a_live_group_member_keeps_the_group_alive() -> None:
     leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        assert group_alive(leader.pid)
+        assert leader.pid in live_process_groups()
     finally:
         leader.kill()
         leader.wait()
-    assert not group_alive(leader.pid)
+    assert leader.pid not in live_process_groups()
 
 
 def test_identity_is_pid_plus_start_time() -> None:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_watchdog.watchdog.control import CommandError, Deferred
-from rollout_watchdog.watchdog.daemon import DEFAULT_PAUSE_S, Daemon, engine_ids
 
-Handler = Callable[[Daemon, dict[str, Any]], "dict[str, Any] | Deferred"]
+if TYPE_CHECKING:
+    from rollout_watchdog.watchdog.daemon import Daemon
+
+Handler = Callable[["Daemon", dict[str, Any]], "dict[str, Any] | Deferred"]
 COMMANDS: dict[str, Handler] = {}
 MAX_EVENTS_WAIT_S = 30.0
+DEFAULT_PAUSE_S = 600.0
 
 
 def command(name: str) -> Callable[[Handler], Handler]:
@@ -32,6 +35,19 @@ def dispatch(daemon: Daemon, name: str, args: dict[str, Any]) -> dict[str, Any] 
     if handler is None:
         raise CommandError(f"unknown command {name!r} (commands: {', '.join(sorted(COMMANDS))})")
     return handler(daemon, args)
+
+
+def engine_ids(daemon: Daemon, args: dict[str, Any]) -> list[str]:
+    """The engines a command names: `engine` (one id) or `all: true`."""
+    if args.get("all"):
+        return list(daemon.engines)
+    engine = args.get("engine")
+    if not isinstance(engine, str):
+        raise CommandError("name an engine ('engine') or all engines ('all': true)")
+    if engine not in daemon.engines:
+        known = ", ".join(daemon.engines) or "none"
+        raise CommandError(f"no engine {engine!r} on this node (engines: {known})")
+    return [engine]
 
 
 def _number(args: dict[str, Any], key: str, default: float) -> float:

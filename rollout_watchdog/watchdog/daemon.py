@@ -22,6 +22,7 @@ import zmq
 
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
+from rollout_watchdog.watchdog.commands import dispatch
 from rollout_watchdog.watchdog.control import CommandError, ControlServer, Deferred
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
 from rollout_watchdog.watchdog.events import Event, EventLog
@@ -48,7 +49,6 @@ log = logging.getLogger("rollout_watchdog.watchdog")
 S = EngineState
 # A probe thread stuck past its own HTTP timeout is judged failed after this much slack.
 PROBE_SLACK_S = 1.0
-DEFAULT_PAUSE_S = 600.0
 # Exit code of a daemon told to go away and leave its engines running (SIGUSR2): the unit's
 # RestartForceExitStatus restarts it, and the new daemon adopts them.
 DETACH_EXIT_CODE = 75
@@ -619,8 +619,6 @@ class Daemon:
     # ------------------------------------------------------------------ commands
 
     def _dispatch(self, cmd: str, args: dict[str, Any]) -> dict[str, Any] | Deferred:
-        from rollout_watchdog.watchdog.commands import dispatch
-
         if self.shutdown_requested and cmd in ("restart", "reset", "register"):
             raise CommandError("the daemon is stopping")
         return dispatch(self, cmd, args)
@@ -861,16 +859,3 @@ def _probe_interval(engine: EngineRuntime) -> float:
     """While starting, probe at least every second: boot completion should be seen quickly."""
     interval = engine.cfg.probe.health_interval_s
     return min(interval, 1.0) if engine.state == S.STARTING else interval
-
-
-def engine_ids(daemon: Daemon, args: dict[str, Any]) -> list[str]:
-    """The engines a command names: `engine` (one id) or `all: true`."""
-    if args.get("all"):
-        return list(daemon.engines)
-    engine = args.get("engine")
-    if not isinstance(engine, str):
-        raise CommandError("name an engine ('engine') or all engines ('all': true)")
-    if engine not in daemon.engines:
-        known = ", ".join(daemon.engines) or "none"
-        raise CommandError(f"no engine {engine!r} on this node (engines: {known})")
-    return [engine]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +66,3 @@ class EventLog:
                 log.error("cannot write event log %s: %s (events stay in memory)", self.path,
                           exc.strerror or exc)
 
-
-def now() -> float:
-    return time.time()

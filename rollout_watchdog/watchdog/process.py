@@ -165,29 +165,12 @@ def live_process_groups(table: dict[int, ProcStat] | None = None) -> set[int]:
     return {stat.pgrp for stat in table.values() if stat.alive}
 
 
-def group_alive(pgid: int) -> bool:
-    """Is any live process left in the group?"""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pgid in live_process_groups()
-
-
 def process_group(key: ProcKey) -> int | None:
     """The process group of a live process we know, or None."""
     stat = read_stat(key.pid)
     if stat is None or not stat.alive or stat.start_time != key.start_time:
         return None
     return stat.pgrp
-
-
-def stop_signal_group(pgid: int) -> None:
-    """SIGTERM preceded by SIGCONT, so a stopped (SIGSTOPped, traced) process receives it."""
-    signal_group(pgid, signal.SIGCONT)
-    signal_group(pgid, signal.SIGTERM)
 
 
 def port_bindable(port: int) -> bool:
