@@ -82,7 +82,8 @@ def cmd_events(args: argparse.Namespace) -> int:
     waiting_said = False
     while True:
         try:
-            result = client.call("events", {"since": since, "boot": boot, "wait_s": 5.0},
+            result = client.call("events", {"since": since, "boot": boot,
+                                            "wait_s": 5.0 if args.follow else 0.0},
                                  timeout_s=args.timeout + 5.0)
         except ControlError as exc:
             if not args.follow:
