@@ -227,12 +227,15 @@ def _read_restart(problems: list[str], where: str, table: object,
     return restart
 
 
-def _url_port(url: str) -> int | None:
+def url_port(url: str) -> int | None:
+    """The TCP port of an http(s) URL with a host, or None if the URL is not one."""
     try:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             return None
-        return parts.port or (443 if parts.scheme == "https" else 80)
+        if parts.port is None:
+            return 443 if parts.scheme == "https" else 80
+        return parts.port or None  # port 0 is no port
     except ValueError:
         return None
 
@@ -278,7 +281,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     url = table.get("url")
     if url is None:
         problems.append(f"{where}missing key 'url'")
-    elif not isinstance(url, str) or _url_port(url) is None:
+    elif not isinstance(url, str) or url_port(url) is None:
         c.problem("url", f"must be an http URL with a host, like http://127.0.0.1:30000, "
                          f"got {url!r}")
         url = None
@@ -309,7 +312,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
                                    table.get("restart", {}), restart)
     if url is None or command is None:
         return None
-    all_ports = sorted({_url_port(url) or 0, *command_ports(tuple(command)), *ports} - {0})
+    all_ports = sorted({url_port(url) or 0, *command_ports(tuple(command)), *ports} - {0})
     return EngineConfig(id=engine_id, url=url.rstrip("/"), command=tuple(command), gpus=gpus,
                         env=dict(env), ports=tuple(all_ports), restart_policy=policy,
                         group=group, cwd=cwd, probe=engine_probe, restart=engine_restart)

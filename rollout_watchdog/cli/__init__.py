@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -57,6 +58,17 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _seconds(text: str) -> float:
+    """A finite, positive number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _client(args: argparse.Namespace) -> ControlClient:
     return ControlClient(args.control, timeout_s=args.timeout)
 
@@ -82,9 +94,9 @@ def cmd_events(args: argparse.Namespace) -> int:
     waiting_said = False
     while True:
         try:
-            result = client.call("events", {"since": since, "boot": boot,
-                                            "wait_s": 5.0 if args.follow else 0.0},
-                                 timeout_s=args.timeout + 5.0)
+            wait_s = 5.0 if args.follow else 0.0  # the long poll's own wait, when following
+            result = client.call("events", {"since": since, "boot": boot, "wait_s": wait_s},
+                                 timeout_s=args.timeout + wait_s)
         except ControlError as exc:
             if not args.follow:
                 raise
@@ -143,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--control", help="control endpoint (default: $ROLLOUT_WATCHDOG_CONTROL "
                                          "or ipc:///run/rollout-watchdog/control)")
-        p.add_argument("--timeout", type=float, default=5.0,
+        p.add_argument("--timeout", type=_seconds, default=5.0,
                        help="seconds to wait for the daemon's answer (default 5)")
         p.set_defaults(func=func)
         return p
@@ -172,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("engine", nargs="?", help="engine id")
         p.add_argument("--all", action="store_true", help="every engine of the node")
         if name == "pause":
-            p.add_argument("--deadline", type=float, default=600.0,
+            p.add_argument("--deadline", type=_seconds, default=600.0,
                            help="seconds after which probing resumes by itself (default 600)")
     for name in ("restart", "stop", "reset", "unregister"):
         p = control_command(name, _doc(name), _simple(name))

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rollout_watchdog.config import url_port
 from rollout_watchdog.watchdog.control import CommandError, Deferred
 
 if TYPE_CHECKING:
@@ -166,8 +167,9 @@ def register(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
     engine, url, pid = args.get("engine"), args.get("url"), args.get("pid")
     if not isinstance(engine, str) or not engine:
         raise CommandError("'engine' must be a non-empty string")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise CommandError("'url' must be an http:// URL")
+    if not isinstance(url, str) or url_port(url) is None:
+        raise CommandError(f"'url' must be an http URL with a host and a valid port, got "
+                           f"{str(url)[:80]!r}")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         raise CommandError("'pid' must be a positive integer")
     return {"engine": engine, "action": daemon.register(engine, url, pid)}

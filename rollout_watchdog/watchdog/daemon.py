@@ -9,6 +9,7 @@ bounded and quick (signals, /proc reads, a bind() per port, NVML queries, a smal
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -40,6 +41,7 @@ from rollout_watchdog.watchdog.process import (
     open_pidfd,
     proc_key,
     process_table,
+    read_stat,
 )
 from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
 from rollout_watchdog.watchdog.statefile import EngineRecord, load_state, save_state
@@ -71,7 +73,9 @@ class Daemon:
         self.notifier = SystemdNotifier()
         self.inspector = inspector
         self.rng = rng or random.Random()
-        self.probes = ProbeRunner(max_workers=max(4, 2 * len(self.engines)))
+        # Threads start on demand; the bound only has to cover two probes out per engine
+        # (one judged late, one current), registered engines included.
+        self.probes = ProbeRunner(max_workers=256)
         self.ctx = zmq.Context.instance()
         self.control: ControlServer | None = None
         self.poller = zmq.Poller()
@@ -82,6 +86,7 @@ class Daemon:
         self.sweep_interval = min([config.probe.liveness_interval_s]
                                   + [e.probe.liveness_interval_s for e in config.engines])
         self._next_sweep = 0.0
+        self._probe_ids = itertools.count(1)
         self._live_groups: set[int] | None = None
         self._dirty = True
         self._next_notify = 0.0
@@ -358,21 +363,23 @@ class Daemon:
     def _adopt_unconfigured(self, engine_id: str, record: EngineRecord) -> None:
         """An engine the state file knows but the config does not: an external one is watched
         again; one removed from the config is stopped, not left running unwatched."""
-        if record.external and record.main is not None:
-            try:
-                self._register_external(engine_id, record.url, record.main,
-                                        incarnation=record.incarnation, adopted=True)
-            except CommandError as exc:
-                log.warning("external engine %s not adopted: %s", engine_id, exc)
-            return
-        cfg = EngineConfig(id=engine_id, url=record.url, command=(), probe=self.config.probe,
-                           restart=self.config.restart)
-        engine = EngineRuntime(cfg=cfg, state=S.STOPPING, incarnation=record.incarnation,
-                               main=record.main, procs=dict(record.procs))
+        engine = EngineRuntime(cfg=self._unconfigured_engine(engine_id, record.url),
+                               external=record.external)
         self.engines[engine_id] = engine
+        if record.external:  # watched exactly as before: state, pause, kill in progress
+            self._adopt(engine, record, same_boot=True)
+            return
+        engine.state, engine.incarnation = S.STOPPING, record.incarnation
+        engine.main, engine.procs = record.main, dict(record.procs)
         self._emit(engine, "removed_from_config", detail="stopping it")
         self._watch_all(engine)
         self._start_kill(engine, Cause.COMMANDED, "removed from the config", AfterKill.STOP)
+
+    def _unconfigured_engine(self, engine_id: str, url: str) -> EngineConfig:
+        """The spec of an engine the config does not list (external, or removed): the node's
+        probe and restart settings, and no command: the daemon never launches it."""
+        return EngineConfig(id=engine_id, url=url.rstrip("/"), command=(),
+                            probe=self.config.probe, restart=self.config.restart)
 
     def _launch(self, engine: EngineRuntime, cause: Cause) -> None:
         """Start a new incarnation with the same argv, env, ports and GPUs."""
@@ -436,6 +443,13 @@ class Daemon:
             return  # a process of an earlier incarnation
         engine.dead.add(key)
         if key == engine.main and engine.popen is not None:
+            # Children it forked since the last sweep are still in its group: take them in
+            # before reaping it (our unreaped child pins its pid, and so its group id, against
+            # reuse), so that the kill reaches them.
+            for stat in process_table().values():
+                if stat.pgrp == key.pid and stat.alive and stat.key not in engine.procs:
+                    engine.procs[stat.key] = False
+                    self._watch(engine, stat.key)
             engine.returncode = engine.popen.poll()
         if not engine.state.running:
             return
@@ -482,7 +496,7 @@ class Daemon:
     # ------------------------------------------------------------------ deep probes
 
     def _start_probe(self, engine: EngineRuntime, now: float) -> None:
-        engine.probe_id += 1
+        engine.probe_id = next(self._probe_ids)  # unique across re-registrations
         engine.probe_started = now
         engine.probes_out.add(engine.probe_id)
         self.probes.submit(engine.id, engine.probe_id,
@@ -587,6 +601,10 @@ class Daemon:
         if self._budget_exhausted(engine, cause):
             return
         engine.consecutive_failures += 1
+        if engine.restart_requested:
+            self._count_relaunch(engine, cause, time.time())
+            self._launch(engine, Cause.COMMANDED)
+            return
         if engine.cfg.restart_policy == "deferred":
             engine.deferred_waiting = True
             self._transition(engine, S.BACKOFF, cause,
@@ -675,7 +693,11 @@ class Daemon:
         engine = self.engines[engine_id]
         self._launchable(engine)
         if engine.kill is not None:
-            engine.kill.after = AfterKill.RESTART
+            if engine.kill.after == AfterKill.RECOVER:
+                # It follows a failure: relaunched at once but within the restart budget.
+                engine.restart_requested = True
+            else:
+                engine.kill.after = AfterKill.RESTART
             return "relaunch after the kill in progress"
         if engine.state.running:
             self._start_kill(engine, Cause.COMMANDED, "restart commanded", AfterKill.RESTART)
@@ -727,26 +749,20 @@ class Daemon:
         if existing is not None and (existing.state.running or existing.kill is not None):
             raise CommandError(f"engine {engine_id} is registered and {existing.state}; "
                                "unregister it first (once it is stopped)")
-        incarnation = existing.incarnation if existing else 0
-        self._register_external(engine_id, url, key, incarnation=incarnation + 1)
-        return f"registered, incarnation {self.engines[engine_id].incarnation}"
-
-    def _register_external(self, engine_id: str, url: str, key: ProcKey, *, incarnation: int,
-                           adopted: bool = False) -> None:
-        if not is_alive(key):
-            raise CommandError(f"process {key.pid} is gone")
-        cfg = EngineConfig(id=engine_id, url=url.rstrip("/"), command=(),
-                           probe=self.config.probe, restart=self.config.restart)
-        engine = EngineRuntime(cfg=cfg, external=True, incarnation=incarnation, main=key,
-                               procs={key: True}, launched_at=time.monotonic(),
-                               next_probe=time.monotonic())
+        if key.pid in _protected_pids():
+            raise CommandError(f"pid {pid} is init, this daemon or one of its ancestors: "
+                               "never an engine")
+        incarnation = existing.incarnation + 1 if existing else 1
+        engine = EngineRuntime(cfg=self._unconfigured_engine(engine_id, url), external=True,
+                               incarnation=incarnation, main=key, procs={key: True},
+                               launched_at=time.monotonic(), next_probe=time.monotonic())
         self.engines[engine_id] = engine
-        self._transition(engine, S.STARTING, Cause.ADOPTED if adopted else Cause.LAUNCHED,
-                         f"external pid {key.pid}")
+        self._transition(engine, S.STARTING, Cause.LAUNCHED, f"external pid {key.pid}")
         self._report_state(engine)
         self._watch(engine, key)
         if engine.state.running:
             self._refresh_trees([engine])
+        return f"registered, incarnation {engine.incarnation}"
 
     def unregister(self, engine_id: str) -> str:
         engine = self.engines.get(engine_id)
@@ -853,6 +869,17 @@ def _record(e: EngineRuntime) -> EngineRecord:
         last_failure=e.last_failure, deferred_waiting=e.deferred_waiting,
         kill_cause=e.kill.cause if e.kill else None, kill_after=e.kill.after if e.kill else None,
         external=e.external, url=e.cfg.url)
+
+
+def _protected_pids() -> set[int]:
+    """Processes that must never be treated as an engine: killing one kills the node, or us."""
+    pids = {0, 1}
+    pid = os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        stat = read_stat(pid)
+        pid = stat.ppid if stat else 0
+    return pids
 
 
 def _probe_interval(engine: EngineRuntime) -> float:

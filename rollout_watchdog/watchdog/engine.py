@@ -88,6 +88,7 @@ class EngineRuntime:
     kill: KillJob | None = None
     backoff_until: float | None = None                            # monotonic; None: not waiting
     deferred_waiting: bool = False
+    restart_requested: bool = False   # `restart` during a failure's cleanup: relaunch at once
 
     @property
     def id(self) -> str:
@@ -117,3 +118,4 @@ class EngineRuntime:
         self.kill = None
         self.backoff_until = None
         self.deferred_waiting = False
+        self.restart_requested = False

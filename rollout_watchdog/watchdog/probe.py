@@ -39,7 +39,10 @@ class ProbeRunner:
 
     def _probe(self, engine: str, probe_id: int, url: str, timeout_s: float) -> None:
         started = time.monotonic()
-        ok, detail = http_get_ok(url, timeout_s)
+        try:
+            ok, detail = http_get_ok(url, timeout_s)
+        except Exception as exc:  # a probe always reports, or its pause is never acknowledged
+            ok, detail = False, f"probe error: {exc!r:.200}"
         self.results.put(ProbeResult(engine, probe_id, ok, detail, started, time.monotonic()))
         # A full pipe means the loop is already going to wake up.
         with contextlib.suppress(BlockingIOError):

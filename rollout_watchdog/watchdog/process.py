@@ -148,7 +148,10 @@ def signal_proc(key: ProcKey, sig: int) -> bool:
 
 
 def signal_group(pgid: int, sig: int) -> bool:
-    """Signal a whole process group; True if any member was there to receive it."""
+    """Signal a whole process group; True if any member was there to receive it. Never group
+    0 or 1 (killpg(1) is kill(-1): every process) nor the daemon's own group."""
+    if pgid <= 1 or pgid == os.getpgrp():
+        return False
     try:
         os.killpg(pgid, sig)
         return True
