@@ -240,19 +240,27 @@ def url_port(url: str) -> int | None:
         return None
 
 
+def _flag_value(command: tuple[str, ...], i: int, flag: str) -> int | None:
+    """The port at argv position i, if it is `flag N` or `flag=N`."""
+    arg, value = command[i], None
+    if arg == flag and i + 1 < len(command):
+        value = command[i + 1]
+    elif arg.startswith(flag + "="):
+        value = arg.split("=", 1)[1]
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _flag_port(command: tuple[str, ...], flag: str) -> int | None:
+    """The first port given to `flag` in an argv, or None."""
+    return next((port for i in range(len(command))
+                 if (port := _flag_value(command, i, flag)) is not None), None)
+
+
 def command_ports(command: tuple[str, ...]) -> list[int]:
-    """Ports the engine binds according to its argv (`--port N`, `--port=N`, `--nccl-port`)."""
-    ports = []
-    for i, arg in enumerate(command):
-        for flag in PORT_FLAGS:
-            value = None
-            if arg == flag and i + 1 < len(command):
-                value = command[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-            if value is not None and value.isdigit():
-                ports.append(int(value))
-    return ports
+    """Ports the engine binds according to its argv (`--port N`, `--port=N`, `--nccl-port`),
+    in argv order."""
+    return [port for i in range(len(command)) for flag in PORT_FLAGS
+            if (port := _flag_value(command, i, flag)) is not None]
 
 
 def _command_found(program: str, env: dict[str, str]) -> bool:
@@ -310,6 +318,14 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
                                table.get("probe", {}), probe)
     engine_restart = _read_restart(problems, f"engine '{engine_id}' [restart]: ",
                                    table.get("restart", {}), restart)
+    port_flag = _flag_port(tuple(command), "--port") if command else None
+    if url is not None and port_flag is not None and url_port(url) != port_flag:
+        c.problem("url", f"port {url_port(url)} differs from the command's --port {port_flag}: "
+                         "probes would never reach the engine")
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if gpus and visible is not None and visible.replace(" ", "") != ",".join(map(str, gpus)):
+        c.problem("gpus", f"{list(gpus)} disagrees with env CUDA_VISIBLE_DEVICES={visible!r}: "
+                          "the GPU release check would watch the wrong GPUs")
     if url is None or command is None:
         return None
     all_ports = sorted({url_port(url) or 0, *command_ports(tuple(command)), *ports} - {0})
@@ -327,8 +343,11 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
     node_id = c.string("node_id", socket.gethostname()) or socket.gethostname()
     coordinator = c.string("coordinator", None)
     control = c.string("control", DEFAULT_CONTROL) or DEFAULT_CONTROL
-    if not control.startswith(("ipc://", "tcp://")):
-        c.problem("control", f"must be an ipc:// (or tcp://) endpoint, got {control!r}")
+    if not control.startswith("ipc://") or len(control) <= len("ipc://"):
+        # It has no authentication; its protection is the file mode (0600). Remote control
+        # goes through the coordinator, which authenticates.
+        c.problem("control", f"must be an ipc:// path (the local control socket has no "
+                             f"authentication), got {control!r}")
     state_dir = c.string("state_dir", DEFAULT_STATE_DIR) or DEFAULT_STATE_DIR
     metrics_port = c.integer("metrics_port", None, minimum=1, maximum=65535)
     metrics_host = c.string("metrics_host", "127.0.0.1") or "127.0.0.1"
@@ -343,6 +362,11 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
     engines = [e for i, t in enumerate(raw_engines)
                if (e := _read_engine(problems, i, t, probe, restart, check_commands))]
 
+    if metrics_port is not None:
+        for engine in engines:
+            if metrics_port in engine.ports:
+                c.problem("metrics_port", f"{metrics_port} is also a port of engine "
+                                          f"'{engine.id}'")
     seen_ids: set[str] = set()
     port_owner: dict[int, str] = {}
     gpu_owner: dict[int, str] = {}

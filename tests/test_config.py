@@ -596,3 +596,25 @@ def test_cli_check_config_example_names_only_the_missing_program() -> None:
     else:
         lines = result.stderr.splitlines()
         assert lines and all("'command'" in line and "not found" in line for line in lines)
+
+
+def test_url_port_must_match_the_commands_port(tmp_path: Path) -> None:
+    text = engine_toml(port=30000).replace('url = "http://127.0.0.1:30000"',
+                                           'url = "http://127.0.0.1:30005"')
+    one_problem(tmp_path, text, "engine 'e0'", "key 'url'", "port 30005",
+                "--port 30000")
+
+
+def test_gpus_must_agree_with_cuda_visible_devices(tmp_path: Path) -> None:
+    one_problem(tmp_path, engine_toml(gpus=(0,), extra='env = { CUDA_VISIBLE_DEVICES = "3" }'),
+                "engine 'e0'", "key 'gpus'", "CUDA_VISIBLE_DEVICES='3'")
+
+
+def test_metrics_port_must_not_be_an_engine_port(tmp_path: Path) -> None:
+    one_problem(tmp_path, "metrics_port = 30000\n" + engine_toml(port=30000),
+                "key 'metrics_port'", "engine 'e0'")
+
+
+def test_the_control_socket_must_be_local(tmp_path: Path) -> None:
+    one_problem(tmp_path, 'control = "tcp://0.0.0.0:31950"\n', "key 'control'", "ipc://",
+                "no authentication")

@@ -203,11 +203,13 @@ def test_a_corrupt_state_file_is_set_aside(make_node: MakeNode) -> None:
     assert "unusable" in node.log_text()
 
 
-def test_a_second_daemon_on_the_same_socket_is_refused(make_node: MakeNode) -> None:
+def test_a_second_daemon_on_the_same_node_is_refused(make_node: MakeNode) -> None:
     node = make_node([]).start()
+    assert node.proc is not None
     out = subprocess.run([sys.executable, "-m", "rollout_watchdog", "run", "--config",
                           str(node.config_path)], capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
-    assert "is in use: is another daemon running?" in out.stderr
+    assert f"state_dir {node.state_dir} is in use by another daemon (pid {node.proc.pid})" \
+        in out.stderr
     assert "Traceback" not in out.stderr
     assert node.client.call("ping")  # the first one is untouched

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from rollout_watchdog import __version__
 from rollout_watchdog.cli.client import ControlClient, ControlError
 from rollout_watchdog.cli.render import event_line, status_table
 from rollout_watchdog.config import ConfigError, load_config
@@ -69,12 +71,20 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _at_least_two(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 2, got {text!r}")
+    return int(text)
+
+
 def _client(args: argparse.Namespace) -> ControlClient:
     return ControlClient(args.control, timeout_s=args.timeout)
 
 
 def _target(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "all", False):
+        if args.engine:
+            raise ControlError("name an ENGINE or --all, not both")
         return {"all": True}
     if not args.engine:
         raise ControlError("name an ENGINE or --all")
@@ -119,16 +129,27 @@ def _simple(cmd: str) -> Callable[[argparse.Namespace], int]:
         if cmd == "pause":
             # the daemon answers (with a clear error if probes are still out) before we give up
             request.update(deadline_s=args.deadline, wait_s=max(0.0, args.timeout - 1.0))
-        result = _client(args).call(cmd, request)
-        print(json.dumps(result))
+        _say(_client(args).call(cmd, request))
         return EXIT_OK
     return run
 
 
+def _say(result: dict[str, Any]) -> None:
+    """One readable line for a command's result."""
+    if "action" in result:
+        print(f"{result['engine']}: {result['action']}")
+    elif "paused" in result:
+        until = time.strftime("%H:%M:%S", time.localtime(result["deadline"]))
+        print(f"deep probes paused until {until}: {', '.join(result['paused']) or 'no engine'}")
+    elif "resumed" in result:
+        print(f"deep probes resumed: {', '.join(result['resumed']) or 'none were paused'}")
+    else:
+        print(json.dumps(result))
+
+
 def cmd_register(args: argparse.Namespace) -> int:
-    result = _client(args).call("register", {"engine": args.engine, "url": args.url,
-                                             "pid": args.pid})
-    print(json.dumps(result))
+    _say(_client(args).call("register", {"engine": args.engine, "url": args.url,
+                                         "pid": args.pid}))
     return EXIT_OK
 
 
@@ -147,6 +168,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-watchdog", description=(
         "Keeps the SGLang engines of an RL rollout fleet alive."))
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def control_command(name: str, help_text: str, func: Callable[[argparse.Namespace], int]
@@ -163,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the node daemon (what the systemd unit starts)")
     p.add_argument("--config", required=True, help="node config (TOML)")
     p.add_argument("--control", help="override the config's control endpoint")
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one JSON object a line (default: text)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   default="info", help="default: info")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check-config", help="validate a node config; one line per problem")
-    p.add_argument("file")
+    p.add_argument("file", help="node config (TOML)")
     p.set_defaults(func=cmd_check_config)
 
     p = control_command("status", _doc("status"), cmd_status)
@@ -192,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = control_command("register", _doc("register"), cmd_register)
     p.add_argument("engine", help="an id for the engine")
-    p.add_argument("--url", required=True)
-    p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--url", required=True, help="the engine's HTTP address (probed)")
+    p.add_argument("--pid", type=int, required=True,
+                   help="the engine's main process (its tree is watched and killed)")
 
     from rollout_watchdog.emulator import build_parser as emulator_parser
 
@@ -202,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_emulator)
 
     p = sub.add_parser("demo", help="a crash injected, detected and recovered, on this machine")
-    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--engines", type=_at_least_two, default=2,
+                   help="emulated engines (at least 2: one crashes, one hangs; default 2)")
     p.add_argument("--keep", action="store_true", help="keep the demo's directory")
     p.set_defaults(func=cmd_demo)
     return parser
@@ -218,3 +244,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `status | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK

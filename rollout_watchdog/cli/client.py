@@ -10,6 +10,7 @@ from typing import Any
 import zmq
 
 from rollout_watchdog.config import DEFAULT_CONTROL
+from rollout_watchdog.watchdog.control import socket_listening
 
 ENV_CONTROL = "ROLLOUT_WATCHDOG_CONTROL"
 
@@ -37,9 +38,9 @@ class ControlClient:
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         path = self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
-        if path is not None and not os.path.exists(path):
-            raise ControlError(f"no daemon at {self.endpoint} (socket file missing): is "
-                               "`rollout-watchdog run` running?")
+        if path is not None and not socket_listening(path):
+            raise ControlError(f"no daemon at {self.endpoint} (no socket, or nobody listening "
+                               "on it): is `rollout-watchdog run` running?")
         request_id = uuid.uuid4().hex
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -60,3 +61,4 @@ class ControlClient:
         if reply.get("status") != "ok":
             raise ControlError(reply.get("reason") or "the daemon answered with an error")
         return reply.get("result")
+

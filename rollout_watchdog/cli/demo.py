@@ -86,7 +86,7 @@ class Timeline:
 
 def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rollout-watchdog-demo-"))
-    ports = [_free_port() for _ in range(max(2, args.engines))]
+    ports = [_free_port() for _ in range(args.engines)]
     config = workdir / "node.toml"
     config.write_text(_config(workdir, ports))
     env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1.5", "OMP_NUM_THREADS": "1"}

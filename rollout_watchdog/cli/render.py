@@ -30,7 +30,9 @@ def status_table(status: dict[str, Any], now: float | None = None) -> str:
         failure = e.get("last_failure")
         failure_text = (f"{failure['cause']}: {failure['detail']} ({_ago(failure['ts'], now)})"
                         if failure else "-")
-        rows.append((e["id"], state, "paused" if e["paused"] else "active",
+        probes = "paused" if e["paused"] else "active" if e["pid"] else "-"
+        name = e["id"] + (" (ext)" if e.get("external") else "")
+        rows.append((name, state, probes,
                      str(e["pid"] or "-"), str(e["incarnation"]), str(e["restarts"]),
                      _ago(e.get("since"), now), failure_text))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]

@@ -22,6 +22,7 @@ Handler = Callable[["Daemon", dict[str, Any]], "dict[str, Any] | Deferred"]
 COMMANDS: dict[str, Handler] = {}
 MAX_EVENTS_WAIT_S = 30.0
 DEFAULT_PAUSE_S = 600.0
+MAX_PAUSE_S = 86400.0
 
 
 def command(name: str) -> Callable[[Handler], Handler]:
@@ -111,8 +112,9 @@ def pause(daemon: Daemon, args: dict[str, Any]) -> Deferred:
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
     deadline_s = _number(args, "deadline_s", DEFAULT_PAUSE_S)
-    if deadline_s <= 0:
-        raise CommandError("'deadline_s' must be > 0")
+    if not 0 < deadline_s <= MAX_PAUSE_S:
+        raise CommandError(f"the pause deadline must be more than 0 and at most "
+                           f"{MAX_PAUSE_S:g} s (probing must come back), got {deadline_s:g}")
     wait_s = _number(args, "wait_s", 0.0) if "wait_s" in args else None
     return daemon.pause(engine_ids(daemon, args), deadline_s, wait_s,
                         str(args.get("source", "local")))

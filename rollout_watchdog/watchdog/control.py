@@ -147,7 +147,7 @@ def bind_control(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.exists(path):
-            if _socket_in_use(path):
+            if socket_listening(path):
                 sock.close()
                 raise RuntimeError(f"control socket {path} is in use: is another daemon "
                                    "running?")
@@ -163,7 +163,9 @@ def bind_control(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
-def _socket_in_use(path: str) -> bool:
+def socket_listening(path: str) -> bool:
+    """Is a daemon listening on this ipc path? (A daemon killed by SIGKILL leaves its socket
+    file behind: a connect tells at once.)"""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)

@@ -9,6 +9,7 @@ bounded and quick (signals, /proc reads, a bind() per port, NVML queries, a smal
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -21,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from rollout_watchdog.config import EngineConfig, NodeConfig
+from rollout_watchdog.config import EngineConfig, NodeConfig, url_port
 from rollout_watchdog.watchdog import kill, policy
 from rollout_watchdog.watchdog.commands import dispatch
 from rollout_watchdog.watchdog.control import CommandError, ControlServer, Deferred
@@ -117,9 +118,17 @@ class Daemon:
 
     def _setup(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_state_dir()
         if self.inspector is None:
             self.inspector = make_inspector(self.config.gpu_check)
             self.killing.inspector = self.inspector
+        if self.config.metrics_port:
+            address = f"{self.config.metrics_host}:{self.config.metrics_port}"
+            try:
+                self.metrics.start_server(self.config.metrics_port, self.config.metrics_host)
+            except OSError as exc:
+                raise RuntimeError(f"cannot serve metrics on {address}: {exc.strerror or exc}"
+                                   ) from None
         self.control = ControlServer(self.ctx, self.config.control, self._dispatch,
                                      self._bad_message)
         self.poller.register(self.control.socket, zmq.POLLIN)
@@ -130,8 +139,20 @@ class Daemon:
         signal.set_wakeup_fd(self._sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
-        if self.config.metrics_port:
-            self.metrics.start_server(self.config.metrics_port, self.config.metrics_host)
+
+    def _lock_state_dir(self) -> None:
+        """One daemon per state dir: two would adopt, and then kill, each other's engines."""
+        path = self.state_dir / "daemon.lock"
+        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
+            os.close(self._lock_fd)
+            raise RuntimeError(f"state_dir {self.state_dir} is in use by another daemon "
+                               f"(pid {holder or '?'})") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.shutdown_requested:
@@ -570,7 +591,13 @@ class Daemon:
         self._kill_outcome(engine, kill.begin(engine, job, self.killing, now))
 
     def _advance_kill(self, engine: EngineRuntime, now: float) -> None:
-        self._kill_outcome(engine, kill.advance(engine, self.killing, now))
+        assert engine.kill is not None
+        waiting_for = engine.kill.problems
+        outcome = kill.advance(engine, self.killing, now)
+        if outcome == kill.Outcome.PENDING and engine.kill.problems != waiting_for:
+            self._emit(engine, "release_pending", detail="waiting for "
+                       + "; ".join(engine.kill.problems))
+        self._kill_outcome(engine, outcome)
 
     def _kill_outcome(self, engine: EngineRuntime, outcome: kill.Outcome) -> None:
         job = engine.kill
@@ -585,6 +612,9 @@ class Daemon:
         elif job.after == AfterKill.STOP:
             self._transition(engine, S.STOPPED, job.cause,
                              f"{job.detail}; {describe_exit(engine.returncode)}")
+            if not engine.cfg.command and not engine.external:  # removed from the config
+                self._forget(engine, "removed", "stopped, and no longer in the config")
+                return
         elif job.after == AfterKill.RESTART:
             self._launch(engine, Cause.COMMANDED)
         elif engine.external:
@@ -702,6 +732,7 @@ class Daemon:
         if engine.state.running:
             self._start_kill(engine, Cause.COMMANDED, "restart commanded", AfterKill.RESTART)
             return "killing, then relaunching"
+        self._check_released(engine)
         if engine.deferred_waiting:
             # The relaunch a deferred engine waited for: it follows a failure, so it uses the
             # restart budget (a crash-looping colocated engine must end in `failed` too).
@@ -711,6 +742,13 @@ class Daemon:
             self._count_relaunch(engine, cause, time.time())
         self._launch(engine, Cause.COMMANDED)
         return "relaunched"
+
+    def _check_released(self, engine: EngineRuntime) -> None:
+        """Before a commanded launch of an engine that is down: its ports and GPUs must be
+        free (a stop skips this check, as nothing was to be relaunched then)."""
+        problems = kill.release_problems(engine, self.inspector)
+        if problems:
+            raise CommandError(f"engine {engine.id} not relaunched: " + "; ".join(problems))
 
     def stop(self, engine_id: str) -> str:
         engine = self.engines[engine_id]
@@ -733,6 +771,7 @@ class Daemon:
         self._dirty = True
         if engine.state == S.FAILED:
             self._launchable(engine)
+            self._check_released(engine)
             self._launch(engine, Cause.RESET)
             return "restart budget cleared; relaunched"
         return f"restart budget cleared (engine is {engine.state})"
@@ -746,12 +785,22 @@ class Daemon:
         existing = self.engines.get(engine_id)
         if existing is not None and not existing.external:
             raise CommandError(f"engine {engine_id} is in the config; pick another id")
-        if existing is not None and (existing.state.running or existing.kill is not None):
-            raise CommandError(f"engine {engine_id} is registered and {existing.state}; "
-                               "unregister it first (once it is stopped)")
+        if existing is not None and existing.kill is not None:
+            raise CommandError(f"engine {engine_id} is being stopped; register it again once "
+                               "it is stopped")
+        if existing is not None and existing.state.running:
+            raise CommandError(f"engine {engine_id} is already registered ({existing.state}); "
+                               "unregister it first")
         if key.pid in _protected_pids():
             raise CommandError(f"pid {pid} is init, this daemon or one of its ancestors: "
                                "never an engine")
+        for other in self.engines.values():
+            if other.id == engine_id:
+                continue
+            if key in other.procs and key not in other.dead:
+                raise CommandError(f"pid {pid} is already watched as part of engine {other.id}")
+            if url_port(url) in other.cfg.ports or url.rstrip("/") == other.cfg.url:
+                raise CommandError(f"{url} is engine {other.id}'s address")
         incarnation = existing.incarnation + 1 if existing else 1
         engine = EngineRuntime(cfg=self._unconfigured_engine(engine_id, url), external=True,
                                incarnation=incarnation, main=key, procs={key: True},
@@ -771,14 +820,17 @@ class Daemon:
         if engine.kill is not None:
             raise CommandError(f"engine {engine_id} is being killed; try again when it is "
                                "stopped")
-        for fd, (eid, _) in list(self.pidfds.items()):
-            if eid == engine_id:
-                self._unwatch(fd)
-        del self.engines[engine_id]
-        self.metrics.remove_engine(engine_id)
-        self._emit(None, "unregistered", detail=engine_id)
-        self._dirty = True
+        self._forget(engine, "unregistered", "no longer watched (not killed)")
         return "unregistered"
+
+    def _forget(self, engine: EngineRuntime, kind: str, detail: str) -> None:
+        for fd, (engine_id, _) in list(self.pidfds.items()):
+            if engine_id == engine.id:
+                self._unwatch(fd)
+        del self.engines[engine.id]
+        self.metrics.remove_engine(engine.id)
+        self._emit(engine, kind, detail=detail)
+        self._dirty = True
 
     # ------------------------------------------------------------------ reporting
 
@@ -787,7 +839,7 @@ class Daemon:
                 "engines": [self._engine_status(e) for e in self.engines.values()]}
 
     def _engine_status(self, e: EngineRuntime) -> dict[str, Any]:
-        running = e.state.running or e.state == S.STOPPING
+        running = (e.state.running or e.state == S.STOPPING) and e.main not in e.dead
         next_launch = None
         if e.backoff_until is not None and e.state == S.BACKOFF:
             next_launch = time.time() + max(0.0, e.backoff_until - time.monotonic())
@@ -801,6 +853,8 @@ class Daemon:
             "next_launch": next_launch,
             "pause_deadline": e.paused.deadline if e.paused else None,
             "gpus": list(e.cfg.gpus), "ports": list(e.cfg.ports),
+            "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
+            if e.kill else None,
         }
 
     def _transition(self, engine: EngineRuntime, new: EngineState, cause: Cause,
