@@ -19,6 +19,7 @@ import psutil
 import requests
 from daemon_harness import EngineSpec, Node, free_port, pid_gone, wait_for
 
+from rollout_watchdog.cli.client import ControlError
 from rollout_watchdog.watchdog.process import proc_key
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 
@@ -213,3 +214,67 @@ def test_a_second_daemon_on_the_same_node_is_refused(make_node: MakeNode) -> Non
         in out.stderr
     assert "Traceback" not in out.stderr
     assert node.client.call("ping")  # the first one is untouched
+
+
+def test_a_stale_socket_file_is_reported_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "control"
+    leftover = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    leftover.bind(str(path))  # a daemon killed by SIGKILL leaves its socket file like this
+    leftover.close()
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rollout_watchdog", "status", "--control",
+                          f"ipc://{path}"], capture_output=True, text=True, timeout=20)
+    assert out.returncode != 0 and "nobody listening" in out.stderr
+    assert time.monotonic() - started < 4.0  # not the 5 s answer timeout
+
+
+def test_user_mistakes_on_the_command_line_are_messages(tmp_path: Path) -> None:
+    bad_level = subprocess.run([sys.executable, "-m", "rollout_watchdog", "run", "--config",
+                                str(tmp_path / "x.toml"), "--log-level", "verbose"],
+                               capture_output=True, text=True, timeout=20)
+    assert bad_level.returncode == 2 and "invalid choice: 'verbose'" in bad_level.stderr
+    bad_timeout = subprocess.run([sys.executable, "-m", "rollout_watchdog", "status",
+                                  "--timeout", "-1"], capture_output=True, text=True, timeout=20)
+    assert bad_timeout.returncode == 2 and "must be a number of seconds > 0" in bad_timeout.stderr
+    for out in (bad_level, bad_timeout):
+        assert "Traceback" not in out.stderr
+
+
+def test_a_commanded_relaunch_waits_for_a_free_port(make_node: MakeNode) -> None:
+    spec = EngineSpec("e0")
+    node = make_node([spec]).start()
+    node.wait_state("e0", "healthy")
+    node.client.call("stop", {"engine": "e0"})
+    node.wait_state("e0", "stopped")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", spec.port))
+        squatter.listen()
+        out = cli(node, "restart", "e0")
+        assert out.returncode != 0
+        assert f"not relaunched: port {spec.port} is still in use" in out.stderr
+        assert node.engine("e0")["state"] == "stopped"
+    assert cli(node, "restart", "e0").returncode == 0
+    node.wait_state("e0", "healthy", incarnation=2)
+
+
+def test_register_refuses_what_is_not_a_separate_engine(make_node: MakeNode) -> None:
+    spec = EngineSpec("e0")
+    node = make_node([spec]).start()
+    pid = node.wait_state("e0", "healthy")["pid"]
+    other = subprocess.Popen(["sleep", "60"])
+    for args, reason in (
+            ({"engine": "x", "url": "http://127.0.0.1:1", "pid": pid},
+             f"pid {pid} is already watched as part of engine e0"),
+            ({"engine": "x", "url": spec.url, "pid": other.pid}, "is engine e0's address"),
+            ({"engine": "x", "url": "http://127.0.0.1:2", "pid": node.proc.pid},
+             "this daemon or one of its ancestors"),
+            ({"engine": "x", "url": "http://127.0.0.1:99999", "pid": other.pid},
+             "valid port")):
+        try:
+            node.client.call("register", args)
+        except ControlError as exc:
+            assert reason in str(exc), (reason, str(exc))
+        else:
+            raise AssertionError(f"register {args} was accepted")
+    other.kill()
+    other.wait()
