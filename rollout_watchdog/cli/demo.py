@@ -8,6 +8,7 @@ engine. Everything is real: processes, signals, HTTP probes, the control socket.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -68,12 +69,24 @@ class Timeline:
             return
         self.since = result["next"]
         for e in result["events"]:
-            self.events.append(e)
-            who = f"{e['engine']}#{e['incarnation']}" if e["engine"] else "daemon"
-            what = f"{e['from']} -> {e['to']}" if e["kind"] == "state" else e["kind"]
-            cause = f" [{e['cause']}]" if e.get("cause") else ""
-            detail = f"  {e['detail']}" if e.get("detail") else ""
-            print(f"  +{e['ts'] - self.t0:7.3f}s  {who:<8} {what}{cause}{detail}", flush=True)
+            self._show(e)
+
+    def _show(self, e: dict[str, Any]) -> None:
+        self.events.append(e)
+        who = f"{e['engine']}#{e['incarnation']}" if e["engine"] else "daemon"
+        what = f"{e['from']} -> {e['to']}" if e["kind"] == "state" else e["kind"]
+        cause = f" [{e['cause']}]" if e.get("cause") else ""
+        detail = f"  {e['detail']}" if e.get("detail") else ""
+        print(f"  +{e['ts'] - self.t0:7.3f}s  {who:<8} {what}{cause}{detail}", flush=True)
+
+    def replay(self, path: Path) -> None:
+        """Print the events of the daemon's event log not shown yet (it has exited)."""
+        last = self.events[-1]["ts"] if self.events else 0.0
+        with open(path) as f:
+            for line in f:
+                event = json.loads(line)
+                if event["ts"] > last:
+                    self._show(event)
 
     def until(self, what: str, predicate: Callable[[], bool]) -> None:
         deadline = time.monotonic() + STEP_TIMEOUT_S
@@ -129,6 +142,7 @@ def run_demo(args: argparse.Namespace) -> int:
         timeline.say("stopping the daemon (what `systemctl stop` does): it stops every engine")
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=STEP_TIMEOUT_S)
+        timeline.replay(workdir / "state" / "events.jsonl")  # its last words, from its log
         print(f"\ncrash detected {1000 * (detected['ts'] - killed_at):.1f} ms after the SIGKILL;"
               f" daemon exit code {daemon.returncode}.")
         print("A real node runs the same daemon under systemd: see systemd/ and README.md.")

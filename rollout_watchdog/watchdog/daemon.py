@@ -280,8 +280,9 @@ class Daemon:
             self._become_healthy(engine, "deep probes off: watched by liveness alone")
         startup_deadline = engine.launched_at + engine.cfg.probe.startup_timeout_s
         if engine.state == S.STARTING and now >= startup_deadline:
+            last = f"; last probe: {engine.last_probe}" if engine.last_probe else ""
             self._fail(engine, Cause.STARTUP_TIMEOUT,
-                       f"not healthy {engine.cfg.probe.startup_timeout_s:g} s after launch",
+                       f"not healthy {engine.cfg.probe.startup_timeout_s:g} s after launch{last}",
                        startup_deadline)
             return
         if engine.probe_started is not None:
@@ -539,6 +540,7 @@ class Daemon:
         engine.next_probe = time.monotonic() + _probe_interval(engine)
         if not engine.state.running:
             return
+        engine.last_probe = result.detail
         if engine.state == S.STARTING:
             if result.ok:
                 self._become_healthy(engine, f"first passing probe ({result.detail})")

@@ -82,6 +82,7 @@ class EngineRuntime:
     probes_out: set[int] = field(default_factory=set)
     next_probe: float = 0.0
     probe_failures: int = 0
+    last_probe: str = ""                                          # what the last probe saw
     first_failure_at: float | None = None                         # monotonic
     paused: Pause | None = None
     # recovery
@@ -113,6 +114,7 @@ class EngineRuntime:
         self.healthy_since = None
         self.probe_started = None
         self.probe_failures = 0
+        self.last_probe = ""
         self.first_failure_at = None
         self.paused = None
         self.kill = None
