@@ -340,3 +340,31 @@ def test_deferred_restart_during_the_failure_cleanup_uses_the_budget(tmp_path: P
             f"{engine.incarnation} incarnations, restarts {engine.restarts}, budget 1")
     finally:
         cleanup(daemon)
+
+
+def test_a_commanded_stop_reaches_children_forked_after_the_last_sweep(tmp_path: Path) -> None:
+    """The same race on a commanded stop: the main process exits on SIGTERM, a child it forked
+    (unseen by any sweep) ignores SIGTERM and must still get SIGKILL after the grace."""
+    daemon = make_daemon(tmp_path, engines=[{
+        "id": "e0", "url": f"http://127.0.0.1:{free_port()}",
+        "command": ["sh", "-c", "(trap '' TERM; exec sleep 100) & wait"]}],
+        restart={"grace_s": 0.5, "kill_timeout_s": 2.0})
+    engine = daemon.engines["e0"]
+    pgid = None
+    try:
+        daemon._launch(engine, Cause.LAUNCHED)
+        assert engine.main is not None
+        pgid = engine.main.pid
+        wait_for_members = time.monotonic() + 5
+        while len(group_members(pgid)) < 2 and time.monotonic() < wait_for_members:
+            time.sleep(0.02)
+        engine.state = S.HEALTHY
+        daemon.stop("e0")
+        drive(daemon, lambda: engine.kill is None)
+        assert engine.state == S.STOPPED
+        assert not group_members(pgid), "a child that ignored SIGTERM outlived the stop"
+    finally:
+        cleanup(daemon)
+        if pgid is not None:
+            for pid in group_members(pgid):
+                os.kill(pid, signal.SIGKILL)

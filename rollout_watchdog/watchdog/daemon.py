@@ -40,6 +40,7 @@ from rollout_watchdog.watchdog.process import (
     launch,
     live_process_groups,
     open_pidfd,
+    peek_exit,
     proc_key,
     process_table,
     read_stat,
@@ -465,14 +466,9 @@ class Daemon:
             return  # a process of an earlier incarnation
         engine.dead.add(key)
         if key == engine.main and engine.popen is not None:
-            # Children it forked since the last sweep are still in its group: take them in
-            # before reaping it (our unreaped child pins its pid, and so its group id, against
-            # reuse), so that the kill reaches them.
-            for stat in process_table().values():
-                if stat.pgrp == key.pid and stat.alive and stat.key not in engine.procs:
-                    engine.procs[stat.key] = False
-                    self._watch(engine, stat.key)
-            engine.returncode = engine.popen.poll()
+            engine.returncode = peek_exit(key.pid)  # not reaped yet: see _take_in_group
+            if not engine.state.running:  # already being killed: reach its children too
+                self._take_in_group(engine)
         if not engine.state.running:
             return
         if key == engine.main:
@@ -583,6 +579,8 @@ class Daemon:
                     after: AfterKill) -> None:
         if engine.state.running:
             self._transition(engine, S.STOPPING, cause, detail)
+        if engine.popen is not None and engine.main in engine.dead:
+            self._take_in_group(engine)
         now = time.monotonic()
         engine.probe_started = None  # a probe still out is of no interest any more
         engine.backoff_until = None
@@ -591,6 +589,17 @@ class Daemon:
         job = KillJob(cause, detail, after, deadline=now + engine.cfg.restart.grace_s)
         self._dirty = True
         self._kill_outcome(engine, kill.begin(engine, job, self.killing, now))
+
+    def _take_in_group(self, engine: EngineRuntime) -> None:
+        """Our main process exited: children it forked since the last sweep are still in its
+        group. Take them in before reaping it (an unreaped child pins its pid, and so its group
+        id, against reuse), so that the kill reaches them."""
+        assert engine.main is not None and engine.popen is not None
+        for stat in process_table().values():
+            if stat.pgrp == engine.main.pid and stat.alive and stat.key not in engine.procs:
+                engine.procs[stat.key] = False
+                self._watch(engine, stat.key)
+        engine.returncode = engine.popen.poll()
 
     def _advance_kill(self, engine: EngineRuntime, now: float) -> None:
         assert engine.kill is not None

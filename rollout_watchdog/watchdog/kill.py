@@ -115,8 +115,8 @@ def advance(engine: EngineRuntime, ctx: KillContext, now: float) -> Outcome:
                 return Outcome.UNKILLABLE
             _sigkill_all(engine, job, ctx, quiet=True)  # processes forked meanwhile
             return Outcome.PENDING
-        if engine.popen is not None and engine.returncode is None:
-            engine.returncode = engine.popen.poll()
+        if engine.popen is not None:
+            engine.returncode = engine.popen.poll()  # reaps it, if nothing did yet
         if job.after == AfterKill.STOP or not engine.cfg.command:
             return Outcome.DONE  # nothing will be relaunched here: no resources to wait for
         job.phase = KillPhase.RELEASE

@@ -199,6 +199,18 @@ def port_bindable(port: int) -> bool:
     return True
 
 
+def peek_exit(pid: int) -> int | None:
+    """The exit status of our exited child without reaping it (Popen's convention: negative
+    for a signal), or None if it has not exited or is not our child."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def describe_exit(returncode: int | None) -> str:
     """'exit code 3', 'killed by SIGKILL', or 'exit status unknown' (adopted engines)."""
     if returncode is None:
