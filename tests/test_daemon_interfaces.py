@@ -247,6 +247,7 @@ def test_a_commanded_relaunch_waits_for_a_free_port(make_node: MakeNode) -> None
     node.client.call("stop", {"engine": "e0"})
     node.wait_state("e0", "stopped")
     with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
         squatter.bind(("127.0.0.1", spec.port))
         squatter.listen()
         out = cli(node, "restart", "e0")
