@@ -287,3 +287,21 @@ def test_liveness_only_engine(make_node: MakeNode) -> None:
     os.kill(first["pid"], signal.SIGKILL)
     again = node.wait_state("e0", "healthy", incarnation=2)
     assert again["last_failure"]["cause"] == "exited"
+
+
+def test_relaunch_keeps_argv_env_ports_and_gpus(make_node: MakeNode) -> None:
+    spec = EngineSpec("e0", extra={"gpus": [3], "env": {"ENGINE_FLAVOUR": "blue"}})
+    node = make_node([spec]).start()
+
+    def launch_of(pid: int) -> tuple[list[str], str | None, str | None]:
+        proc = psutil.Process(pid)
+        env = proc.environ()
+        return proc.cmdline(), env.get("CUDA_VISIBLE_DEVICES"), env.get("ENGINE_FLAVOUR")
+
+    first = node.wait_state("e0", "healthy")
+    before = launch_of(first["pid"])
+    assert before[1:] == ("3", "blue")
+    os.kill(first["pid"], signal.SIGKILL)
+    again = node.wait_state("e0", "healthy", incarnation=2)
+    assert launch_of(again["pid"]) == before
+    assert node.engine("e0")["ports"] == [spec.port]
