@@ -102,11 +102,11 @@ class Daemon:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT (stop every engine) or SIGUSR2 (leave them running)."""
         self._setup()
-        self._adopt_or_launch()
-        self._save_state()
-        self.notifier.ready()
-        log.info("watching %d engine(s) on node %s", len(self.engines), self.node_id)
         try:
+            self._adopt_or_launch()
+            self._save_state()
+            self.notifier.ready()
+            log.info("watching %d engine(s) on node %s", len(self.engines), self.node_id)
             while True:
                 if self.shutdown_requested and not self._shutdown_started:
                     self._begin_shutdown()  # a signal may arrive anywhere in a step
