@@ -49,6 +49,10 @@ class ProbeConfig:
     health_timeout_s: float = 30.0
     failure_threshold: int = 3
     startup_timeout_s: float = 1800.0
+    # Progress probe (off unless progress_path is set, e.g. "/metrics" with --enable-metrics):
+    # a token counter that does not advance for progress_timeout_s while requests run.
+    progress_path: str = ""
+    progress_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -183,9 +187,16 @@ def _read_probe(problems: list[str], where: str, table: object, base: ProbeConfi
         c.problem("health_path", f"must start with '/' (or be \"\" to turn deep probes off), "
                                  f"got {path!r}")
         path = base.health_path
+    progress_path = c.string("progress_path", base.progress_path) or ""
+    if progress_path and not progress_path.startswith("/"):
+        c.problem("progress_path", f"must start with '/' (or be \"\" for no progress probe), "
+                                   f"got {progress_path!r}")
+        progress_path = base.progress_path
     return ProbeConfig(
         liveness_interval_s=c.number("liveness_interval_s", base.liveness_interval_s),
         health_path=path,
+        progress_path=progress_path,
+        progress_timeout_s=c.number("progress_timeout_s", base.progress_timeout_s),
         health_interval_s=c.number("health_interval_s", base.health_interval_s),
         health_timeout_s=c.number("health_timeout_s", base.health_timeout_s),
         failure_threshold=c.integer("failure_threshold", base.failure_threshold, minimum=1)

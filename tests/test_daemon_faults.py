@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -305,3 +306,25 @@ def test_relaunch_keeps_argv_env_ports_and_gpus(make_node: MakeNode) -> None:
     again = node.wait_state("e0", "healthy", incarnation=2)
     assert launch_of(again["pid"]) == before
     assert node.engine("e0")["ports"] == [spec.port]
+
+
+def test_progress_probe_catches_a_token_counter_that_stops(make_node: MakeNode) -> None:
+    """Requests running, no token generated for progress_timeout_s: failed as `stalled`, even
+    though the health probe alone would take far longer (threshold set out of reach here)."""
+    node = make_node([EngineSpec("e0", flags=("--enable-metrics", "--token-latency-ms", "5"))],
+                     probe={"progress_path": "/metrics", "progress_timeout_s": 2.0,
+                            "failure_threshold": 1000}).start()
+    node.wait_state("e0", "healthy")
+
+    def long_generation() -> None:
+        with contextlib.suppress(Exception):  # the engine is killed under it: expected
+            node.emulator("e0", "/generate", {"text": "go", "sampling_params": {
+                "max_new_tokens": 4000, "ignore_eos": True}}, timeout=120)
+
+    threading.Thread(target=long_generation, daemon=True).start()
+    wait_for(lambda: "sglang:num_running_reqs{" in (text := node.emulator("e0", "/metrics").text)
+             and any(line.startswith("sglang:num_running_reqs") and not line.endswith(" 0.0")
+                     for line in text.splitlines()), 20, "a running request")
+    node.emulator("e0", "/_emulator/fault", {"fault": "stall_generation"})
+    down = node.wait_event("e0", kind="state", to="stopping", timeout=30)
+    assert down["cause"] == "stalled" and "request(s) running" in down["detail"]

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollout_watchdog.watchdog.probe import http_get_ok
+from rollout_watchdog.watchdog.probe import Progress, http_get_ok, parse_progress
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -53,3 +53,15 @@ def test_nothing_listening_is_connection_refused() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert http_get_ok(f"http://127.0.0.1:{port}/x", 1.0) == (False, "connection refused")
+
+
+def test_progress_is_read_from_prometheus_text() -> None:
+    text = """# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{model_name="m",dp_rank="0"} 100.0
+sglang:generation_tokens_total{model_name="m",dp_rank="1"} 23.0
+sglang:num_running_reqs{model_name="m",tp_rank="0"} 2.0
+sglang:num_queue_reqs{model_name="m",tp_rank="0"} 7.0
+"""
+    assert parse_progress(text) == Progress(tokens=123.0, running=2.0)
+    assert parse_progress("sglang:num_running_reqs 1.0\n") is None  # no counter: no verdict

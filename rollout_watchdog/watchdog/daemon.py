@@ -517,9 +517,11 @@ class Daemon:
         engine.probe_id = next(self._probe_ids)  # unique across re-registrations
         engine.probe_started = now
         engine.probes_out.add(engine.probe_id)
+        progress = engine.cfg.probe.progress_path
         self.probes.submit(engine.id, engine.probe_id,
                            engine.cfg.url + engine.cfg.probe.health_path,
-                           engine.cfg.probe.health_timeout_s)
+                           engine.cfg.probe.health_timeout_s,
+                           engine.cfg.url + progress if progress else None)
 
     def _on_probe_result(self, result: ProbeResult) -> None:
         engine = self.engines.get(result.engine)
@@ -541,6 +543,8 @@ class Daemon:
             if result.ok:
                 self._become_healthy(engine, f"first passing probe ({result.detail})")
             return  # failures while starting are expected; the startup deadline rules
+        if result.progress is not None and self._stalled(engine, result):
+            return
         verdict = policy.judge_probe(result.ok, engine.probe_failures,
                                      engine.cfg.probe.failure_threshold)
         engine.probe_failures = verdict.failures
@@ -557,6 +561,21 @@ class Daemon:
             self._fail(engine, Cause.PROBE_FAILED, detail, engine.first_failure_at)
         elif engine.state == S.HEALTHY:
             self._transition(engine, S.SUSPECT, Cause.PROBE_FAILED, detail)
+
+    def _stalled(self, engine: EngineRuntime, result: ProbeResult) -> bool:
+        """The progress probe: a token counter that does not move while requests run means a
+        stuck engine, even one whose health probe still passes."""
+        assert result.progress is not None
+        tokens, running = result.progress.tokens, result.progress.running
+        if engine.progress_tokens is None or tokens != engine.progress_tokens or running == 0:
+            engine.progress_tokens, engine.progress_since = tokens, result.finished
+            return False
+        stuck_s = result.finished - engine.progress_since
+        if stuck_s < engine.cfg.probe.progress_timeout_s:
+            return False
+        self._fail(engine, Cause.STALLED, f"token counter stuck at {tokens:g} for "
+                   f"{stuck_s:.0f} s with {running:g} request(s) running", engine.progress_since)
+        return True
 
     def _become_healthy(self, engine: EngineRuntime, detail: str) -> None:
         """The processes in the tree now are the engine (schedulers, detokenizer): from here on
@@ -691,6 +710,7 @@ class Daemon:
             engine = self.engines[engine_id]
             fresh = engine.paused is None
             engine.paused = Pause(deadline, source)
+            engine.progress_tokens = None  # paused generation is not a stall
             if fresh:
                 self._emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s")
             self.metrics.set_paused(engine_id, True)

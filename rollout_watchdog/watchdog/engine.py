@@ -83,6 +83,8 @@ class EngineRuntime:
     next_probe: float = 0.0
     probe_failures: int = 0
     last_probe: str = ""                                          # what the last probe saw
+    progress_tokens: float | None = None      # the token counter when it last moved
+    progress_since: float = 0.0               # monotonic: since when it has not moved
     first_failure_at: float | None = None                         # monotonic
     paused: Pause | None = None
     # recovery
@@ -115,6 +117,7 @@ class EngineRuntime:
         self.probe_started = None
         self.probe_failures = 0
         self.last_probe = ""
+        self.progress_tokens = None
         self.first_failure_at = None
         self.paused = None
         self.kill = None

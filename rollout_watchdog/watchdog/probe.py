@@ -24,6 +24,15 @@ class ProbeResult:
     detail: str
     started: float     # time.monotonic()
     finished: float
+    progress: Progress | None = None   # from the progress probe, when there is one
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the engine's Prometheus text says about generation."""
+
+    tokens: float      # sglang:generation_tokens_total, summed over its series
+    running: float     # sglang:num_running_reqs, summed
 
 
 class ProbeRunner:
@@ -34,16 +43,22 @@ class ProbeRunner:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self._wake_w, False)
 
-    def submit(self, engine: str, probe_id: int, url: str, timeout_s: float) -> None:
-        self._pool.submit(self._probe, engine, probe_id, url, timeout_s)
+    def submit(self, engine: str, probe_id: int, url: str, timeout_s: float,
+               progress_url: str | None = None) -> None:
+        self._pool.submit(self._probe, engine, probe_id, url, timeout_s, progress_url)
 
-    def _probe(self, engine: str, probe_id: int, url: str, timeout_s: float) -> None:
+    def _probe(self, engine: str, probe_id: int, url: str, timeout_s: float,
+               progress_url: str | None) -> None:
         started = time.monotonic()
+        progress = None
         try:
+            if progress_url:  # first: /metrics answers even when the scheduler is stuck
+                progress = read_progress(progress_url, timeout_s)
             ok, detail = http_get_ok(url, timeout_s)
         except Exception as exc:  # a probe always reports, or its pause is never acknowledged
             ok, detail = False, f"probe error: {exc!r:.200}"
-        self.results.put(ProbeResult(engine, probe_id, ok, detail, started, time.monotonic()))
+        self.results.put(ProbeResult(engine, probe_id, ok, detail, started, time.monotonic(),
+                                     progress))
         # A full pipe means the loop is already going to wake up.
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"!")
@@ -65,6 +80,43 @@ class ProbeRunner:
         self._pool.shutdown(wait=False, cancel_futures=True)
         os.close(self.wake_r)
         os.close(self._wake_w)
+
+
+def parse_progress(text: str) -> Progress | None:
+    """The token counter and running requests from Prometheus text, or None if absent."""
+    sums = {"sglang:generation_tokens_total": 0.0, "sglang:num_running_reqs": 0.0}
+    seen = set()
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            try:
+                sums[name] += float(line.rsplit(" ", 1)[1])
+                seen.add(name)
+            except (IndexError, ValueError):
+                continue
+    if "sglang:generation_tokens_total" not in seen:
+        return None
+    return Progress(sums["sglang:generation_tokens_total"], sums["sglang:num_running_reqs"])
+
+
+def read_progress(url: str, timeout_s: float, limit: int = 4 * 1024 * 1024) -> Progress | None:
+    """GET the engine's metrics (bounded in time and size); None if they say nothing."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
+                                      timeout=min(timeout_s, MAX_CONNECT_S))
+    try:
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(timeout_s)
+        conn.request("GET", parts.path or "/", headers={"Connection": "close"})
+        response = conn.getresponse()
+        if response.status != 200:
+            return None
+        return parse_progress(response.read(limit).decode(errors="replace"))
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
 
 
 def http_get_ok(url: str, timeout_s: float) -> tuple[bool, str]:
