@@ -99,30 +99,11 @@ def parse_progress(text: str) -> Progress | None:
     return Progress(sums["sglang:generation_tokens_total"], sums["sglang:num_running_reqs"])
 
 
-def read_progress(url: str, timeout_s: float, limit: int = 4 * 1024 * 1024) -> Progress | None:
-    """GET the engine's metrics (bounded in time and size); None if they say nothing."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
-                                      timeout=min(timeout_s, MAX_CONNECT_S))
-    try:
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.settimeout(timeout_s)
-        conn.request("GET", parts.path or "/", headers={"Connection": "close"})
-        response = conn.getresponse()
-        if response.status != 200:
-            return None
-        return parse_progress(response.read(limit).decode(errors="replace"))
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
-
-
-def http_get_ok(url: str, timeout_s: float) -> tuple[bool, str]:
-    """GET the URL; (True, "HTTP 200") for a 200, else (False, why). Plain http.client: a
-    probe every few seconds per engine is the daemon's main cost, and requests costs several
-    times more CPU per call. Bounded by MAX_CONNECT_S to connect plus timeout_s for an answer."""
+def http_get(url: str, timeout_s: float, read_limit: int = 0) -> tuple[int, bytes]:
+    """GET the URL: (status, up to read_limit bytes of body). Plain http.client: a probe every
+    few seconds per engine is the daemon's main cost, and requests costs several times more CPU
+    per call. Bounded by MAX_CONNECT_S to connect plus timeout_s without a byte; raises
+    OSError / http.client.HTTPException."""
     parts = urlsplit(url)
     connection = (http.client.HTTPSConnection if parts.scheme == "https"
                   else http.client.HTTPConnection)
@@ -133,7 +114,25 @@ def http_get_ok(url: str, timeout_s: float) -> tuple[bool, str]:
         assert conn.sock is not None
         conn.sock.settimeout(timeout_s)
         conn.request("GET", parts.path or "/", headers={"Connection": "close"})
-        status = conn.getresponse().status
+        response = conn.getresponse()
+        return response.status, response.read(read_limit) if read_limit else b""
+    finally:
+        conn.close()
+
+
+def read_progress(url: str, timeout_s: float, limit: int = 4 * 1024 * 1024) -> Progress | None:
+    """GET the engine's metrics (bounded in time and size); None if they say nothing."""
+    try:
+        status, body = http_get(url, timeout_s, limit)
+    except (OSError, http.client.HTTPException):
+        return None
+    return parse_progress(body.decode(errors="replace")) if status == 200 else None
+
+
+def http_get_ok(url: str, timeout_s: float) -> tuple[bool, str]:
+    """The deep probe: (True, "HTTP 200") for a 200, else (False, why)."""
+    try:
+        status, _ = http_get(url, timeout_s)
         return status == 200, f"HTTP {status}"
     except TimeoutError:
         return False, f"no answer within {timeout_s:g} s"
@@ -141,5 +140,3 @@ def http_get_ok(url: str, timeout_s: float) -> tuple[bool, str]:
         return False, "connection refused"
     except (OSError, http.client.HTTPException) as exc:
         return False, f"probe error: {exc!s:.200}"
-    finally:
-        conn.close()
