@@ -788,9 +788,10 @@ class EmulatorServer:
                 os.kill(pid, signal.SIGKILL)
             return {"scheduler_pid": pid}, None
         if name == "hang_http":
-            def hang() -> None:
-                self.hang_http = True
-            return {}, hang
+            # At once, not after answering: a request sent right after this answer must hang.
+            # (This request already passed the check, so it is still answered.)
+            self.hang_http = True
+            return {}, None
         if name == "stall_generation":
             self.shared[SLOT_STALL] = 1.0
             return {}, None
