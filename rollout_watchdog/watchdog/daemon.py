@@ -84,7 +84,6 @@ class Daemon:
         self.pidfds: dict[int, tuple[str, ProcKey]] = {}
         self.shutdown_requested: str | None = None     # "stop" or "detach"
         self._shutdown_started = False
-        self.bad_messages = 0
         self.sweep_interval = min([config.probe.liveness_interval_s]
                                   + [e.probe.liveness_interval_s for e in config.engines])
         self._next_sweep = 0.0
@@ -939,7 +938,6 @@ class Daemon:
             self._dirty = False
 
     def _bad_message(self, why: str) -> None:
-        self.bad_messages += 1
         self.metrics.bad_control_message()
         log.warning("bad control message: %s", why)
 
