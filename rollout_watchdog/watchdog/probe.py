@@ -1,19 +1,43 @@
-"""Deep probes (HTTP GET of the health path) on a thread pool, so a hung engine never blocks the
-daemon's main loop. Results come back through a queue plus a wake-up pipe the loop polls."""
+"""Deep probes (HTTP GET of the health path, after the progress path when there is one), so a
+hung engine never blocks the daemon's main loop. Results come back through a queue plus a
+wake-up pipe the loop polls.
+
+One deadline bounds a whole probe (connect, request, status line, and the progress GET before
+it): each read waits only for what is left of it, and `expire`, which the loop calls, shuts down
+the socket of a probe past its deadline, so a read blocked on an engine that trickles bytes
+returns at once. A probe then reports "no answer within N s" and its thread ends.
+
+Each probe runs on a thread of its own rather than on a fixed pool: an engine has at most one
+probe in flight (`submit` refuses a second), so the threads never outnumber the engines, and no
+engine's probe ever waits in a queue behind the hung probes of others. Starting a thread costs
+about 0.1 ms, against one probe per engine every few seconds.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
+import io
+import math
 import os
 import queue
+import socket
+import ssl
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
-# A probe request ends within MAX_CONNECT_S + its timeout (connect, then no byte for the timeout).
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+# Connecting gives up after this, or at the probe's deadline if sooner: a listener that has not
+# accepted within it is not going to.
 MAX_CONNECT_S = 5.0
+PROGRESS_READ_LIMIT = 4 * 1024 * 1024  # bytes of the engine's Prometheus text read at most
+DETAIL_LIMIT = 200  # characters of a failure's detail kept (it goes to logs and status JSON)
 
 
 @dataclass(frozen=True)
@@ -35,33 +59,90 @@ class Progress:
     running: float     # sglang:num_running_reqs, summed
 
 
+@dataclass(eq=False)
+class _Flight:
+    """One probe in flight. `sock` (the socket it reads, None between its requests) is set,
+    cleared and shut down only under the runner's lock, so `expire` never touches a closed file
+    descriptor, whose number may already belong to something else."""
+
+    probe_id: int
+    timeout_s: float
+    thread: threading.Thread
+    started: float = field(default_factory=time.monotonic)
+    sock: socket.socket | None = None
+    expired: bool = False   # `expire` or `close` aborted it
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout_s
+
+    def abort(self) -> None:
+        """Under the runner's lock: end the probe now. The plain socket's shutdown (not an
+        SSLSocket's own, which would tear down TLS state under the reading thread) makes a
+        blocked read return at once."""
+        self.expired = True
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+
 class ProbeRunner:
-    def __init__(self, max_workers: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
+    def __init__(self, max_workers: int | None = None) -> None:
+        """max_workers: at most this many probes in flight over all engines, where the caller
+        wants a bound on threads; None (no bound but one probe per engine) lets no engine's
+        probe be refused for another's."""
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, not {max_workers}")
+        self._max = max_workers
+        self._lock = threading.Lock()
+        self._flights: dict[str, _Flight] = {}
+        self._closed = False
         self.results: queue.SimpleQueue[ProbeResult] = queue.SimpleQueue()
         self.wake_r, self._wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self._wake_w, False)
 
     def submit(self, engine: str, probe_id: int, url: str, timeout_s: float,
-               progress_url: str | None = None) -> None:
-        self._pool.submit(self._probe, engine, probe_id, url, timeout_s, progress_url)
-
-    def _probe(self, engine: str, probe_id: int, url: str, timeout_s: float,
-               progress_url: str | None) -> None:
-        started = time.monotonic()
-        progress = None
+               progress_url: str | None = None) -> bool:
+        """Start a probe that ends within timeout_s. False (nothing started) while the engine
+        still has a probe in flight, when max_workers are out, or after close; once True,
+        exactly one result for this probe comes."""
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"probe timeout must be a finite number of seconds > 0, "
+                             f"not {timeout_s!r}")
+        thread = threading.Thread(target=self._run, name=f"probe {engine:.40}", daemon=True,
+                                  args=(engine, url, progress_url))
+        flight = _Flight(probe_id, timeout_s, thread)
+        with self._lock:
+            if (self._closed or engine in self._flights
+                    or (self._max is not None and len(self._flights) >= self._max)):
+                return False
+            self._flights[engine] = flight
         try:
-            if progress_url:  # first: /metrics answers even when the scheduler is stuck
-                progress = read_progress(progress_url, timeout_s)
-            ok, detail = http_get_ok(url, timeout_s)
-        except Exception as exc:  # a probe always reports, or its pause is never acknowledged
-            ok, detail = False, f"probe error: {exc!r:.200}"
-        self.results.put(ProbeResult(engine, probe_id, ok, detail, started, time.monotonic(),
-                                     progress))
-        # A full pipe means the loop is already going to wake up.
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"!")
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had: still the one result promised
+            self._post(engine, flight, False, f"probe error: {exc}", None)
+        return True
+
+    def in_flight(self, engine: str) -> bool:
+        """Whether the engine has a probe whose result is not yet posted."""
+        with self._lock:
+            return engine in self._flights
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline (time.monotonic()) of a probe not yet expired: when the loop
+        must next call `expire`. Expired ones are left out, or the loop would spin until their
+        threads post."""
+        with self._lock:
+            return min((f.deadline for f in self._flights.values() if not f.expired),
+                       default=None)
+
+    def expire(self, now: float) -> None:
+        """Abort the probes past their deadline (cheap: no I/O but a shutdown per probe)."""
+        with self._lock:
+            for flight in self._flights.values():
+                if not flight.expired and now >= flight.deadline:
+                    flight.abort()
 
     def drain(self) -> list[ProbeResult]:
         try:
@@ -76,10 +157,160 @@ class ProbeRunner:
             except queue.Empty:
                 return out
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        os.close(self.wake_r)
-        os.close(self._wake_w)
+    def close(self, wait_s: float = 1.0) -> None:
+        """Abort every probe in flight and wait at most wait_s for their threads to end. Their
+        results still go to `results`; the wake-up pipe is closed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            flights = list(self._flights.values())
+            for flight in flights:
+                flight.abort()
+            os.close(self.wake_r)
+            os.close(self._wake_w)
+        end = time.monotonic() + wait_s
+        for flight in flights:
+            flight.thread.join(max(0.0, end - time.monotonic()))
+
+    # ------------------------------------------------------------------ the probe's thread
+
+    def _run(self, engine: str, url: str, progress_url: str | None) -> None:
+        with self._lock:
+            flight = self._flights[engine]
+        progress = None
+        ok, detail, stage = False, "probe error: no verdict", ""
+        try:  # a probe always reports, or its pause is never acknowledged
+            if progress_url:  # first: /metrics answers even when the scheduler is stuck
+                stage = " (during the progress probe)"
+                progress = self._progress(flight, progress_url)
+                stage = ""
+            status, _ = self._get(flight, url)
+            ok, detail = status == 200, f"HTTP {status}"
+        except Exception as exc:
+            detail = _failure(exc, flight) + stage
+        finally:
+            self._post(engine, flight, ok, detail, progress)
+
+    def _post(self, engine: str, flight: _Flight, ok: bool, detail: str,
+              progress: Progress | None) -> None:
+        result = ProbeResult(engine, flight.probe_id, ok, printable(detail), flight.started,
+                             time.monotonic(), progress)
+        with self._lock:
+            # Out of the table before the result is seen, so the caller may submit the next.
+            if self._flights.get(engine) is flight:
+                del self._flights[engine]
+            self.results.put(result)
+            if not self._closed:
+                # A full pipe means the loop is already going to wake up.
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_w, b"!")
+
+    def _hold(self, flight: _Flight, sock: socket.socket | None) -> None:
+        """Show the socket the probe reads to `expire` (None: it is about to be closed)."""
+        with self._lock:
+            if sock is not None and flight.expired:
+                raise TimeoutError("probe expired")
+            flight.sock = sock
+
+    def _progress(self, flight: _Flight, url: str) -> Progress | None:
+        """The engine's metrics, or None if they say nothing or fail; past the deadline the
+        probe itself has failed, so that raises."""
+        try:
+            status, body = self._get(flight, url, PROGRESS_READ_LIMIT)
+        except (OSError, http.client.HTTPException):
+            if flight.expired or time.monotonic() >= flight.deadline:
+                raise
+            return None
+        return parse_progress(body.decode(errors="replace")) if status == 200 else None
+
+    def _get(self, flight: _Flight, url: str, read_limit: int = 0) -> tuple[int, bytes]:
+        """GET the URL before the probe's deadline: (status, up to read_limit bytes of body).
+        Plain http.client: a probe every few seconds per engine is the daemon's main cost, and
+        requests costs several times more CPU per call. Raises OSError / HTTPException."""
+        parts = urlsplit(url)
+        host = parts.hostname or "127.0.0.1"
+        tls = parts.scheme == "https"
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        sock = socket.create_connection((host, parts.port or (443 if tls else 80)),
+                                        timeout=min(_left(flight.deadline), MAX_CONNECT_S))
+        try:
+            if tls:
+                sock = ssl.create_default_context().wrap_socket(
+                    sock, server_hostname=host, do_handshake_on_connect=False)
+            self._hold(flight, sock)
+            try:
+                sock.settimeout(_left(flight.deadline))
+                if isinstance(sock, ssl.SSLSocket):
+                    sock.do_handshake()
+                conn = http.client.HTTPConnection(host, parts.port)
+                conn.sock = sock
+                conn.response_class = cast("type[http.client.HTTPResponse]", functools.partial(
+                    _DeadlineResponse, deadline=flight.deadline))
+                conn.request("GET", target, headers={"Connection": "close"})
+                response = conn.getresponse()
+                return response.status, response.read(read_limit) if read_limit else b""
+            finally:
+                self._hold(flight, None)
+        finally:
+            sock.close()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each waiting only for what is left until the deadline: a fresh timeout
+    per read would let an engine trickling a byte at a time hold a probe for ever."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        self._sock.settimeout(_left(self._deadline))
+        return self._sock.recv_into(buffer)
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    """http.client's response, read through a _DeadlineReader."""
+
+    def __init__(self, sock: socket.socket, debuglevel: int = 0, method: str | None = None,
+                 url: str | None = None, *, deadline: float) -> None:
+        super().__init__(sock, debuglevel, method, url)
+        self.fp.close()  # the socket's own file: drop its reference to the socket
+        self.fp = io.BufferedReader(_DeadlineReader(sock, deadline))
+
+
+def _left(deadline: float) -> float:
+    """Seconds left until the deadline; TimeoutError once there are none."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("probe deadline passed")
+    return left
+
+
+def _failure(exc: Exception, flight: _Flight) -> str:
+    """Why a probe failed, in the words an operator reads in status and events."""
+    if flight.expired or time.monotonic() >= flight.deadline:
+        return f"no answer within {flight.timeout_s:g} s"
+    if isinstance(exc, TimeoutError):
+        return f"no connection within {MAX_CONNECT_S:g} s"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, (OSError, http.client.HTTPException)) and str(exc):
+        return f"probe error: {exc}"
+    return f"probe error: {exc!r}"
+
+
+def printable(text: str, limit: int = DETAIL_LIMIT) -> str:
+    """Text fit for a log line and the status JSON: an engine's garbage answer can carry any byte
+    (control characters, terminal escapes, bidi overrides), so everything but printable ASCII is
+    escaped, and the text is trimmed to `limit` characters."""
+    out = "".join(c if c.isascii() and c.isprintable() else c.encode("unicode_escape").decode()
+                  for c in text)
+    return out if len(out) <= limit else out[:limit - 3] + "..."
 
 
 def parse_progress(text: str) -> Progress | None:
@@ -97,46 +328,3 @@ def parse_progress(text: str) -> Progress | None:
     if "sglang:generation_tokens_total" not in seen:
         return None
     return Progress(sums["sglang:generation_tokens_total"], sums["sglang:num_running_reqs"])
-
-
-def http_get(url: str, timeout_s: float, read_limit: int = 0) -> tuple[int, bytes]:
-    """GET the URL: (status, up to read_limit bytes of body). Plain http.client: a probe every
-    few seconds per engine is the daemon's main cost, and requests costs several times more CPU
-    per call. Bounded by MAX_CONNECT_S to connect plus timeout_s without a byte; raises
-    OSError / http.client.HTTPException."""
-    parts = urlsplit(url)
-    connection = (http.client.HTTPSConnection if parts.scheme == "https"
-                  else http.client.HTTPConnection)
-    conn = connection(parts.hostname or "127.0.0.1", parts.port,
-                      timeout=min(timeout_s, MAX_CONNECT_S))
-    try:
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.settimeout(timeout_s)
-        conn.request("GET", parts.path or "/", headers={"Connection": "close"})
-        response = conn.getresponse()
-        return response.status, response.read(read_limit) if read_limit else b""
-    finally:
-        conn.close()
-
-
-def read_progress(url: str, timeout_s: float, limit: int = 4 * 1024 * 1024) -> Progress | None:
-    """GET the engine's metrics (bounded in time and size); None if they say nothing."""
-    try:
-        status, body = http_get(url, timeout_s, limit)
-    except (OSError, http.client.HTTPException):
-        return None
-    return parse_progress(body.decode(errors="replace")) if status == 200 else None
-
-
-def http_get_ok(url: str, timeout_s: float) -> tuple[bool, str]:
-    """The deep probe: (True, "HTTP 200") for a 200, else (False, why)."""
-    try:
-        status, _ = http_get(url, timeout_s)
-        return status == 200, f"HTTP {status}"
-    except TimeoutError:
-        return False, f"no answer within {timeout_s:g} s"
-    except ConnectionRefusedError:
-        return False, "connection refused"
-    except (OSError, http.client.HTTPException) as exc:
-        return False, f"probe error: {exc!s:.200}"
