@@ -5,7 +5,8 @@ wake-up pipe the loop polls.
 One deadline bounds a whole probe (connect, request, status line, and the progress GET before
 it): each read waits only for what is left of it, and `expire`, which the loop calls, shuts down
 the socket of a probe past its deadline, so a read blocked on an engine that trickles bytes
-returns at once. A probe then reports "no answer within N s" and its thread ends.
+returns at once. A probe then reports "no answer within N s" and its thread ends. (Resolving a
+host name is the one step nothing can cut short; its probe stays in flight until it returns.)
 
 Each probe runs on a thread of its own rather than on a fixed pool: an engine has at most one
 probe in flight (`submit` refuses a second), so the threads never outnumber the engines, and no
@@ -138,7 +139,8 @@ class ProbeRunner:
                        default=None)
 
     def expire(self, now: float) -> None:
-        """Abort the probes past their deadline (cheap: no I/O but a shutdown per probe)."""
+        """Abort the probes past their deadline at `now` (time.monotonic()); cheap: no I/O but
+        a shutdown per probe."""
         with self._lock:
             for flight in self._flights.values():
                 if not flight.expired and now >= flight.deadline:
