@@ -203,3 +203,10 @@ def pid_gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def run_command(daemon: Any, name: str, **args: Any) -> Any:
+    """A control command run in-process against a Daemon, as the control socket would."""
+    from rollout_watchdog.watchdog.commands import dispatch
+
+    return dispatch(daemon.supervisor, name, args)

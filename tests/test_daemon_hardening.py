@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import run_command
 from test_daemon_regressions import cleanup, make_daemon, record, write_state
 
 from rollout_watchdog.emulator.testing import free_port, wait_until
@@ -29,10 +30,9 @@ def drive(daemon: Any, until: Any, timeout: float = 5.0) -> None:
     while not until() and time.monotonic() < deadline:
         now = time.monotonic()
         for engine in list(daemon.engines.values()):
-            daemon._tick(engine, now)
-        for fd, (engine_id, key) in list(daemon.pidfds.items()):
-            if not is_alive(key):
-                daemon._on_exit(engine_id, key, fd)
+            daemon.supervisor.tick(engine, now)
+        daemon.tracker.handle({fd for fd, (_, key) in daemon.tracker.pidfds.items()
+                               if not is_alive(key)})
         time.sleep(0.02)
 
 
@@ -55,11 +55,11 @@ def test_group_member_born_after_the_last_sweep_is_killed_when_main_exits(
     engine = daemon.engines["e0"]
     pgid = None
     try:
-        daemon._launch(engine, Cause.LAUNCHED)
+        daemon.supervisor.launch(engine, Cause.LAUNCHED)
         assert engine.main is not None
         pgid = engine.main.pid
         engine.popen.wait()                       # main exited (code 3); no sweep ran
-        daemon._process_gone(engine, engine.main)
+        daemon.supervisor.process_gone(engine, engine.main)
         drive(daemon, lambda: engine.kill is None)
         assert engine.state == S.BACKOFF
         wait_until(lambda: not group_members(pgid), 2,
@@ -100,7 +100,7 @@ def test_adopting_an_external_engine_that_was_being_stopped_keeps_stopping_it(
     daemon = make_daemon(tmp_path, engines=[],
                          restart={"grace_s": 0.3, "kill_timeout_s": 1.0})
     try:
-        daemon._adopt_or_launch()
+        daemon.adopt_or_launch()
         engine = daemon.engines["x"]
         drive(daemon, lambda: engine.kill is None and not engine.state.running, timeout=3.0)
         assert engine.state == S.STOPPED, f"adopted as {engine.state}: the stop was dropped"
@@ -123,7 +123,7 @@ def test_adopting_an_external_engine_keeps_its_pause(
                                                "source": "coordinator"})})
     daemon = make_daemon(tmp_path, engines=[])
     try:
-        daemon._adopt_or_launch()
+        daemon.adopt_or_launch()
         engine = daemon.engines["x"]
         assert engine.paused is not None, "pause of the external engine lost on adoption"
         assert not engine.probing
@@ -226,11 +226,13 @@ def test_registered_engines_are_not_starved_of_probe_threads(tmp_path: Path) -> 
     daemon = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
     try:
         for i, s in enumerate(hung):
-            daemon.register(f"h{i}", f"http://127.0.0.1:{s.getsockname()[1]}", procs[i].pid)
-        daemon.register("ok", f"http://127.0.0.1:{good.server_address[1]}", procs[8].pid)
+            run_command(daemon, "register", engine=f"h{i}",
+                        url=f"http://127.0.0.1:{s.getsockname()[1]}", pid=procs[i].pid)
+        run_command(daemon, "register", engine="ok",
+                    url=f"http://127.0.0.1:{good.server_address[1]}", pid=procs[8].pid)
         ok = daemon.engines["ok"]
         verdicts: list[str] = []
-        real = daemon._judge_probe
+        real = daemon.supervisor.judge_probe
 
         def spy(engine: Any, result: Any) -> None:
             if engine.id == "ok" and result.probe_id == engine.probe_id \
@@ -238,15 +240,15 @@ def test_registered_engines_are_not_starved_of_probe_threads(tmp_path: Path) -> 
                 verdicts.append(result.detail)
             real(engine, result)
 
-        daemon._judge_probe = spy  # type: ignore[method-assign]
+        daemon.supervisor.judge_probe = spy  # type: ignore[method-assign]
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline:
             for result in daemon.probes.drain():
-                daemon._on_probe_result(result)
+                daemon.supervisor.on_probe_result(result)
             now = time.monotonic()
             for engine in list(daemon.engines.values()):
                 if engine.kill is None and engine.state.running:
-                    daemon._tick(engine, now)
+                    daemon.supervisor.tick(engine, now)
             time.sleep(0.02)
         assert ok.state in (S.STARTING, S.HEALTHY, S.SUSPECT)
         assert ok.state == S.HEALTHY and all(v == "HTTP 200" for v in verdicts), verdicts
@@ -275,7 +277,7 @@ def test_pid_1_is_never_an_engine_and_group_1_never_signalled(
     monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(("kill", pid, sig)))
     daemon = make_daemon(tmp_path, engines=[], restart={"grace_s": 0.0, "kill_timeout_s": 0.2})
     with pytest.raises(CommandError, match="init, this daemon or one of its ancestors"):
-        daemon.register("x", f"http://127.0.0.1:{free_port()}", 1)
+        run_command(daemon, "register", engine="x", url=f"http://127.0.0.1:{free_port()}", pid=1)
     assert not process_mod.signal_group(1, signal.SIGKILL)  # and never kill(-1, ...) anyway
     assert not any(call[0] == "killpg" and call[1] <= 1 for call in sent), sent
     assert not any(call[1] == 1 for call in sent), sent
@@ -298,15 +300,16 @@ def test_deferred_restart_during_the_failure_cleanup_uses_the_budget(tmp_path: P
                                                  "kill_timeout_s": 2.0})
     engine = daemon.engines["e0"]
     try:
-        daemon._launch(engine, Cause.LAUNCHED)
+        daemon.supervisor.launch(engine, Cause.LAUNCHED)
         for _ in range(4):
             if engine.state == S.FAILED:
                 break
             time.sleep(0.2)
             # a fatal failure (a probe threshold, say) while the main process still runs
-            daemon._fail(engine, Cause.PROBE_FAILED, "injected", time.monotonic())
+            daemon.supervisor.fail(engine, Cause.PROBE_FAILED, "injected", time.monotonic())
             assert engine.kill is not None
-            daemon.restart("e0")           # the coordinator's restart, during the cleanup
+            # the coordinator's restart, during the cleanup
+            run_command(daemon, "restart", engine="e0")
             drive(daemon, lambda: engine.kill is None)
         assert engine.state == S.FAILED, (
             f"{engine.incarnation} incarnations, restarts {engine.restarts}, budget 1")
@@ -324,12 +327,12 @@ def test_a_commanded_stop_reaches_children_forked_after_the_last_sweep(tmp_path:
     engine = daemon.engines["e0"]
     pgid = None
     try:
-        daemon._launch(engine, Cause.LAUNCHED)
+        daemon.supervisor.launch(engine, Cause.LAUNCHED)
         assert engine.main is not None
         pgid = engine.main.pid
         wait_until(lambda: len(group_members(pgid)) >= 2, 5, what="the forked child")
         engine.state = S.HEALTHY
-        daemon.stop("e0")
+        run_command(daemon, "stop", engine="e0")
         drive(daemon, lambda: engine.kill is None)
         assert engine.state == S.STOPPED
         assert not group_members(pgid), "a child that ignored SIGTERM outlived the stop"

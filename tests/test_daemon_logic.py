@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from daemon_harness import run_command
 
 from rollout_watchdog.config import parse_config
 from rollout_watchdog.watchdog.daemon import Daemon
@@ -44,13 +45,13 @@ def healthy(daemon: Daemon) -> EngineRuntime:
 def test_pause_is_acknowledged_only_after_the_inflight_probe(tmp_path: Path) -> None:
     daemon = make_daemon(tmp_path)
     engine = healthy(daemon)
-    daemon._start_probe = lambda e, now: None  # type: ignore[method-assign]
+    daemon.supervisor.start_probe = lambda e, now: None  # type: ignore[method-assign]
     engine.probe_id, engine.probe_started = 7, time.monotonic()
     engine.probes_out.add(7)
-    deferred = daemon.pause(["e0"], 60.0)
+    deferred = run_command(daemon, "pause", engine="e0", deadline_s=60.0)
     assert deferred.poll() is None            # a probe is still out: no acknowledgement yet
     assert not engine.probing                 # but no new probe will start
-    daemon._on_probe_result(ProbeResult("e0", 7, True, "HTTP 200", 0.0, 0.1))
+    daemon.supervisor.on_probe_result(ProbeResult("e0", 7, True, "HTTP 200", 0.0, 0.1))
     result = deferred.poll()
     assert result is not None and result["paused"] == ["e0"]
 
@@ -59,13 +60,13 @@ def test_late_probe_result_of_an_abandoned_probe_is_ignored(tmp_path: Path) -> N
     daemon = make_daemon(tmp_path)
     engine = healthy(daemon)
     engine.probe_id, engine.probe_started = 3, time.monotonic()
-    daemon._on_probe_result(ProbeResult("e0", 2, False, "late", 0.0, 0.1))
+    daemon.supervisor.on_probe_result(ProbeResult("e0", 2, False, "late", 0.0, 0.1))
     assert engine.state == EngineState.HEALTHY and engine.probe_failures == 0
 
 
 def kill_without_processes(daemon: Daemon, engine: EngineRuntime) -> None:
     """Drive the kill sequence of an engine whose processes are already gone."""
-    daemon._start_kill(engine, Cause.EXITED, "test", AfterKill.RECOVER)
+    daemon.supervisor.start_kill(engine, Cause.EXITED, "test", AfterKill.RECOVER)
 
 
 def test_gpu_still_held_blocks_relaunch_then_marks_failed(tmp_path: Path) -> None:
@@ -75,7 +76,7 @@ def test_gpu_still_held_blocks_relaunch_then_marks_failed(tmp_path: Path) -> Non
     assert engine.state == EngineState.STOPPING
     assert engine.kill is not None and engine.kill.problems == [
         "GPU 0 still has compute process(es) [4242]"]
-    daemon._advance_kill(engine, time.monotonic() + 2.0)   # past release_timeout_s
+    daemon.supervisor.advance_kill(engine, time.monotonic() + 2.0)   # past release_timeout_s
     assert engine.state == EngineState.FAILED
     assert engine.last_failure is not None
     assert engine.last_failure.cause == Cause.GPU_NOT_RELEASED
@@ -87,7 +88,7 @@ def test_gpu_released_in_time_lets_the_engine_recover(tmp_path: Path) -> None:
     engine = healthy(daemon)
     kill_without_processes(daemon, engine)
     gpus.holders = {}
-    daemon._advance_kill(engine, time.monotonic() + 0.5)
+    daemon.supervisor.advance_kill(engine, time.monotonic() + 0.5)
     assert engine.state == EngineState.BACKOFF and engine.restarts == 1
 
 

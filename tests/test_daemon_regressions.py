@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 import zmq
+from daemon_harness import run_command
 
 from rollout_watchdog.config import parse_config
 from rollout_watchdog.emulator.testing import free_port, wait_until
-from rollout_watchdog.watchdog import daemon as daemon_mod
 from rollout_watchdog.watchdog.commands import CommandError
 from rollout_watchdog.watchdog.daemon import Daemon
-from rollout_watchdog.watchdog.process import is_alive, proc_key
+from rollout_watchdog.watchdog.node import node_daemon
+from rollout_watchdog.watchdog.process import ProcessOps, ProcStat, is_alive, proc_key
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 from rollout_watchdog.watchdog.states import Cause, EngineState
 
@@ -42,7 +43,7 @@ def make_daemon(tmp_path: Path, engines: list[dict[str, Any]] | None = None,
                            "restart": {"release_timeout_s": 1.0, "backoff_initial_s": 1.0,
                                        **(restart or {})},
                            "engine": engines})
-    return Daemon(config, inspector=NoGpus(), rng=random.Random(0))
+    return node_daemon(config, inspector=NoGpus(), rng=random.Random(0))
 
 
 def cleanup(daemon: Daemon) -> None:
@@ -62,7 +63,7 @@ def live(tmp_path: Path) -> Iterator[tuple[Daemon, zmq.Socket]]:
     """A daemon with its control socket bound (no engines launched) and a DEALER client."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
     daemon = make_daemon(tmp_path)
-    daemon._setup()
+    daemon.setup()
     client = zmq.Context.instance().socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
     client.connect(daemon.config.control)
@@ -71,7 +72,7 @@ def live(tmp_path: Path) -> Iterator[tuple[Daemon, zmq.Socket]]:
     finally:
         client.close()
         cleanup(daemon)
-        daemon._teardown()
+        daemon.teardown()
         for s, h in saved.items():
             signal.signal(s, h)
 
@@ -110,7 +111,8 @@ def test_pause_then_unregister_in_one_batch_does_not_crash_the_loop(
     daemon, client = live
     ext = subprocess.Popen(["sleep", "100"])
     try:
-        daemon.register("x", f"http://127.0.0.1:{free_port()}", ext.pid)
+        run_command(daemon, "register", engine="x", url=f"http://127.0.0.1:{free_port()}",
+                    pid=ext.pid)
         replies = send_and_step(
             daemon, client,
             b'{"v": 1, "id": 1, "cmd": "pause", "args": {"engine": "x"}}',
@@ -156,7 +158,7 @@ def test_adopting_a_commanded_restart_whose_processes_are_gone(tmp_path: Path) -
                                         kill_after="restart")})
     daemon = make_daemon(tmp_path)
     try:
-        daemon._adopt_or_launch()
+        daemon.adopt_or_launch()
         assert daemon.engines["e0"].state == S.STARTING
         assert daemon.engines["e0"].incarnation == 4
     finally:
@@ -171,7 +173,7 @@ def test_adopting_with_zero_backoff_and_a_dead_engine(tmp_path: Path) -> None:
     write_state(tmp_path, {"e0": rec})
     daemon = make_daemon(tmp_path, restart={"backoff_initial_s": 0.0})
     try:
-        daemon._adopt_or_launch()
+        daemon.adopt_or_launch()
         assert daemon.engines["e0"].state == S.STARTING
     finally:
         cleanup(daemon)
@@ -184,7 +186,7 @@ def test_unknown_kill_cause_in_the_state_file_does_not_crash_startup(tmp_path: P
                                         kill_after="recover")})
     daemon = make_daemon(tmp_path)
     try:
-        daemon._adopt_or_launch()
+        daemon.adopt_or_launch()
     finally:
         cleanup(daemon)
 
@@ -201,11 +203,11 @@ def test_stale_state_after_reboot_never_signals_a_reused_pid_group(tmp_path: Pat
         write_state(tmp_path, {"e0": record(stale, "healthy")})
         daemon = make_daemon(tmp_path, restart={"grace_s": 0.5})
         try:
-            daemon._adopt_or_launch()
+            daemon.adopt_or_launch()
             engine = daemon.engines["e0"]
             for _ in range(3):
                 if engine.kill is not None:
-                    daemon._advance_kill(engine, time.monotonic() + 5.0)
+                    daemon.supervisor.advance_kill(engine, time.monotonic() + 5.0)
             time.sleep(0.2)
             assert victim.poll() is None, f"unrelated process group killed ({victim.poll()})"
         finally:
@@ -225,14 +227,14 @@ def test_engine_removed_from_config_is_not_left_running_unsupervised(tmp_path: P
         write_state(tmp_path, {"old": record(key.to_json(), "healthy")})
         daemon = make_daemon(tmp_path)
         try:
-            daemon._adopt_or_launch()
+            daemon.adopt_or_launch()
             assert any(e.engine == "old" and e.kind == "removed_from_config"
                        for _, e in daemon.events.since(0))
 
             def stopped() -> bool:
                 for engine in list(daemon.engines.values()):
                     if engine.kill is not None:
-                        daemon._advance_kill(engine, time.monotonic() + 60.0)
+                        daemon.supervisor.advance_kill(engine, time.monotonic() + 60.0)
                 return old.poll() is not None
 
             wait_until(stopped, 10, what="the removed engine to be stopped")
@@ -250,7 +252,7 @@ def crash(daemon: Daemon, engine_id: str) -> None:
     assert engine.popen is not None and engine.main is not None
     engine.popen.kill()
     engine.popen.wait()
-    daemon._process_gone(engine, engine.main)
+    daemon.supervisor.process_gone(engine, engine.main)
 
 
 def test_deferred_engine_that_crash_loops_exhausts_its_budget(tmp_path: Path) -> None:
@@ -262,13 +264,14 @@ def test_deferred_engine_that_crash_loops_exhausts_its_budget(tmp_path: Path) ->
         "restart_policy": "deferred"}], restart={"max_restarts": 2})
     engine = daemon.engines["e0"]
     try:
-        daemon._launch(engine, Cause.LAUNCHED)
+        daemon.supervisor.launch(engine, Cause.LAUNCHED)
         for _ in range(6):
             crash(daemon, "e0")
             if engine.state == S.FAILED:
                 break
             assert engine.state == S.BACKOFF and engine.deferred_waiting
-            daemon.restart("e0")     # what the coordinator does at the next refit
+            # what the coordinator does at the next refit
+            run_command(daemon, "restart", engine="e0")
         assert engine.state == S.FAILED, (
             f"incarnation {engine.incarnation}, restarts {engine.restarts}")
     finally:
@@ -284,12 +287,12 @@ def test_shutdown_does_not_spin_on_a_stale_backoff_timer(tmp_path: Path) -> None
     engine.state = S.BACKOFF
     engine.backoff_until = time.monotonic() + 0.01
     daemon.shutdown_requested = "stop"
-    daemon._begin_shutdown()
+    daemon.begin_shutdown()
     assert engine.state == S.STOPPED
     time.sleep(0.05)
     now = time.monotonic()
-    daemon._tick(engine, now)
-    assert daemon._next_deadline(now) > now
+    daemon.supervisor.tick(engine, now)
+    assert daemon.next_deadline(now) > now
 
 
 # ---------------------------------------------------------------- 3. external engines
@@ -307,16 +310,18 @@ def test_register_does_not_abandon_the_kill_of_the_previous_external_engine(
     other = subprocess.Popen(["sleep", "100"])
     daemon = make_daemon(tmp_path, restart={"grace_s": 0.5, "kill_timeout_s": 1.0})
     try:
-        daemon.register("x", f"http://127.0.0.1:{free_port()}", stubborn.pid)
-        daemon.stop("x")
+        run_command(daemon, "register", engine="x", url=f"http://127.0.0.1:{free_port()}",
+                    pid=stubborn.pid)
+        run_command(daemon, "stop", engine="x")
         assert daemon.engines["x"].state == S.STOPPING
         with pytest.raises(CommandError, match="being stopped"):
-            daemon.register("x", f"http://127.0.0.1:{free_port()}", other.pid)
+            run_command(daemon, "register", engine="x", url=f"http://127.0.0.1:{free_port()}",
+                        pid=other.pid)
 
         def killed() -> bool:
             engine = daemon.engines["x"]
             if engine.kill is not None:
-                daemon._advance_kill(engine, time.monotonic() + 5.0)
+                daemon.supervisor.advance_kill(engine, time.monotonic() + 5.0)
             return stubborn.poll() is not None
 
         wait_until(killed, 10, what="the SIGTERM-ignoring process to be SIGKILLed")
@@ -329,8 +334,7 @@ def test_register_does_not_abandon_the_kill_of_the_previous_external_engine(
 # ---------------------------------------------------------------- 5. performance
 
 
-def test_one_process_table_scan_per_liveness_interval(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_process_table_scan_per_liveness_interval(tmp_path: Path) -> None:
     """Engines relaunched at different times must not each get their own sweep: one scan of
     the process table per liveness interval serves them all."""
     engines = [{"id": f"e{i}", "url": f"http://127.0.0.1:{free_port()}",
@@ -338,14 +342,18 @@ def test_one_process_table_scan_per_liveness_interval(tmp_path: Path,
     config = parse_config({"state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
                            "probe": {"liveness_interval_s": 0.2}, "engine": engines})
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)}
-    daemon = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
     scans: list[int] = []
-    real = daemon_mod.process_table
-    monkeypatch.setattr(daemon_mod, "process_table", lambda: scans.append(1) or real())
-    daemon._setup()
+
+    class CountingOps(ProcessOps):
+        def process_table(self) -> dict[int, ProcStat]:  # type: ignore[override]
+            scans.append(1)
+            return super().process_table()
+
+    daemon = Daemon(config, inspector=NoGpus(), rng=random.Random(0), ops=CountingOps())
+    daemon.setup()
     try:
         for engine in daemon.engines.values():
-            daemon._launch(engine, Cause.LAUNCHED)
+            daemon.supervisor.launch(engine, Cause.LAUNCHED)
             time.sleep(0.03)  # launched at different times, as after relaunches
         scans.clear()
         started = time.monotonic()
@@ -355,7 +363,7 @@ def test_one_process_table_scan_per_liveness_interval(tmp_path: Path,
         assert len(scans) <= 2.0 / 0.2 + 5, f"{len(scans)} process-table scans in 2 s"
     finally:
         cleanup(daemon)
-        daemon._teardown()
+        daemon.teardown()
         for s, h in saved.items():
             signal.signal(s, h)
 
@@ -365,11 +373,11 @@ def test_a_signal_late_in_a_step_still_stops_the_engines(tmp_path: Path) -> None
     (no kill started yet) and exit leaving every engine running."""
     daemon = make_daemon(tmp_path)
     engine = daemon.engines["e0"]
-    daemon._launch(engine, Cause.LAUNCHED)
+    daemon.supervisor.launch(engine, Cause.LAUNCHED)
     try:
         daemon.shutdown_requested = "stop"      # what the signal handler does
-        assert not daemon._finished()
-        daemon._begin_shutdown()
+        assert not daemon.finished()
+        daemon.begin_shutdown()
         assert engine.state in (S.STOPPING, S.STOPPED)  # the kill began (or is already done)
     finally:
         cleanup(daemon)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_watchdog.watchdog.engine import AfterKill, Failure, Pause
+from rollout_watchdog.watchdog.engine import AfterKill, Failure
 from rollout_watchdog.watchdog.events import Event, EventLog
 from rollout_watchdog.watchdog.process import ProcKey
 from rollout_watchdog.watchdog.statefile import (
@@ -28,7 +28,7 @@ def full_record() -> EngineRecord:
         state=EngineState.STOPPING, incarnation=7, state_since=1.5, restarts=2,
         relaunch_times=[10.0, 20.0], consecutive_failures=1, main=main,
         procs={main: True, ProcKey(1240, 1700000001.0): False}, launched_at=3.0,
-        paused=Pause(99.0, "coordinator"), last_failure=Failure(Cause.EXITED, "boom", 4.0),
+        paused=99.0, last_failure=Failure(Cause.EXITED, "boom", 4.0),
         deferred_waiting=False, kill_cause=Cause.PROBE_FAILED, kill_after=AfterKill.RESTART,
         external=False, url="http://127.0.0.1:30000")
 

@@ -28,7 +28,7 @@ def _doc(name: str) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rollout_watchdog.logs import setup_logging
-    from rollout_watchdog.watchdog.daemon import Daemon
+    from rollout_watchdog.watchdog.node import node_daemon
 
     setup_logging(args.log_level, args.log_format)
     try:
@@ -41,7 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         config = replace(config, control=args.control)
     try:
-        return Daemon(config).run()
+        return node_daemon(config).run()
     except (RuntimeError, OSError) as exc:
         # the control socket taken by another daemon, an unwritable state_dir, a metrics port
         # in use: the operator's to fix, so a message rather than a traceback

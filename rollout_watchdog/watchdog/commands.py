@@ -1,5 +1,9 @@
-"""Control commands of the node daemon. Each handler's docstring is both its wire spec and the
-help text of the matching CLI command.
+"""The command table of the node daemon, and the commands' implementations. Each handler's
+docstring is both its wire spec and the help text of the matching CLI command.
+
+Every transport (the local control socket, the agent) dispatches here, so remote commands run
+through exactly the paths of local ones. The commands see the node through the `Node`
+protocol; the core never imports this module.
 
 Wire format (ZMQ, JSON, one frame): request `{"v": 1, "id": ANY, "cmd": NAME, "args": {...}}`,
 reply `{"v": 1, "id": ANY, "status": "ok"|"error", "reason": str|null, "result": ...}`.
@@ -8,21 +12,58 @@ reply `{"v": 1, "id": ANY, "status": "ok"|"error", "reason": str|null, "result":
 from __future__ import annotations
 
 import math
-import time
+import os
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from rollout_watchdog.config import url_port
-from rollout_watchdog.watchdog.control import CommandError, Deferred
+from rollout_watchdog.config import EngineConfig, url_port
+from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
+from rollout_watchdog.watchdog.events import EventLog
+from rollout_watchdog.watchdog.process import ProcessOps
+from rollout_watchdog.watchdog.replies import CommandError, Deferred
+from rollout_watchdog.watchdog.states import Cause, EngineState
+from rollout_watchdog.watchdog.timers import PROBE_SLACK_S
 
-if TYPE_CHECKING:
-    from rollout_watchdog.watchdog.daemon import Daemon
-
-Handler = Callable[["Daemon", dict[str, Any]], "dict[str, Any] | Deferred"]
-COMMANDS: dict[str, Handler] = {}
+S = EngineState
 MAX_EVENTS_WAIT_S = 30.0
 DEFAULT_PAUSE_S = 600.0
 MAX_PAUSE_S = 86400.0
+# Commands that would bring an engine (back) up: refused while the daemon is stopping.
+REFUSED_WHILE_STOPPING = frozenset({"restart", "reset", "register"})
+_ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class Node(Protocol):
+    """What the commands need of the node: the supervisor, seen from the command layer."""
+
+    node_id: str
+    boot_id: str
+    engines: dict[str, EngineRuntime]
+    events: EventLog
+    stopping: bool
+    dirty: bool
+    clock: Clock
+    ops: ProcessOps
+
+    def status(self) -> dict[str, Any]: ...
+    def emit(self, engine: EngineRuntime | None, kind: str, **fields: Any) -> None: ...
+    def transition(self, engine: EngineRuntime, new: EngineState, cause: Cause,
+                   detail: str, **extra: Any) -> None: ...
+    def launch(self, engine: EngineRuntime, cause: Cause) -> None: ...
+    def start_kill(self, engine: EngineRuntime, cause: Cause, detail: str,
+                   after: AfterKill, **extra: Any) -> None: ...
+    def fail_if_budget_spent(self, engine: EngineRuntime, cause: Cause) -> bool: ...
+    def count_relaunch(self, engine: EngineRuntime, cause: Cause, at: float) -> None: ...
+    def release_problems(self, engine: EngineRuntime) -> list[str]: ...
+    def forget(self, engine: EngineRuntime, kind: str, detail: str) -> None: ...
+    def unconfigured_engine(self, engine_id: str, url: str) -> EngineConfig: ...
+    def track(self, engine: EngineRuntime) -> None: ...
+
+
+Handler = Callable[[Node, dict[str, Any]], "dict[str, Any] | Deferred"]
+COMMANDS: dict[str, Handler] = {}
 
 
 def command(name: str) -> Callable[[Handler], Handler]:
@@ -32,24 +73,39 @@ def command(name: str) -> Callable[[Handler], Handler]:
     return register
 
 
-def dispatch(daemon: Daemon, name: str, args: dict[str, Any]) -> dict[str, Any] | Deferred:
+def dispatch(node: Node, name: str, args: dict[str, Any]) -> dict[str, Any] | Deferred:
+    """Run one command: the one entry point of every transport (control socket, agent)."""
     handler = COMMANDS.get(name)
     if handler is None:
         raise CommandError(f"unknown command {name!r} (commands: {', '.join(sorted(COMMANDS))})")
-    return handler(daemon, args)
+    if node.stopping and name in REFUSED_WHILE_STOPPING:
+        raise CommandError("the daemon is stopping")
+    return handler(node, args)
 
 
-def engine_ids(daemon: Daemon, args: dict[str, Any]) -> list[str]:
+def dispatcher(node: Node) -> Callable[[str, dict[str, Any]], dict[str, Any] | Deferred]:
+    return lambda name, args: dispatch(node, name, args)
+
+
+def engine_ids(node: Node, args: dict[str, Any]) -> list[str]:
     """The engines a command names: `engine` (one id) or `all: true`."""
-    if args.get("all"):
-        return list(daemon.engines)
+    every = args.get("all")
+    if every not in (None, False, True):
+        raise CommandError(f"'all' must be true or false, got {str(every)[:40]!r}")
+    if every is True:
+        return list(node.engines)
     engine = args.get("engine")
     if not isinstance(engine, str):
         raise CommandError("name an engine ('engine') or all engines ('all': true)")
-    if engine not in daemon.engines:
-        known = ", ".join(daemon.engines) or "none"
-        raise CommandError(f"no engine {engine!r} on this node (engines: {known})")
+    if engine not in node.engines:
+        known = ", ".join(node.engines) or "none"
+        raise CommandError(f"no engine {engine!r:.80} on this node (engines: {known})")
     return [engine]
+
+
+def one_engine(node: Node, args: dict[str, Any]) -> EngineRuntime:
+    (engine_id,) = engine_ids(node, {"engine": args.get("engine")})
+    return node.engines[engine_id]
 
 
 def _number(args: dict[str, Any], key: str, default: float) -> float:
@@ -65,50 +121,57 @@ def _number(args: dict[str, Any], key: str, default: float) -> float:
 
 
 @command("status")
-def status(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
+def status(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Show every engine: state, pause, pid, incarnation, restarts, last failure.
 
     args: {}. result: {"node_id", "boot_id", "engines": [{"id", "state", "paused", "pid",
     "incarnation", "restarts", "url", "last_failure": {"cause", "detail", "ts"} | null, ...}]}
     """
-    return daemon.status()
+    return node.status()
 
 
 @command("events")
-def events(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any] | Deferred:
+def events(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
     """Follow the event stream (long poll).
 
     args: {"since": SEQ (default 0), "boot": BOOT_ID or null, "wait_s": S (default 5, max 30)}.
     result: {"boot": BOOT_ID, "next": SEQ, "events": [EVENT, ...]}; answers as soon as there is
     an event after SEQ, or with no events after wait_s. A `boot` that is not this daemon's (it
-    restarted) starts from its first event.
+    restarted) starts from its first event. A follower so far behind that events were dropped
+    from memory first gets an event of kind "gap" that says how many.
     """
     since = int(_number(args, "since", 0))
-    if args.get("boot") not in (None, daemon.boot_id):
+    if args.get("boot") not in (None, node.boot_id):
         since = 0
     wait_s = min(_number(args, "wait_s", 5.0), MAX_EVENTS_WAIT_S)
 
     def ready() -> dict[str, Any] | None:
-        found = daemon.events.since(since)
+        found = node.events.since(since)
         if not found:
             return None
-        return {"boot": daemon.boot_id, "next": found[-1][0],
-                "events": [e.to_json() for _, e in found]}
+        out = [e.to_json() for _, e in found]
+        lost = found[0][0] - since - 1
+        if lost > 0:
+            out.insert(0, {"ts": found[0][1].ts, "node_id": node.node_id, "engine": None,
+                           "incarnation": None, "kind": "gap", "from": None, "to": None,
+                           "cause": None, "detail": f"{lost} event(s) lost: this follower fell "
+                           "behind the daemon's in-memory log (see events.jsonl)"})
+        return {"boot": node.boot_id, "next": found[-1][0], "events": out}
 
     def empty() -> dict[str, Any]:
-        return {"boot": daemon.boot_id, "next": since, "events": []}
+        return {"boot": node.boot_id, "next": since, "events": []}
 
-    return ready() or Deferred(ready, time.monotonic() + wait_s, empty)
+    return ready() or Deferred(ready, node.clock.monotonic() + wait_s, empty)
 
 
 @command("pause")
-def pause(daemon: Daemon, args: dict[str, Any]) -> Deferred:
+def pause(node: Node, args: dict[str, Any]) -> Deferred:
     """Pause deep probes of ENGINE (or all) until resumed or until the deadline passes.
 
     args: {"engine": ID} or {"all": true}, optional "deadline_s" (default 600), optional
     "wait_s": how long to wait for in-flight probes before answering with an error (the pause
-    stays recorded). Answered only once no probe of those engines is in flight. Liveness is
-    never paused.
+    stays recorded). Answered only once no probe of those engines is in flight, so no probe
+    can overlap a release_memory_occupation that follows. Liveness is never paused.
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
     deadline_s = _number(args, "deadline_s", DEFAULT_PAUSE_S)
@@ -116,80 +179,223 @@ def pause(daemon: Daemon, args: dict[str, Any]) -> Deferred:
         raise CommandError(f"the pause deadline must be more than 0 and at most "
                            f"{MAX_PAUSE_S:g} s (probing must come back), got {deadline_s:g}")
     wait_s = _number(args, "wait_s", 0.0) if "wait_s" in args else None
-    return daemon.pause(engine_ids(daemon, args), deadline_s, wait_s,
-                        str(args.get("source", "local")))
+    ids = engine_ids(node, args)
+    clock = node.clock
+    deadline = clock.wall() + deadline_s
+    for engine_id in ids:
+        engine = node.engines[engine_id]
+        fresh = engine.paused is None
+        engine.paused = Pause(deadline, clock.monotonic() + deadline_s)
+        engine.progress_tokens = None  # paused generation is not a stall
+        if fresh:
+            node.emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s")
+    node.dirty = True
+
+    def inflight() -> list[str]:
+        return [i for i in ids if (e := node.engines.get(i)) is not None and e.probes_out]
+
+    def ready() -> dict[str, Any] | None:
+        return None if inflight() else {"paused": ids, "deadline": deadline}
+
+    def late() -> dict[str, Any]:
+        raise CommandError(f"pause recorded, but probes of {', '.join(inflight())} are "
+                           "still in flight; ask again to wait for them")
+
+    if wait_s is None:
+        wait_s = max((node.engines[i].cfg.probe.health_timeout_s for i in ids), default=0.0)
+        wait_s += PROBE_SLACK_S  # every probe ends at its deadline
+    return Deferred(ready, clock.monotonic() + wait_s, late)
 
 
 @command("resume")
-def resume(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
+def resume(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Resume deep probes of ENGINE (or all).
 
     args: {"engine": ID} or {"all": true}. result: {"resumed": [ID, ...]}
     """
-    return {"resumed": daemon.resume(engine_ids(daemon, args))}
+    resumed = []
+    for engine_id in engine_ids(node, args):
+        engine = node.engines[engine_id]
+        if engine.paused is not None:
+            engine.paused = None
+            engine.next_probe = node.clock.monotonic()
+            node.emit(engine, "resumed", detail="deep probes resumed")
+            resumed.append(engine_id)
+    node.dirty = True
+    return {"resumed": resumed}
 
 
 @command("restart")
-def restart(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
+def restart(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Kill ENGINE (if running) and relaunch it at once; uses no restart budget.
 
     Also relaunches a `deferred` engine waiting after a failure, or a stopped one.
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """
-    (engine,) = engine_ids(daemon, {"engine": args.get("engine")})
-    return {"engine": engine, "action": daemon.restart(engine)}
+    engine = one_engine(node, args)
+    return {"engine": engine.id, "action": _restart(node, engine)}
+
+
+def _restart(node: Node, engine: EngineRuntime) -> str:
+    require_launchable(engine)
+    if engine.kill is not None:
+        if engine.kill.after == AfterKill.RECOVER:
+            # It follows a failure: relaunched at once but within the restart budget.
+            engine.restart_requested = True
+        else:
+            engine.kill.after = AfterKill.RESTART
+        return "relaunch after the kill in progress"
+    if engine.state.running:
+        node.start_kill(engine, Cause.COMMANDED, "restart commanded", AfterKill.RESTART)
+        return "killing, then relaunching"
+    require_released(node, engine)
+    if engine.deferred_waiting:
+        # The relaunch a deferred engine waited for: it follows a failure, so it uses the
+        # restart budget (a crash-looping colocated engine must end in `failed` too).
+        cause = engine.last_failure.cause if engine.last_failure else Cause.COMMANDED
+        if node.fail_if_budget_spent(engine, cause):
+            return "restart budget exhausted: failed; `reset` to try again"
+        node.count_relaunch(engine, cause, node.clock.wall())
+    node.launch(engine, Cause.COMMANDED)
+    return "relaunched"
+
+
+def require_launchable(engine: EngineRuntime) -> None:
+    if engine.external:
+        raise CommandError(f"engine {engine.id} is external: its owner relaunches it")
+    if not engine.cfg.command:
+        raise CommandError(f"engine {engine.id} is not in the config any more")
+
+
+def require_released(node: Node, engine: EngineRuntime) -> None:
+    """Before a commanded launch of an engine that is down: its ports and GPUs must be free
+    (a stop skips this check, as nothing was to be relaunched then)."""
+    problems = node.release_problems(engine)
+    if problems:
+        raise CommandError(f"engine {engine.id} not relaunched: " + "; ".join(problems))
 
 
 @command("stop")
-def stop(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
+def stop(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Kill ENGINE and keep it down until `restart` or `reset`.
 
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """
-    (engine,) = engine_ids(daemon, {"engine": args.get("engine")})
-    return {"engine": engine, "action": daemon.stop(engine)}
+    engine = one_engine(node, args)
+    action = "stopped"
+    if engine.kill is not None:
+        engine.kill.after = AfterKill.STOP
+        action = "stopping"
+    elif engine.state.running:
+        node.start_kill(engine, Cause.COMMANDED, "stop commanded", AfterKill.STOP)
+        action = "stopping"
+    elif engine.state in (S.BACKOFF, S.FAILED):
+        engine.backoff_until = None
+        engine.deferred_waiting = False
+        node.transition(engine, S.STOPPED, Cause.COMMANDED, "stop commanded")
+    return {"engine": engine.id, "action": action}
 
 
 @command("reset")
-def reset(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
+def reset(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Clear ENGINE's restart budget; a `failed` engine is relaunched.
 
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """
-    (engine,) = engine_ids(daemon, {"engine": args.get("engine")})
-    return {"engine": engine, "action": daemon.reset(engine)}
+    engine = one_engine(node, args)
+    engine.relaunch_times = []
+    engine.consecutive_failures = 0
+    node.dirty = True
+    if engine.state != S.FAILED:
+        return {"engine": engine.id,
+                "action": f"restart budget cleared (engine is {engine.state})"}
+    require_launchable(engine)
+    require_released(node, engine)
+    node.launch(engine, Cause.RESET)
+    return {"engine": engine.id, "action": "restart budget cleared; relaunched"}
 
 
 @command("register")
-def register(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
-    """Watch an engine started by someone else: probed and killed, never relaunched.
+def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
+    """Watch an engine started by someone else (a Ray actor): probed and killed like the
+    node's own, never relaunched.
 
     args: {"engine": ID, "url": URL, "pid": PID}. result: {"engine": ID, "action": TEXT}
     """
-    engine, url, pid = args.get("engine"), args.get("url"), args.get("pid")
-    if not isinstance(engine, str) or not engine:
-        raise CommandError("'engine' must be a non-empty string")
+    engine_id, url, pid = args.get("engine"), args.get("url"), args.get("pid")
+    if not isinstance(engine_id, str) or not _ENGINE_ID.fullmatch(engine_id):
+        raise CommandError(f"'engine' must be 1 to 64 letters, digits, '.', '_' or '-', "
+                           f"starting with a letter or digit; got {str(engine_id)[:80]!r}")
     if not isinstance(url, str) or url_port(url) is None:
         raise CommandError(f"'url' must be an http URL with a host and a valid port, got "
                            f"{str(url)[:80]!r}")
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         raise CommandError("'pid' must be a positive integer")
-    return {"engine": engine, "action": daemon.register(engine, url, pid)}
+    key = node.ops.proc_key(pid)
+    if key is None:
+        raise CommandError(f"no process with pid {pid}")
+    if node.ops.is_kernel_thread(pid):
+        raise CommandError(f"pid {pid} is a kernel thread: never an engine")
+    existing = node.engines.get(engine_id)
+    if existing is not None and not existing.external:
+        raise CommandError(f"engine {engine_id} is in the config; pick another id")
+    if existing is not None and existing.kill is not None:
+        raise CommandError(f"engine {engine_id} is being stopped; register it again once "
+                           "it is stopped")
+    if existing is not None and existing.state.running:
+        raise CommandError(f"engine {engine_id} is already registered ({existing.state}); "
+                           "unregister it first")
+    if key.pid in protected_pids(node.ops):
+        raise CommandError(f"pid {pid} is init, this daemon or one of its ancestors: "
+                           "never an engine")
+    for other in node.engines.values():
+        if other.id == engine_id:
+            continue
+        if key in other.procs and key not in other.dead:
+            raise CommandError(f"pid {pid} is already watched as part of engine {other.id}")
+        if url_port(url) in other.cfg.ports or url.rstrip("/") == other.cfg.url:
+            raise CommandError(f"{url} is engine {other.id}'s address")
+    now = node.clock.monotonic()
+    engine = EngineRuntime(cfg=node.unconfigured_engine(engine_id, url), external=True,
+                           incarnation=existing.incarnation + 1 if existing else 1,
+                           main=key, procs={key: True}, launched_at=now, next_probe=now)
+    node.engines[engine_id] = engine
+    node.transition(engine, S.STARTING, Cause.LAUNCHED, f"external pid {key.pid}")
+    node.track(engine)
+    return {"engine": engine_id, "action": f"registered, incarnation {engine.incarnation}"}
+
+
+def protected_pids(ops: ProcessOps) -> set[int]:
+    """Processes that must never be treated as an engine: killing one kills the node, or us."""
+    pids = {0, 1}
+    pid = os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        stat = ops.read_stat(pid)
+        pid = stat.ppid if stat else 0
+    return pids
 
 
 @command("unregister")
-def unregister(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
+def unregister(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Stop watching an external engine (it is not killed).
 
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """
-    engine = args.get("engine")
-    if not isinstance(engine, str):
+    engine_id = args.get("engine")
+    if not isinstance(engine_id, str):
         raise CommandError("'engine' must be a string")
-    return {"engine": engine, "action": daemon.unregister(engine)}
+    engine = node.engines.get(engine_id)
+    if engine is None or not engine.external:
+        raise CommandError(f"no external engine {engine_id!r:.80}")
+    if engine.kill is not None:
+        raise CommandError(f"engine {engine_id} is being killed; try again when it is "
+                           "stopped")
+    node.forget(engine, "unregistered", "no longer watched (not killed)")
+    return {"engine": engine_id, "action": "unregistered"}
 
 
 @command("ping")
-def ping(daemon: Daemon, args: dict[str, Any]) -> dict[str, Any]:
+def ping(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Check that the daemon answers. args: {}. result: {"node_id", "boot_id"}"""
-    return {"node_id": daemon.node_id, "boot_id": daemon.boot_id}
+    return {"node_id": node.node_id, "boot_id": node.boot_id}

@@ -3,8 +3,8 @@ replies, never blocking the main loop.
 
 Request `{"v": 1, "id": ANY, "cmd": NAME, "args": {...}}` (one frame from a DEALER, or a REQ
 envelope); reply `{"v": 1, "id": ANY, "status": "ok"|"error", "reason": str|null, "result": ...}`.
-A reply can wait for a condition (`Deferred`: a pause waits for in-flight probes, `events` for
-new events); replies are sent only when the daemon says so, after it has saved its state.
+Replies that wait for a condition are parked in the shared `PendingReplies`; every reply is
+sent only after the daemon has saved its state.
 """
 
 from __future__ import annotations
@@ -13,111 +13,58 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Container
 from typing import Any
 
 import zmq
+
+from rollout_watchdog.watchdog.replies import (
+    PROTOCOL_VERSION,
+    CommandError,
+    Deferred,
+    PendingReplies,
+    reply_body,
+)
 
 log = logging.getLogger(__name__)
 MAX_CONTROL_MESSAGE = 64 * 1024
 MAX_REQUESTS_PER_ROUND = 100  # so a flood of requests never starves the engines
 
 
-class CommandError(Exception):
-    """A control command that cannot be carried out; the message is the reply's reason."""
-
-
-@dataclass
-class Deferred:
-    """A reply that waits for a condition: `poll()` returns the result once it is ready."""
-
-    poll: Callable[[], dict[str, Any] | None]
-    deadline: float                       # monotonic
-    on_timeout: Callable[[], dict[str, Any]]
-
-
-@dataclass
-class _Parked:
-    envelope: list[bytes]
-    request_id: Any
-    deferred: Deferred
-
-
 Dispatch = Callable[[str, dict[str, Any]], "dict[str, Any] | Deferred"]
 
 
 class ControlServer:
+    """The local control socket as a loop participant: requests are dispatched to the command
+    table, and replies (immediate or parked) are sent after the daemon saved its state."""
+
     def __init__(self, ctx: zmq.Context, endpoint: str, dispatch: Dispatch,
                  on_bad_message: Callable[[str], None]) -> None:
         self.endpoint = endpoint
         self.socket = bind_control(ctx, endpoint)
         self._dispatch = dispatch
         self._on_bad_message = on_bad_message
-        self.parked: list[_Parked] = []
+        self.pending = PendingReplies()
         self._outbox: list[list[bytes]] = []
 
-    def serve(self) -> None:
-        """Handle the requests waiting on the socket (a bounded number of them)."""
-        for _ in range(MAX_REQUESTS_PER_ROUND):
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            envelope, payload = split_envelope(frames)
-            if envelope is None:
-                self._on_bad_message(f"malformed frames ({len(frames)} frames)")
-                continue
-            request_id = None
-            try:
-                request = decode_request(payload)
-                request_id = request.get("id")
-                result = self._dispatch(request["cmd"], request.get("args") or {})
-            except CommandError as exc:
-                self._reply(envelope, request_id, error=str(exc))
-            except ValueError as exc:
-                self._on_bad_message(str(exc))
-                self._reply(envelope, request_id, error=str(exc))
-            except Exception as exc:  # a bug in one command must not take the daemon down
-                log.exception("control command failed")
-                self._reply(envelope, request_id, error=f"internal error: {exc!r}")
-            else:
-                if isinstance(result, Deferred):
-                    self.parked.append(_Parked(envelope, request_id, result))
-                else:
-                    self._reply(envelope, request_id, result=result)
+    # the loop participant
 
-    def answer_parked(self, now: float) -> None:
-        still = []
-        for parked in self.parked:
-            try:
-                result = parked.deferred.poll()
-                if result is None and now >= parked.deferred.deadline:
-                    result = parked.deferred.on_timeout()
-            except CommandError as exc:
-                self._reply(parked.envelope, parked.request_id, error=str(exc))
-                continue
-            except Exception as exc:
-                log.exception("deferred control reply failed")
-                self._reply(parked.envelope, parked.request_id, error=f"internal error: {exc!r}")
-                continue
-            if result is None:
-                still.append(parked)
-            else:
-                self._reply(parked.envelope, parked.request_id, result=result)
-        self.parked = still
+    def pollables(self) -> list[zmq.Socket]:
+        return [self.socket]
+
+    def handle(self, ready: Container[Any]) -> None:
+        if self.socket in ready:
+            self.serve()
+
+    def tick(self, now: float) -> None:
+        self.pending.answer(now)
 
     def next_deadline(self) -> float | None:
-        return min((p.deferred.deadline for p in self.parked), default=None)
+        return self.pending.next_deadline()
 
-    def _reply(self, envelope: list[bytes], request_id: Any, *, result: Any = None,
-               error: str | None = None) -> None:
-        body = {"v": 1, "id": request_id, "status": "error" if error else "ok",
-                "reason": error, "result": result}
-        self._outbox.append([*envelope, json.dumps(body).encode()])
-
-    def flush(self) -> None:
-        """Send the replies made so far (the daemon calls this after saving its state)."""
+    def after_save(self) -> None:
+        """Send the replies made so far: after the save, an acknowledged command survives a
+        crash."""
         for frames in self._outbox:
             try:
                 self.socket.send_multipart(frames, zmq.NOBLOCK)
@@ -130,6 +77,44 @@ class ControlServer:
         path = ipc_path(self.endpoint)
         if path and os.path.exists(path):
             os.unlink(path)
+
+    # requests
+
+    def serve(self) -> None:
+        """Handle the requests waiting on the socket (a bounded number of them)."""
+        for _ in range(MAX_REQUESTS_PER_ROUND):
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            envelope, payload = split_envelope(frames)
+            if envelope is None:
+                self._on_bad_message(f"malformed frames ({len(frames)} frames)")
+                continue
+            send = self._sender(envelope)
+            request_id = None
+            try:
+                request = decode_request(payload)
+                request_id = request.get("id")
+                result = self._dispatch(request["cmd"], request.get("args") or {})
+            except CommandError as exc:
+                send(reply_body(request_id, error=str(exc)))
+            except ValueError as exc:
+                self._on_bad_message(str(exc))
+                send(reply_body(request_id, error=str(exc)))
+            except Exception as exc:  # a bug in one command must not take the daemon down
+                log.exception("control command failed")
+                send(reply_body(request_id, error=f"internal error: {exc!r}"))
+            else:
+                if isinstance(result, Deferred):
+                    self.pending.park(envelope[0], request_id, result, send)
+                else:
+                    send(reply_body(request_id, result=result))
+
+    def _sender(self, envelope: list[bytes]) -> Callable[[dict[str, Any]], None]:
+        def send(body: dict[str, Any]) -> None:
+            self._outbox.append([*envelope, json.dumps(body).encode()])
+        return send
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -193,9 +178,9 @@ def decode_request(payload: bytes) -> dict[str, Any]:
         raise ValueError(f"not a JSON request: {exc!s:.200}") from None
     if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
         raise ValueError("a request is a JSON object with a string 'cmd'")
-    if request.get("v", 1) != 1:
+    if request.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
         raise ValueError(f"unsupported protocol version {request.get('v')!r} (this daemon "
-                         "speaks 1)")
+                         f"speaks {PROTOCOL_VERSION})")
     if not isinstance(request.get("args", {}), dict):
         raise ValueError("'args' must be a JSON object")
     return request

@@ -41,8 +41,12 @@ class KillJob:
 
 @dataclass
 class Pause:
-    deadline: float                 # wall clock, so it survives a daemon restart
-    source: str = "local"
+    """Deep probes paused until `expires` (monotonic: a step of the wall clock neither ends a
+    pause early nor keeps it late); `deadline` is the same moment on the wall clock, for
+    display and for the state file."""
+
+    deadline: float                 # wall clock
+    expires: float                  # monotonic
 
 
 @dataclass

@@ -24,11 +24,16 @@ class Event:
     to: str | None = None
     cause: str | None = None
     detail: str | None = None
+    # Kind-specific fields beyond the contract's (a signal's name, a detection latency).
+    extra: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"ts": self.ts, "node_id": self.node_id, "engine": self.engine,
-                "incarnation": self.incarnation, "kind": self.kind, "from": self.from_,
-                "to": self.to, "cause": self.cause, "detail": self.detail}
+        out = {"ts": self.ts, "node_id": self.node_id, "engine": self.engine,
+               "incarnation": self.incarnation, "kind": self.kind, "from": self.from_,
+               "to": self.to, "cause": self.cause, "detail": self.detail}
+        if self.extra:
+            out.update({k: v for k, v in self.extra.items() if k not in out})
+        return out
 
 
 class EventLog:
@@ -51,6 +56,11 @@ class EventLog:
 
     def since(self, seq: int, limit: int = 1000) -> list[tuple[int, Event]]:
         return [(s, e) for s, e in self._events if s > seq][:limit]
+
+    @property
+    def first_seq(self) -> int:
+        """The oldest sequence number still held (last_seq + 1 when empty)."""
+        return self._events[0][0] if self._events else self.last_seq + 1
 
     def _write(self, event: Event) -> None:
         if self.path is None:

@@ -54,24 +54,34 @@ class ProcStat:
 
 
 def read_stat(pid: int) -> ProcStat | None:
-    """One read of /proc/PID/stat (cheaper than psutil by far: the daemon does this a lot)."""
+    """One read of /proc/PID/stat (cheaper than psutil by far: the daemon does this a lot);
+    None if the process is gone. Any other error (no file descriptor left, say) is raised: an
+    exit is never inferred from an error."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
         # after "pid (comm)": state, ppid, pgrp, ..., starttime is the 20th
         fields = data.rsplit(b")", 1)[1].split()
         return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]),
                         int(fields[19]) / CLOCK_TICKS)
-    except (OSError, IndexError, ValueError):
-        return None
+    except (IndexError, ValueError):
+        return None  # an empty read: the process went away while we read
 
 
 def process_table() -> dict[int, ProcStat]:
     """Every process on the host, from one scan of /proc."""
     table = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (stat := read_stat(int(entry.name))) is not None:
-            table[stat.pid] = stat
+        if entry.name.isdigit():
+            try:
+                stat = read_stat(int(entry.name))
+            except PermissionError:
+                continue
+            if stat is not None:
+                table[stat.pid] = stat
     return table
 
 
@@ -100,7 +110,8 @@ def launch(command: tuple[str, ...], env: Mapping[str, str], log_path: Path,
 
 def open_pidfd(key: ProcKey) -> int | None:
     """A pidfd on the process, which becomes readable when it exits (zombie included), or None
-    if the process is already gone or the pid now belongs to someone else."""
+    if the process is already gone or the pid now belongs to someone else. OSError when a pidfd
+    cannot be had (no file descriptor left): the process must then be watched another way."""
     try:
         fd = os.pidfd_open(key.pid)
     except ProcessLookupError:
@@ -221,3 +232,36 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
+
+
+PF_KTHREAD = 0x00200000
+
+
+def is_kernel_thread(pid: int) -> bool:
+    """A kernel thread (kthreadd and its children): never an engine, and never signalled."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return bool(int(fields[6]) & PF_KTHREAD)
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+class ProcessOps:
+    """Every process operation of the supervisor goes through one of these (supervisor's
+    `options` object), so tests can drive the whole core with a double."""
+
+    read_stat = staticmethod(read_stat)
+    process_table = staticmethod(process_table)
+    proc_key = staticmethod(proc_key)
+    is_alive = staticmethod(is_alive)
+    launch = staticmethod(launch)
+    open_pidfd = staticmethod(open_pidfd)
+    descendants = staticmethod(descendants)
+    signal_proc = staticmethod(signal_proc)
+    signal_group = staticmethod(signal_group)
+    live_process_groups = staticmethod(live_process_groups)
+    process_group = staticmethod(process_group)
+    port_bindable = staticmethod(port_bindable)
+    peek_exit = staticmethod(peek_exit)
+    is_kernel_thread = staticmethod(is_kernel_thread)

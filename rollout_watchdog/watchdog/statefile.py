@@ -13,11 +13,12 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rollout_watchdog.watchdog.engine import AfterKill, Failure, Pause
+from rollout_watchdog.watchdog.engine import AfterKill, Failure
 from rollout_watchdog.watchdog.process import ProcKey
 from rollout_watchdog.watchdog.states import Cause, EngineState
 
@@ -35,7 +36,10 @@ def kernel_boot_id() -> str:
 
 @dataclass
 class EngineRecord:
-    """One engine as the state file keeps it."""
+    """One engine as the state file keeps it. This class is the one list of persisted fields:
+    each is written and read through the codec of its type (CODECS), and every field that is
+    not DERIVED is copied to and from the runtime attribute of the same name. Adding a
+    persisted field is one line here (plus that attribute)."""
 
     state: EngineState
     incarnation: int
@@ -43,61 +47,35 @@ class EngineRecord:
     restarts: int = 0
     relaunch_times: list[float] = field(default_factory=list)
     consecutive_failures: int = 0
+    last_failure: Failure | None = None
+    deferred_waiting: bool = False
+    external: bool = False
+    # derived from the runtime state rather than copied (see record_of / adoption)
     main: ProcKey | None = None
     procs: dict[ProcKey, bool] = field(default_factory=dict)
     launched_at: float = 0.0                 # wall clock
-    paused: Pause | None = None
-    last_failure: Failure | None = None
-    deferred_waiting: bool = False
+    # the pause's wall-clock deadline, kept as {"deadline": ...} as version 1 always was
+    paused: float | None = field(default=None, metadata={"codec": "pause"})
     kill_cause: Cause | None = None
     kill_after: AfterKill | None = None
-    external: bool = False
     url: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "state": str(self.state), "incarnation": self.incarnation,
-            "state_since": self.state_since, "restarts": self.restarts,
-            "relaunch_times": self.relaunch_times,
-            "consecutive_failures": self.consecutive_failures,
-            "main": self.main.to_json() if self.main else None,
-            "procs": [[k.to_json(), fatal] for k, fatal in self.procs.items()],
-            "launched_at": self.launched_at,
-            "paused": {"deadline": self.paused.deadline, "source": self.paused.source}
-            if self.paused else None,
-            "last_failure": self.last_failure.to_json() if self.last_failure else None,
-            "deferred_waiting": self.deferred_waiting,
-            "kill_cause": str(self.kill_cause) if self.kill_cause else None,
-            "kill_after": self.kill_after.value if self.kill_after else None,
-            "external": self.external, "url": self.url,
-        }
+        return {f.name: _codec(f)[0](getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_json(cls, data: Any) -> EngineRecord:
         """Parse one record; ValueError (with the reason) for anything unusable."""
+        if not isinstance(data, dict):
+            raise ValueError("a record is a JSON object")
+        values = {}
         try:
-            pause = data.get("paused")
-            failure = data.get("last_failure")
-            record = cls(
-                state=EngineState(data["state"]),
-                incarnation=int(data["incarnation"]),
-                state_since=_finite(data.get("state_since", 0.0)),
-                restarts=int(data.get("restarts", 0)),
-                relaunch_times=[_finite(t) for t in data.get("relaunch_times", [])],
-                consecutive_failures=int(data.get("consecutive_failures", 0)),
-                main=ProcKey.from_json(data["main"]) if data.get("main") else None,
-                procs={ProcKey.from_json(k): bool(fatal) for k, fatal in data.get("procs", [])},
-                launched_at=_finite(data.get("launched_at", 0.0)),
-                paused=Pause(_finite(pause["deadline"]), str(pause.get("source", "local")))
-                if pause else None,
-                last_failure=Failure(Cause(failure["cause"]), str(failure["detail"]),
-                                     _finite(failure["ts"])) if failure else None,
-                deferred_waiting=bool(data.get("deferred_waiting", False)),
-                kill_cause=Cause(data["kill_cause"]) if data.get("kill_cause") else None,
-                kill_after=AfterKill(data["kill_after"]) if data.get("kill_after") else None,
-                external=bool(data.get("external", False)),
-                url=str(data.get("url", "")),
-            )
+            for f in fields(cls):
+                if f.name in data:
+                    values[f.name] = _codec(f)[1](data[f.name])
+                elif f.default is MISSING and f.default_factory is MISSING:
+                    raise KeyError(f.name)
+            record = cls(**values)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise ValueError(f"{type(exc).__name__}: {exc}") from None
         if record.main is not None:
@@ -106,10 +84,72 @@ class EngineRecord:
 
 
 def _finite(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"not a number: {value!r}")
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"not a finite number: {value!r}")
     return number
+
+
+def _strict_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"not an integer: {value!r}")
+    return int(value)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"not a boolean: {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"not a string: {value!r}")
+    return value
+
+
+def _procs(value: Any) -> dict[ProcKey, bool]:
+    if not isinstance(value, list):
+        raise ValueError(f"not a list of processes: {value!r:.80}")
+    return {ProcKey.from_json(k): _bool(fatal) for k, fatal in value}
+
+
+def _failure(value: Any) -> Failure:
+    return Failure(Cause(value["cause"]), _str(value["detail"]), _finite(value["ts"]))
+
+
+Codec = tuple[Callable[[Any], Any], Callable[[Any], Any]]
+
+
+def _optional(encode: Callable[[Any], Any], decode: Callable[[Any], Any]) -> Codec:
+    return ((lambda v: None if v is None else encode(v)),
+            (lambda v: None if v is None else decode(v)))
+
+
+# (encode, decode) by the annotation of the field, as written in EngineRecord.
+CODECS: dict[str, Codec] = {
+    "EngineState": (str, EngineState),
+    "int": (int, _strict_int),
+    "float": (float, _finite),
+    "bool": (bool, _bool),
+    "str": (str, _str),
+    "list[float]": (list, lambda v: [_finite(t) for t in v]),
+    "Failure | None": _optional(Failure.to_json, _failure),
+    "ProcKey | None": _optional(ProcKey.to_json, ProcKey.from_json),
+    "dict[ProcKey, bool]": (lambda v: [[k.to_json(), fatal] for k, fatal in v.items()], _procs),
+    "float | None": _optional(float, _finite),
+    "Cause | None": _optional(str, Cause),
+    "AfterKill | None": _optional(lambda v: v.value, AfterKill),
+    "pause": _optional(lambda v: {"deadline": v}, lambda v: _finite(v["deadline"])),
+}
+
+
+def _codec(f: Field[Any]) -> Codec:
+    return CODECS[f.metadata.get("codec", str(f.type))]
+DERIVED = frozenset({"main", "procs", "launched_at", "paused", "kill_cause", "kill_after", "url"})
+COPIED = tuple(f.name for f in fields(EngineRecord) if f.name not in DERIVED)
 
 
 @dataclass
@@ -125,7 +165,8 @@ def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord]) -> bo
             "engines": {i: r.to_json() for i, r in engines.items()}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
         return True

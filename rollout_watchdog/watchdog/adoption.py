@@ -1,0 +1,123 @@
+"""Adoption: what a daemon that (re)starts does with the engines a previous daemon left behind.
+
+The state file says which processes were which engine's (pid plus start time, so a reused pid
+is never taken for ours). A recorded engine still running is supervised exactly as before; one
+that died while no daemon watched is an exit seen now; an engine the config no longer lists is
+stopped. `record_of` is the other half: what the state file keeps of an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
+from rollout_watchdog.watchdog.statefile import COPIED, EngineRecord, SavedState
+from rollout_watchdog.watchdog.states import Cause, EngineState
+from rollout_watchdog.watchdog.supervisor import Supervisor
+
+log = logging.getLogger("rollout_watchdog.watchdog")
+S = EngineState
+
+
+def record_of(e: EngineRuntime, clock: Clock) -> EngineRecord:
+    """What the state file keeps of an engine."""
+    return EngineRecord(
+        **{name: getattr(e, name) for name in COPIED},
+        main=e.main, procs={k: fatal for k, fatal in e.procs.items() if k not in e.dead},
+        launched_at=clock.to_wall(e.launched_at),
+        paused=e.paused.deadline if e.paused else None,
+        kill_cause=e.kill.cause if e.kill else None, kill_after=e.kill.after if e.kill else None,
+        url=e.cfg.url)
+
+
+def adopt_or_launch(sup: Supervisor, saved: SavedState | None) -> None:
+    """Adopt what the state file records, launch the rest."""
+    records = saved.engines if saved else {}
+    same_boot = saved is not None and saved.same_boot
+    if saved and not same_boot:
+        log.warning("the state file is from before a reboot: no recorded process is alive")
+    for engine in list(sup.engines.values()):
+        record = _parse_record(engine.id, records.get(engine.id))
+        if record is None:
+            sup.launch_when_released(engine, Cause.LAUNCHED,
+                                     "waiting for the engine's ports and GPUs to be free")
+        else:
+            adopt(sup, engine, record, same_boot=same_boot)
+    if not same_boot:
+        return
+    for engine_id, raw in records.items():
+        if engine_id in sup.engines:
+            continue
+        record = _parse_record(engine_id, raw)
+        if record is not None and (record.state.running or record.state == S.STOPPING):
+            _adopt_unconfigured(sup, engine_id, record)
+
+
+def _parse_record(engine_id: str, raw: Any) -> EngineRecord | None:
+    if raw is None:
+        return None
+    try:
+        return EngineRecord.from_json(raw)
+    except ValueError as exc:
+        log.error("the saved state of engine %s is unusable (%s): starting it fresh",
+                  engine_id, exc)
+        return None
+
+
+def adopt(sup: Supervisor, engine: EngineRuntime, record: EngineRecord, *,
+          same_boot: bool) -> None:
+    """Take over an engine recorded by a previous daemon: the same processes if they still
+    run (the same processes: pid plus start time), else its death is an exit seen now."""
+    clock = sup.clock
+    for name in COPIED:
+        setattr(engine, name, getattr(record, name))
+    engine.state_since = record.state_since or clock.wall()
+    if record.state in (S.FAILED, S.STOPPED, S.BACKOFF):
+        if record.state == S.BACKOFF and not record.deferred_waiting:
+            engine.backoff_until = clock.monotonic()
+        sup.emit(engine, "adopted", to=str(engine.state),
+                 detail=f"kept {record.state} from the previous daemon")
+        return
+    now = clock.monotonic()
+    if same_boot:
+        engine.main = record.main
+        engine.procs = dict(record.procs)
+    engine.launched_at = clock.to_monotonic(record.launched_at)
+    engine.next_probe = now
+    if record.state in (S.HEALTHY, S.SUSPECT):
+        engine.healthy_since = now
+    if record.paused is not None and record.paused > clock.wall():
+        engine.paused = Pause(record.paused, clock.to_monotonic(record.paused))
+    alive = engine.main is not None and sup.ops.is_alive(engine.main)
+    sup.emit(engine, "adopted", to=str(engine.state), detail=(
+        f"pid {engine.main.pid} still running, kept in {record.state}"
+        if alive and engine.main else "its main process is gone"))
+    if record.state == S.STOPPING:  # resume the kill the previous daemon had begun
+        sup.tracker.watch_all(engine)
+        sup.start_kill(engine, record.kill_cause or Cause.COMMANDED,
+                       "kill resumed after a daemon restart",
+                       record.kill_after or AfterKill.RECOVER)
+        return
+    # A process that died while the daemon was down is an exit seen now.
+    sup.tracker.watch_all(engine)
+    if engine.main is None and engine.state.running:
+        sup.fail(engine, Cause.EXITED, "its processes did not survive a reboot"
+                 if not same_boot else "no main process recorded", now)
+
+
+def _adopt_unconfigured(sup: Supervisor, engine_id: str, record: EngineRecord) -> None:
+    """An engine the state file knows but the config does not: an external one is watched
+    again; one removed from the config is stopped, not left running unwatched."""
+    engine = EngineRuntime(cfg=sup.unconfigured_engine(engine_id, record.url),
+                           external=record.external)
+    sup.engines[engine_id] = engine
+    if record.external:  # watched exactly as before: state, pause, kill in progress
+        adopt(sup, engine, record, same_boot=True)
+        return
+    engine.state, engine.incarnation = S.STOPPING, record.incarnation
+    engine.main, engine.procs = record.main, dict(record.procs)
+    sup.emit(engine, "removed_from_config", detail="stopping it")
+    sup.tracker.watch_all(engine)
+    sup.start_kill(engine, Cause.COMMANDED, "removed from the config", AfterKill.STOP)

@@ -1,0 +1,433 @@
+"""The per-engine supervisor: every decision about an engine, driven by the loop's events (an
+exit, a probe result) and timers (`tick(engine, now)`), with every process operation going
+through one `ProcessOps` and every clock reading through one `Clock`.
+
+It owns the engines' runtime records; the daemon feeds it, the tracker tells it about exits, and
+the command layer calls its public methods. Nothing here blocks: the kill is a sequence of phases
+(kill.py), probes run on the probe pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+from rollout_watchdog.config import EngineConfig, NodeConfig
+from rollout_watchdog.watchdog import kill, policy
+from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
+from rollout_watchdog.watchdog.events import EventLog
+from rollout_watchdog.watchdog.gpu import GpuInspector
+from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
+from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, describe_exit
+from rollout_watchdog.watchdog.publish import Publisher
+from rollout_watchdog.watchdog.states import Cause, EngineState, check_transition
+from rollout_watchdog.watchdog.timers import Timer, due_timer
+from rollout_watchdog.watchdog.tracker import ProcessTracker
+
+log = logging.getLogger("rollout_watchdog.watchdog")
+S = EngineState
+# The daemon's own systemd handshake; an engine that inherited it could pose as the daemon.
+SYSTEMD_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+# Timers one engine may fire in one tick; each firing changes what is due, so this is a bound
+# against a bug, never reached in practice.
+MAX_TIMERS_PER_TICK = 16
+
+
+class Supervisor:
+    def __init__(self, config: NodeConfig, *, publisher: Publisher, events: EventLog,
+                 probes: ProbeRunner, tracker: ProcessTracker, ops: ProcessOps, clock: Clock,
+                 inspector: GpuInspector | None, rng: random.Random, boot_id: str) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.boot_id = boot_id
+        self.state_dir = Path(config.state_dir)
+        self.engines: dict[str, EngineRuntime] = tracker.engines
+        self.publisher = publisher
+        self.events = events
+        self.probes = probes
+        self.tracker = tracker
+        self.ops = ops
+        self.clock = clock
+        self.rng = rng
+        self.inspector = inspector
+        self.stopping = False          # the daemon is stopping: nothing is launched any more
+        self.dirty = True              # the state file is behind
+        self.save_now: Any = None      # set by the daemon: saves the state file at once
+        self._probe_ids = 0
+        self.killing = kill.KillContext(ops, inspector, tracker.live_groups,
+                                        self._refresh_for_kill, self._signalled)
+
+    # ------------------------------------------------------------------ events and state
+
+    def emit(self, engine: EngineRuntime | None, kind: str, **fields: Any) -> None:
+        self.publisher.emit(engine, kind, **fields)
+
+    def transition(self, engine: EngineRuntime, new: EngineState, cause: Cause,
+                   detail: str, **extra: Any) -> None:
+        old = engine.state
+        check_transition(old, new)
+        engine.state = new
+        engine.state_since = self.clock.wall()
+        if new not in (S.HEALTHY, S.SUSPECT):
+            engine.healthy_since = None
+        self.emit(engine, "state", from_=str(old), to=str(new), cause=cause, detail=detail,
+                  **extra)
+        self.dirty = True
+
+    def set_inspector(self, inspector: GpuInspector) -> None:
+        self.inspector = inspector
+        self.killing.inspector = inspector
+
+    # ------------------------------------------------------------------ timers
+
+    def tick(self, engine: EngineRuntime, now: float) -> None:
+        """Fire every timer of the engine that is due at `now`."""
+        for _ in range(MAX_TIMERS_PER_TICK):
+            timer = due_timer(engine, now)
+            if timer is None:
+                return
+            self._fire(engine, timer, now)
+
+    def _fire(self, engine: EngineRuntime, timer: Timer, now: float) -> None:
+        probe = engine.cfg.probe
+        if timer == Timer.KILL:
+            self.advance_kill(engine, now)
+        elif timer == Timer.PAUSE_EXPIRY:
+            engine.paused = None
+            self.emit(engine, "pause_expired", detail="deep probes resumed")
+            self.dirty = True
+        elif timer == Timer.BACKOFF:
+            self.launch(engine, Cause.BACKOFF_ELAPSED)
+        elif timer == Timer.LIVENESS_ONLY:
+            # Deep probes off (a multi-node follower answers a dummy /health): liveness only.
+            self.become_healthy(engine, "deep probes off: watched by liveness alone")
+        elif timer == Timer.STARTUP:
+            last = f"; last probe: {engine.last_probe}" if engine.last_probe else ""
+            self.fail(engine, Cause.STARTUP_TIMEOUT,
+                      f"not healthy {probe.startup_timeout_s:g} s after launch{last}",
+                      engine.launched_at + probe.startup_timeout_s)
+        elif timer == Timer.PROBE_OVERDUE:
+            # The probe's result did not come back in time: judge it failed now; its late
+            # result is ignored (the probe id moved on).
+            assert engine.probe_started is not None
+            self.judge_probe(engine, ProbeResult(
+                engine.id, engine.probe_id, False,
+                f"no answer within {probe.health_timeout_s:g} s", engine.probe_started, now))
+        elif timer == Timer.PROBE_DUE:
+            self.start_probe(engine, now)
+        elif timer == Timer.STABLE:
+            engine.consecutive_failures = 0
+            self.dirty = True
+
+    # ------------------------------------------------------------------ launching
+
+    def launch_when_released(self, engine: EngineRuntime, cause: Cause, detail: str) -> None:
+        """Launch once the engine's ports and GPUs are free (a first launch too: a copy left
+        running by a previous daemon must not answer for the new one)."""
+        if not self.release_problems(engine):
+            self.launch(engine, cause)
+            return
+        self.start_kill(engine, cause, detail, AfterKill.RESTART)
+
+    def launch(self, engine: EngineRuntime, cause: Cause) -> None:
+        """Start a new incarnation with the same argv, env, ports and GPUs."""
+        old = engine.state
+        engine.backoff_until = None
+        if self.stopping:
+            if old != S.STOPPED:
+                self.transition(engine, S.STOPPED, Cause.COMMANDED, "daemon stopping")
+            return
+        engine.new_incarnation()
+        env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ONLY_ENV}
+        if engine.cfg.gpus and "CUDA_VISIBLE_DEVICES" not in engine.cfg.env:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.cfg.gpus)
+        env.update(engine.cfg.env)
+        log_path = self.state_dir / "logs" / f"{engine.id}.log"
+        try:
+            popen = self.ops.launch(engine.cfg.command, env, log_path, engine.cfg.cwd)
+        except OSError as exc:
+            engine.last_failure = Failure(Cause.LAUNCH_FAILED, str(exc), self.clock.wall())
+            self.emit(engine, "launch_failed", cause=Cause.LAUNCH_FAILED, detail=str(exc))
+            if old != S.FAILED:
+                self.transition(engine, S.FAILED, Cause.LAUNCH_FAILED, str(exc))
+            return
+        now = self.clock.monotonic()
+        engine.popen = popen
+        engine.main = self.ops.proc_key(popen.pid) or ProcKey(popen.pid, 0.0)
+        engine.procs = {engine.main: True}
+        engine.launched_at = now
+        self.transition(engine, S.STARTING, cause, f"pid {popen.pid}")
+        engine.next_probe = now + probe_interval(engine)
+        if self.save_now is not None:
+            self.save_now()  # a daemon crash from here on must find this process to adopt
+        self.tracker.watch(engine, engine.main)
+
+    def unconfigured_engine(self, engine_id: str, url: str) -> EngineConfig:
+        """The spec of an engine the config does not list (external, or removed): the node's
+        probe and restart settings, and no command: the daemon never launches it."""
+        return EngineConfig(id=engine_id, url=url.rstrip("/"), command=(),
+                            probe=self.config.probe, restart=self.config.restart)
+
+    def track(self, engine: EngineRuntime) -> None:
+        """Watch the processes of an engine someone else launched (registered)."""
+        assert engine.main is not None
+        self.tracker.watch(engine, engine.main)
+        if engine.state.running:
+            self.tracker.refresh([engine])
+
+    def forget(self, engine: EngineRuntime, kind: str, detail: str) -> None:
+        self.tracker.unwatch_engine(engine.id)
+        del self.engines[engine.id]
+        self.emit(engine, kind, detail=detail)
+        self.dirty = True
+
+    # ------------------------------------------------------------------ liveness
+
+    def process_gone(self, engine: EngineRuntime, key: ProcKey) -> None:
+        """An exit is fatal for the main process and for the processes the engine had when it
+        became healthy; later arrivals (compile workers) may come and go."""
+        if key not in engine.procs:
+            return  # a process of an earlier incarnation
+        engine.dead.add(key)
+        if key == engine.main and engine.popen is not None:
+            engine.returncode = self.ops.peek_exit(key.pid)  # not reaped yet: take_in_group
+            if not engine.state.running:  # already being killed: reach its children too
+                self.tracker.take_in_group(engine)
+        fatal = engine.procs[key]
+        if not fatal:
+            del engine.procs[key]  # a helper that ended: nothing of it is left to kill
+            engine.dead.discard(key)
+        if not engine.state.running:
+            return
+        now = self.clock.monotonic()
+        if key == engine.main:
+            self.fail(engine, Cause.EXITED,
+                      f"main process {key.pid} exited ({describe_exit(engine.returncode)})", now)
+        elif fatal:
+            self.fail(engine, Cause.EXITED, f"process {key.pid} of the engine tree exited", now)
+
+    def _refresh_for_kill(self, engine: EngineRuntime) -> None:
+        if (engine.main is not None and self.ops.is_alive(engine.main)
+                and self.tracker.refresh([engine])):
+            self.dirty = True
+
+    # ------------------------------------------------------------------ deep probes
+
+    def start_probe(self, engine: EngineRuntime, now: float) -> None:
+        self._probe_ids += 1
+        engine.probe_id = self._probe_ids  # unique across re-registrations
+        progress = engine.cfg.probe.progress_path
+        if not self.probes.submit(engine.id, engine.probe_id,
+                                  engine.cfg.url + engine.cfg.probe.health_path,
+                                  engine.cfg.probe.health_timeout_s,
+                                  engine.cfg.url + progress if progress else None):
+            engine.next_probe = now + probe_interval(engine)
+            return
+        engine.probe_started = now
+        engine.probes_out.add(engine.probe_id)
+
+    def on_probe_result(self, result: ProbeResult) -> None:
+        engine = self.engines.get(result.engine)
+        if engine is None:
+            return
+        engine.probes_out.discard(result.probe_id)
+        self.judge_probe(engine, result)
+
+    def judge_probe(self, engine: EngineRuntime, result: ProbeResult) -> None:
+        if result.probe_id != engine.probe_id or engine.probe_started is None:
+            return  # a late answer to a probe already judged, or of an older incarnation
+        engine.probe_started = None
+        if not engine.state.running:
+            return
+        engine.last_probe = result.detail
+        if engine.state == S.STARTING:
+            engine.next_probe = self.clock.monotonic() + probe_interval(engine)
+            if result.ok:
+                self.become_healthy(engine, f"first passing probe ({result.detail})")
+            return  # failures while starting are expected; the startup deadline rules
+        if result.progress is not None and self.fail_if_stalled(engine, result):
+            return
+        verdict = policy.judge_probe(result.ok, engine.probe_failures,
+                                     engine.cfg.probe.failure_threshold)
+        engine.probe_failures = verdict.failures
+        if result.ok:
+            engine.first_failure_at = None
+            if engine.state == S.SUSPECT:
+                self.transition(engine, S.HEALTHY, Cause.PROBE_PASSED, result.detail)
+        else:
+            if engine.first_failure_at is None:
+                engine.first_failure_at = result.started
+            detail = (f"probe {verdict.failures}/{engine.cfg.probe.failure_threshold} failed: "
+                      f"{result.detail}")
+            if verdict.declare_failed:
+                self.fail(engine, Cause.PROBE_FAILED, detail, engine.first_failure_at)
+                return
+            if engine.state == S.HEALTHY:
+                self.transition(engine, S.SUSPECT, Cause.PROBE_FAILED, detail)
+        engine.next_probe = self.clock.monotonic() + probe_interval(engine)
+
+    def fail_if_stalled(self, engine: EngineRuntime, result: ProbeResult) -> bool:
+        """The progress probe: a token counter that does not move while requests run means a
+        stuck engine, even one whose health probe still passes. Fails it and says so."""
+        assert result.progress is not None
+        tokens, running = result.progress.tokens, result.progress.running
+        if engine.progress_tokens is None or tokens != engine.progress_tokens or running == 0:
+            engine.progress_tokens, engine.progress_since = tokens, result.finished
+            return False
+        stuck_s = result.finished - engine.progress_since
+        if stuck_s < engine.cfg.probe.progress_timeout_s:
+            return False
+        self.fail(engine, Cause.STALLED, f"token counter stuck at {tokens:g} for "
+                  f"{stuck_s:.0f} s with {running:g} request(s) running", engine.progress_since)
+        return True
+
+    def become_healthy(self, engine: EngineRuntime, detail: str) -> None:
+        """The processes in the tree now are the engine (schedulers, detokenizer): from here on
+        the exit of any of them is fatal. Later arrivals are only tracked."""
+        self.tracker.refresh([engine])
+        for key in engine.alive_procs():
+            engine.procs[key] = True
+        engine.healthy_since = self.clock.monotonic()
+        self.transition(engine, S.HEALTHY, Cause.PROBE_PASSED, detail)
+
+    # ------------------------------------------------------------------ failure and recovery
+
+    def fail(self, engine: EngineRuntime, cause: Cause, detail: str, evidence_at: float) -> None:
+        """Declare the current incarnation failed and start cleaning it up."""
+        engine.last_failure = Failure(cause, detail, self.clock.wall())
+        detected = round(max(0.0, self.clock.monotonic() - evidence_at), 6)
+        self.start_kill(engine, cause, detail, AfterKill.RECOVER, detected_after_s=detected)
+
+    def start_kill(self, engine: EngineRuntime, cause: Cause, detail: str,
+                   after: AfterKill, **extra: Any) -> None:
+        if engine.state.running:
+            self.transition(engine, S.STOPPING, cause, detail, **extra)
+        if engine.popen is not None and engine.main in engine.dead:
+            self.tracker.take_in_group(engine)
+        now = self.clock.monotonic()
+        engine.probe_started = None  # a probe still out is of no interest any more
+        engine.backoff_until = None
+        self._refresh_for_kill(engine)
+        job = KillJob(cause, detail, after, deadline=now + engine.cfg.restart.grace_s)
+        self.dirty = True
+        self._kill_outcome(engine, kill.begin(engine, job, self.killing, now))
+
+    def _signalled(self, engine: EngineRuntime, job: KillJob, sig: str, what: str) -> None:
+        self.emit(engine, "signal_sent", cause=job.cause, detail=f"{sig} to {what}", signal=sig)
+
+    def advance_kill(self, engine: EngineRuntime, now: float) -> None:
+        assert engine.kill is not None
+        waiting_for = engine.kill.problems
+        outcome = kill.advance(engine, self.killing, now)
+        if outcome == kill.Outcome.PENDING and engine.kill.problems != waiting_for:
+            self.emit(engine, "release_pending",
+                      detail="waiting for " + "; ".join(engine.kill.problems))
+        self._kill_outcome(engine, outcome)
+
+    def _kill_outcome(self, engine: EngineRuntime, outcome: kill.Outcome) -> None:
+        job = engine.kill
+        if outcome == kill.Outcome.PENDING or job is None:
+            return
+        engine.kill = None
+        self.dirty = True
+        if outcome != kill.Outcome.DONE:
+            detail = "; ".join(job.problems)
+            engine.last_failure = Failure(outcome.cause, detail, self.clock.wall())
+            self.transition(engine, S.FAILED, outcome.cause, detail)
+        elif job.after == AfterKill.STOP:
+            self.transition(engine, S.STOPPED, job.cause,
+                            f"{job.detail}; {describe_exit(engine.returncode)}")
+            if not engine.cfg.command and not engine.external:  # removed from the config
+                self.forget(engine, "removed", "stopped, and no longer in the config")
+        elif job.after == AfterKill.RESTART:
+            self.launch(engine, job.cause)
+        elif engine.external:
+            self.transition(engine, S.STOPPED, job.cause,
+                            "external engine cleaned up: its restart is left to its owner")
+            self.emit(engine, "owner_restart_needed", cause=job.cause, detail=job.detail)
+        else:
+            self._recover(engine, job.cause)
+
+    def _recover(self, engine: EngineRuntime, cause: Cause) -> None:
+        """After a failure: relaunch after the backoff, wait (deferred), or give up (budget)."""
+        if self.fail_if_budget_spent(engine, cause):
+            return
+        engine.consecutive_failures += 1
+        if engine.restart_requested:
+            self.count_relaunch(engine, cause, self.clock.wall())
+            self.launch(engine, Cause.COMMANDED)
+            return
+        if engine.cfg.restart_policy == "deferred":
+            engine.deferred_waiting = True
+            self.transition(engine, S.BACKOFF, cause,
+                            "deferred: cleaned up, relaunched on `restart` or at the next refit")
+            return
+        delay = policy.backoff_delay(engine.consecutive_failures, engine.cfg.restart, self.rng)
+        engine.backoff_until = self.clock.monotonic() + delay
+        self.transition(engine, S.BACKOFF, cause, f"relaunch in {delay:.2f} s")
+        self.count_relaunch(engine, cause, self.clock.wall() + delay)
+        if delay == 0:
+            self.launch(engine, Cause.BACKOFF_ELAPSED)
+
+    def fail_if_budget_spent(self, engine: EngineRuntime, cause: Cause) -> bool:
+        """If the restart budget is spent, move the engine to `failed` and say so."""
+        restart = engine.cfg.restart
+        if not policy.budget_exhausted(engine.relaunch_times, self.clock.wall(), restart):
+            return False
+        engine.deferred_waiting = False
+        self.transition(engine, S.FAILED, cause,
+                        f"restart budget exhausted: {restart.max_restarts} relaunch(es) "
+                        f"within {restart.window_s:g} s; `reset` to try again")
+        return True
+
+    def count_relaunch(self, engine: EngineRuntime, cause: Cause, at: float) -> None:
+        """A relaunch after a failure: it uses the restart budget."""
+        restart = engine.cfg.restart
+        engine.relaunch_times = [t for t in engine.relaunch_times
+                                 if at - t < restart.window_s] + [at]
+        engine.restarts += 1
+        self.emit(engine, "restart_counted", cause=cause,
+                  detail=f"relaunch {len(engine.relaunch_times)} of {restart.max_restarts} "
+                         f"within {restart.window_s:g} s")
+
+    def release_problems(self, engine: EngineRuntime) -> list[str]:
+        return kill.release_problems(engine, self.inspector, self.ops)
+
+    # ------------------------------------------------------------------ reporting
+
+    def status(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "boot_id": self.boot_id,
+                "engines": [self.engine_status(e) for e in self.engines.values()]}
+
+    def engine_status(self, e: EngineRuntime) -> dict[str, Any]:
+        running = (e.state.running or e.state == S.STOPPING) and e.main not in e.dead
+        next_launch = None
+        if e.backoff_until is not None and e.state == S.BACKOFF:
+            next_launch = self.clock.to_wall(e.backoff_until)
+        return {
+            "id": e.id, "state": str(e.state), "paused": e.paused is not None,
+            "pid": e.main.pid if e.main and running else None,
+            "incarnation": e.incarnation, "restarts": e.restarts, "url": e.cfg.url,
+            "last_failure": e.last_failure.to_json() if e.last_failure else None,
+            "since": e.state_since, "external": e.external,
+            "restart_policy": e.cfg.restart_policy, "deferred_waiting": e.deferred_waiting,
+            "next_launch": next_launch,
+            "pause_deadline": e.paused.deadline if e.paused else None,
+            "gpus": list(e.cfg.gpus), "ports": list(e.cfg.ports),
+            "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
+            if e.kill else None,
+        }
+
+
+def probe_interval(engine: EngineRuntime) -> float:
+    """While starting, probe at least every second: boot completion should be seen quickly.
+    While suspect, probe again as soon as the last probe ended: a hang is declared after
+    `failure_threshold` timeouts, with no interval in between."""
+    if engine.state == S.SUSPECT:
+        return 0.0
+    interval = engine.cfg.probe.health_interval_s
+    return min(interval, 1.0) if engine.state == S.STARTING else interval

@@ -1,0 +1,165 @@
+"""The process tracker: which processes belong to which engine, and when they exit.
+
+One pidfd per process of every engine tree, registered with the loop's poller, so an exit is
+seen at once, paused or not. A periodic sweep of the process table finds processes born since
+(so a kill reaches them). Where no pidfd can be had (no file descriptor left), the process is
+polled instead; an exit is never inferred from an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Container
+from typing import Any
+
+import zmq
+
+from rollout_watchdog.watchdog.engine import EngineRuntime
+from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat
+
+log = logging.getLogger(__name__)
+# How often a process without a pidfd is polled for its exit.
+POLL_INTERVAL_S = 0.05
+
+OnGone = Callable[[EngineRuntime, ProcKey], None]
+
+
+class ProcessTracker:
+    def __init__(self, engines: dict[str, EngineRuntime], poller: zmq.Poller, ops: ProcessOps,
+                 on_gone: OnGone) -> None:
+        self.engines = engines
+        self.poller = poller
+        self.ops = ops
+        self.on_gone = on_gone
+        self.pidfds: dict[int, tuple[str, ProcKey]] = {}
+        self.polled: dict[ProcKey, str] = {}       # processes watched without a pidfd
+        self.next_poll = 0.0
+        self._live_groups: set[int] | None = None
+
+    def new_turn(self) -> None:
+        """Forget what was cached for the previous loop turn."""
+        self._live_groups = None
+
+    def live_groups(self) -> set[int]:
+        """Live process groups, scanned at most once per loop turn."""
+        if self._live_groups is None:
+            self._live_groups = self.ops.live_process_groups()
+        return self._live_groups
+
+    def watch(self, engine: EngineRuntime, key: ProcKey) -> None:
+        """Watch a process of the engine; one already gone counts as an exit seen now."""
+        try:
+            fd = self.ops.open_pidfd(key)
+        except OSError as exc:
+            if not self.polled:
+                log.warning("cannot open a pidfd (%s): watching pid %d by polling",
+                            exc.strerror or exc, key.pid, extra={"engine": engine.id})
+            self.polled[key] = engine.id
+            return
+        if fd is None:
+            self.on_gone(engine, key)
+            return
+        self.pidfds[fd] = (engine.id, key)
+        self.poller.register(fd, zmq.POLLIN)
+
+    def watch_all(self, engine: EngineRuntime) -> None:
+        incarnation = engine.incarnation
+        for key in list(engine.procs):
+            if engine.incarnation != incarnation:
+                return  # a failure seen meanwhile already led to a relaunch
+            self.watch(engine, key)
+
+    def unwatch_engine(self, engine_id: str) -> None:
+        for fd, (owner, _) in list(self.pidfds.items()):
+            if owner == engine_id:
+                self._unwatch(fd)
+        for key, owner in list(self.polled.items()):
+            if owner == engine_id:
+                del self.polled[key]
+
+    def _unwatch(self, fd: int) -> None:
+        self.pidfds.pop(fd, None)
+        self.poller.unregister(fd)
+        os.close(fd)
+
+    def handle(self, ready: Container[Any]) -> None:
+        """The exits the poller reported."""
+        for fd, (engine_id, key) in list(self.pidfds.items()):
+            if fd in ready:
+                self._unwatch(fd)
+                self._gone(engine_id, key)
+
+    def poll_unwatched(self, now: float) -> None:
+        """Processes without a pidfd: a look at each, every POLL_INTERVAL_S."""
+        if not self.polled or now < self.next_poll:
+            return
+        self.next_poll = now + POLL_INTERVAL_S
+        for key, engine_id in list(self.polled.items()):
+            try:
+                alive = self.ops.is_alive(key)
+            except OSError:
+                continue  # cannot tell now: look again later
+            if not alive:
+                del self.polled[key]
+                self._gone(engine_id, key)
+
+    def next_deadline(self) -> float | None:
+        return self.next_poll if self.polled else None
+
+    def _gone(self, engine_id: str, key: ProcKey) -> None:
+        engine = self.engines.get(engine_id)
+        if engine is not None:
+            self.on_gone(engine, key)
+
+    def sweep(self, engines: list[EngineRuntime]) -> bool:
+        """Refresh the trees of the running engines from one scan of the process table: new
+        processes are watched (so a kill reaches them); a main process found gone without its
+        exit event (not expected) still counts. True if a new process was found."""
+        if not engines:
+            return False
+        table = self.ops.process_table()
+        alive = []
+        for engine in engines:
+            if engine.main is None:
+                continue
+            stat = table.get(engine.main.pid)
+            if stat is not None and stat.alive and stat.key == engine.main:
+                alive.append(engine)
+            elif engine.main not in engine.dead:
+                self.on_gone(engine, engine.main)
+        return self.refresh(alive, table)
+
+    def refresh(self, engines: list[EngineRuntime],
+                table: dict[int, ProcStat] | None = None) -> bool:
+        """Take in the processes now in the engines' trees; True if any was new."""
+        roots = [e for e in engines if e.main is not None]
+        if not roots:
+            return False
+        trees = self.ops.descendants([e.main.pid for e in roots if e.main is not None], table)
+        found = False
+        for engine in roots:
+            assert engine.main is not None
+            for key in trees.get(engine.main.pid, []):
+                if key not in engine.procs:
+                    engine.procs[key] = False
+                    self.watch(engine, key)
+                    found = True
+        return found
+
+    def take_in_group(self, engine: EngineRuntime) -> None:
+        """Our main process exited: children it forked since the last sweep are still in its
+        group. Take them in before reaping it (an unreaped child pins its pid, and so its group
+        id, against reuse), so that the kill reaches them."""
+        assert engine.main is not None and engine.popen is not None
+        for stat in self.ops.process_table().values():
+            if stat.pgrp == engine.main.pid and stat.alive and stat.key not in engine.procs:
+                engine.procs[stat.key] = False
+                self.watch(engine, stat.key)
+        engine.returncode = engine.popen.poll()
+
+    def close(self) -> None:
+        for fd in list(self.pidfds):
+            os.close(fd)
+        self.pidfds.clear()
+        self.polled.clear()
