@@ -29,7 +29,6 @@ from types import FrameType
 from typing import Any
 
 import psutil
-import requests
 
 REPO = Path(__file__).resolve().parents[1]
 for _path in (str(REPO / "tests"), str(REPO)):
@@ -37,6 +36,10 @@ for _path in (str(REPO / "tests"), str(REPO)):
         sys.path.insert(0, _path)
 
 from daemon_harness import EngineSpec, Node, wait_for  # noqa: E402
+
+# The emulator's own fault client; `fault(url, name)` is the benchmarks' name for it.
+from rollout_watchdog.emulator.testing import emulator_info  # noqa: E402
+from rollout_watchdog.emulator.testing import inject_fault as fault  # noqa: E402
 
 __all__ = ["EngineSpec", "EventStream", "Fleet", "KillRecord", "Summary", "TimeLimit",
            "bench_main", "emulator_info", "engines", "fault", "goal", "kill_and_follow",
@@ -331,20 +334,7 @@ def kill_marked(token: str) -> int:
     return len(found)
 
 
-# ---------------------------------------------------------------------- faults
-
-def fault(url: str, name: str, timeout: float = 5.0) -> dict[str, Any]:
-    """Inject a fault through the emulator's private endpoint."""
-    response = requests.post(f"{url}/_emulator/fault", json={"fault": name}, timeout=timeout)
-    response.raise_for_status()
-    return response.json()
-
-
-def emulator_info(url: str) -> dict[str, Any]:
-    response = requests.get(f"{url}/_emulator/info", timeout=5.0)
-    response.raise_for_status()
-    return response.json()
-
+# ---------------------------------------------------------------------- kills
 
 @dataclass
 class KillRecord:

@@ -154,9 +154,11 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 
 def cmd_emulator(args: argparse.Namespace) -> int:
-    from rollout_watchdog.emulator import run
+    """Parse the emulator's own options here, so that no other command loads the emulator."""
+    from rollout_watchdog.emulator import build_parser, run
 
-    return run(args)
+    parser = build_parser(argparse.ArgumentParser(prog="rollout-watchdog emulator"))
+    return run(parser.parse_args(args.emulator_argv))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -220,10 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", type=int, required=True,
                    help="the engine's main process (its tree is watched and killed)")
 
-    from rollout_watchdog.emulator import build_parser as emulator_parser
-
-    p = sub.add_parser("emulator", help="an SGLang-compatible engine for tests (no GPU)")
-    emulator_parser(p)
+    # Its options (and its -h) are the emulator's own: main() hands them over unparsed.
+    p = sub.add_parser("emulator", help="an SGLang-compatible engine for tests (no GPU)",
+                       add_help=False)
     p.set_defaults(func=cmd_emulator)
 
     p = sub.add_parser("demo", help="a crash injected, detected and recovered, on this machine")
@@ -236,7 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "emulator":
+        args.emulator_argv = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args.func(args))
     except ControlError as exc:

@@ -20,19 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from rollout_watchdog.cli.client import ControlClient, ControlError
+from rollout_watchdog.emulator.testing import free_port, inject_fault
 
 STEP_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(workdir: Path, ports: list[int]) -> str:
@@ -99,7 +90,7 @@ class Timeline:
 
 def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rollout-watchdog-demo-"))
-    ports = [_free_port() for _ in range(args.engines)]
+    ports = [free_port() for _ in range(args.engines)]
     config = workdir / "node.toml"
     config.write_text(_config(workdir, ports))
     env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1.5", "OMP_NUM_THREADS": "1"}
@@ -135,8 +126,7 @@ def run_demo(args: argparse.Namespace) -> int:
                         and e.get("to") == "stopping")
 
         timeline.say("injecting a hang: e1's generation stalls while its HTTP server lives on")
-        requests.post(f"http://127.0.0.1:{ports[1]}/_emulator/fault",
-                      json={"fault": "stall_generation"}, timeout=5)
+        inject_fault(f"http://127.0.0.1:{ports[1]}", "stall_generation")
         timeline.until("e1 recovered", lambda: all_healthy({"e1": 2}))
 
         timeline.say("stopping the daemon (what `systemctl stop` does): it stops every engine")
@@ -147,7 +137,7 @@ def run_demo(args: argparse.Namespace) -> int:
               f" daemon exit code {daemon.returncode}.")
         print("A real node runs the same daemon under systemd: see systemd/ and README.md.")
         return 0
-    except (TimeoutError, ControlError, requests.RequestException) as exc:
+    except (TimeoutError, ControlError, RuntimeError) as exc:
         print(f"demo failed: {exc}; daemon log: {workdir / 'daemon.log'}", file=sys.stderr)
         args.keep = True
         return 1

@@ -5,7 +5,7 @@ starts an HTTP server with SGLang 0.5.23's endpoints, a scheduler child process 
 torch model, and fault injection (start-up flags and ``POST /_emulator/fault``).
 
 This package is imported by the scheduler child too, so it stays light: the server module is
-loaded only when called, and torch only inside the scheduler child.
+loaded only when run, and torch only inside the scheduler child.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ __all__ = ["build_parser", "main", "run"]
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Add the emulator's options to ``parser`` (or a new parser); see server.build_parser."""
-    from rollout_watchdog.emulator.server import build_parser as _build_parser
+    """Add the emulator's options to ``parser`` (or a new parser); see options.build_parser."""
+    from rollout_watchdog.emulator.options import build_parser as _build_parser
 
     return _build_parser(parser)
 

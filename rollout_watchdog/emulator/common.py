@@ -5,6 +5,10 @@ Nothing here imports torch: both processes import this module.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 # The SGLang release whose HTTP behaviour the emulator reproduces (reported as "version").
 EMULATED_SGLANG_VERSION = "0.5.23"
 
@@ -40,3 +44,10 @@ def encode(text: str) -> list[int]:
 def decode(ids: list[int]) -> str:
     """Inverse of :func:`encode`; invalid UTF-8 becomes U+FFFD, as with a real detokenizer."""
     return bytes(i & 0xFF for i in ids).decode("utf-8", errors="replace")
+
+
+def log(msg: str) -> None:
+    """One line on stderr, tagged with the pid (the main process's diagnostics)."""
+    # Also called from signal handlers: a re-entrant write to stderr must not raise.
+    with contextlib.suppress(RuntimeError, OSError, ValueError):
+        print(f"[emulator {os.getpid()}] {msg}", file=sys.stderr, flush=True)

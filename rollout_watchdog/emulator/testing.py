@@ -1,6 +1,8 @@
-"""Helpers for tests that run the emulator as a real subprocess.
+"""Helpers for tests that run the emulator as a real subprocess, and its fault client.
 
-Stdlib only (no requests, no torch), so any test module can use them:
+:func:`inject_fault` and :func:`emulator_info` are the one client of the emulator's private
+endpoints (tests, the demo and the benchmarks use them). Stdlib only (no requests, no torch),
+so any test module can use them:
 
     port = free_port()
     proc = start_emulator(port, "--enable-metrics", env={"SGLANG_HEALTH_CHECK_TIMEOUT": "1"})

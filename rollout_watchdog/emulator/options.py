@@ -1,0 +1,87 @@
+"""The emulator's command line (also mounted as the ``rollout-watchdog emulator`` subcommand).
+
+Only argparse and the fault table: building the parser starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rollout_watchdog.emulator import faults
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
+    return value
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the emulator's options to ``parser`` (a new one, or a CLI subcommand parser)."""
+    if parser is None:
+        parser = argparse.ArgumentParser(
+            prog="python -m rollout_watchdog.emulator",
+            description="SGLang-compatible emulator engine (tiny CPU model, fault injection).",
+        )
+    parser.add_argument("--port", type=_port, required=True, help="HTTP port (0: any free)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--model-path", default="emulator/tiny", help="reported model path")
+    parser.add_argument("--tokenizer-path", default=None, help="reported tokenizer path")
+    parser.add_argument("--served-model-name", default=None, help="default: the model path")
+    parser.add_argument("--weight-version", default="default", help="initial weight version")
+    parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
+    parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="allow /release_memory_occupation and /resume_memory_occupation",
+    )
+    parser.add_argument(
+        "--token-latency-ms",
+        type=_nonneg_float,
+        default=1.0,
+        help="time one decode step (one token per running request) costs (default 1)",
+    )
+    parser.add_argument(
+        "--nccl-port", type=_port, default=None, help="accepted and ignored (server_info)"
+    )
+    parser.add_argument(
+        "--dead-scheduler",
+        choices=("exit", "zombie"),
+        default="exit",
+        help="when the scheduler child dies: exit = tear the server down within ~1 s "
+        "(SGLang 0.5.12+); zombie = HTTP keeps answering, generation hangs (older SGLang)",
+    )
+    group = parser.add_argument_group("fault injection (timers count from 'ready')")
+    _add_fault_flags(group)
+    # Not faults of a running server: they shape its start.
+    group.add_argument("--startup-delay", type=_nonneg_float, default=0.0, metavar="S",
+                       help="model load takes S seconds; the port is bound only after it")
+    group.add_argument("--exit-code", type=int, default=None, metavar="N",
+                       help="exit at once with code N (after --startup-delay, if any)")
+    return parser
+
+
+def _add_fault_flags(group: argparse._ArgumentGroup) -> None:
+    """The fault table's start-up flags: ``--NAME`` switches and ``--NAME-after S`` timers."""
+    for fault in faults.FAULTS.values():
+        if fault.switch == "start":
+            group.add_argument(fault.flag, action="store_true", help=fault.does)
+        elif fault.switch == "ready":
+            group.add_argument(fault.flag, action="store_true", help=f"after ready, {fault.does}")
+        if fault.timed:
+            group.add_argument(f"{fault.flag}-after", type=_nonneg_float, metavar="S",
+                               help=f"{fault.does}, S seconds after ready")
