@@ -7,8 +7,8 @@ file in one pass; each problem is one line that names the engine and the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-import re
 import shutil
 import socket
 import sys
@@ -16,6 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from rollout_watchdog.validate import (
+    URL_PATH,
+    check_engine_id,
+    endpoint_problem,
+    ipc_problem,
+    shown,
+    text_problem,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,7 +37,30 @@ RESTART_POLICIES = ("immediate", "deferred")
 GPU_CHECKS = ("auto", "nvml", "none")
 # Flags whose value is a port the engine binds; they must be free before a relaunch.
 PORT_FLAGS = ("--port", "--nccl-port")
-_ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ENGINE_LOGS = ("auto", "file", "journal")
+MAX_GPU_INDEX = 1023
+DEFAULT_ENGINE_LOG_MAX_BYTES = 100 * 1024 * 1024
+DEFAULT_ENGINE_LOG_BACKUPS = 2
+
+_DAY = 86400.0
+# Upper bound of every timing key, with the words the message uses. Values beyond these are
+# mistakes (and some, like 1e10, overflow the OS timeouts the probes use).
+_MAX_SECONDS: dict[str, tuple[float, str]] = {
+    "liveness_interval_s": (_DAY, "1 day"),
+    "health_interval_s": (_DAY, "1 day"),
+    "health_timeout_s": (_DAY, "1 day"),
+    "startup_timeout_s": (7 * _DAY, "7 days"),
+    "progress_timeout_s": (_DAY, "1 day"),
+    "grace_s": (_DAY, "1 day"),
+    "backoff_initial_s": (_DAY, "1 day"),
+    "backoff_max_s": (_DAY, "1 day"),
+    "window_s": (30 * _DAY, "30 days"),
+    "stable_s": (7 * _DAY, "7 days"),
+    "kill_timeout_s": (_DAY, "1 day"),
+    "release_timeout_s": (_DAY, "1 day"),
+}
+MAX_FAILURE_THRESHOLD = 1000
+MAX_RESTARTS = 10_000
 
 
 class ConfigError(Exception):
@@ -96,6 +128,11 @@ class NodeConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     gpu_check: str = "auto"
+    # Where engine output goes: "journal" (journald's stream socket), "file"
+    # (state_dir/logs/ID.log, rotated at engine_log_max_bytes), or "auto" (journal under systemd).
+    engine_log: str = "auto"
+    engine_log_max_bytes: int = DEFAULT_ENGINE_LOG_MAX_BYTES
+    engine_log_backups: int = DEFAULT_ENGINE_LOG_BACKUPS
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
 
@@ -118,8 +155,10 @@ class _Checker:
         self.problems = problems
         self.where = where
         self.table = table
+        self.failed: set[str] = set()  # keys that had a problem
 
     def problem(self, key: str, text: str) -> None:
+        self.failed.add(key)
         self.problems.append(f"{self.where}key '{key}' {text}")
 
     def unknown(self, allowed: set[str]) -> None:
@@ -127,13 +166,19 @@ class _Checker:
             if key not in allowed:
                 self.problems.append(f"{self.where}unknown key '{key}'")
 
-    def number(self, key: str, default: float, *, positive: bool = True) -> float:
+    def seconds(self, key: str, default: float, *, zero_ok: bool = False) -> float:
+        """A duration: a finite number above 0 (or 0 if `zero_ok`) and within the key's bound."""
         value = self.table.get(key, default)
+        maximum, words = _MAX_SECONDS[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.problem(key, f"must be a number, got {_type_name(value)}")
             return default
-        if positive and value <= 0:
-            self.problem(key, f"must be > 0, got {value}")
+        if not math.isfinite(value) or value > maximum:
+            self.problem(key, f"must be a finite number of seconds, at most {maximum:.0f} "
+                              f"({words}), got {value}")
+            return default
+        if value < 0 or (value == 0 and not zero_ok):
+            self.problem(key, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
             return default
         return float(value)
 
@@ -164,16 +209,33 @@ class _Checker:
             return default
         return value
 
-    def int_list(self, key: str, *, maximum: int | None = None) -> tuple[int, ...]:
+    def int_list(self, key: str, *, maximum: int) -> tuple[int, ...]:
         value = self.table.get(key, [])
         if not isinstance(value, list) or any(
                 isinstance(v, bool) or not isinstance(v, int) for v in value):
             self.problem(key, "must be a list of integers")
             return ()
-        if any(v < 0 or (maximum is not None and v > maximum) for v in value):
-            self.problem(key, f"has a value out of range: {value}")
+        if bad := [v for v in value if not 0 <= v <= maximum]:
+            self.problem(key, f"has values out of the range 0 to {maximum}: {shown(bad)}")
             return ()
         return tuple(value)
+
+    def url_path(self, key: str, default: str, *, off: str) -> str:
+        """An HTTP path for a probe, or "" (`off` says what "" means)."""
+        path = self.string(key, default) or ""
+        if path and not URL_PATH.fullmatch(path):
+            self.problem(key, f"must start with '/' and hold only printable ASCII without spaces "
+                              f"(or be \"\" {off}), got {shown(path)}")
+            return default
+        return path
+
+    def name(self, key: str, default: str) -> str:
+        """A non-empty string without control characters (a node id, a directory)."""
+        value = self.string(key, default) or ""
+        if problem := text_problem(value):
+            self.problem(key, problem)
+            return default
+        return value
 
 
 def _read_probe(problems: list[str], where: str, table: object, base: ProbeConfig) -> ProbeConfig:
@@ -182,26 +244,17 @@ def _read_probe(problems: list[str], where: str, table: object, base: ProbeConfi
         return base
     c = _Checker(problems, where, table)
     c.unknown({f.name for f in dataclasses.fields(ProbeConfig)})
-    path = c.string("health_path", base.health_path) or ""
-    if path and not path.startswith("/"):
-        c.problem("health_path", f"must start with '/' (or be \"\" to turn deep probes off), "
-                                 f"got {path!r}")
-        path = base.health_path
-    progress_path = c.string("progress_path", base.progress_path) or ""
-    if progress_path and not progress_path.startswith("/"):
-        c.problem("progress_path", f"must start with '/' (or be \"\" for no progress probe), "
-                                   f"got {progress_path!r}")
-        progress_path = base.progress_path
     return ProbeConfig(
-        liveness_interval_s=c.number("liveness_interval_s", base.liveness_interval_s),
-        health_path=path,
-        progress_path=progress_path,
-        progress_timeout_s=c.number("progress_timeout_s", base.progress_timeout_s),
-        health_interval_s=c.number("health_interval_s", base.health_interval_s),
-        health_timeout_s=c.number("health_timeout_s", base.health_timeout_s),
-        failure_threshold=c.integer("failure_threshold", base.failure_threshold, minimum=1)
-        or base.failure_threshold,
-        startup_timeout_s=c.number("startup_timeout_s", base.startup_timeout_s),
+        liveness_interval_s=c.seconds("liveness_interval_s", base.liveness_interval_s),
+        health_path=c.url_path("health_path", base.health_path, off="to turn deep probes off"),
+        progress_path=c.url_path("progress_path", base.progress_path,
+                                 off="for no progress probe"),
+        progress_timeout_s=c.seconds("progress_timeout_s", base.progress_timeout_s),
+        health_interval_s=c.seconds("health_interval_s", base.health_interval_s),
+        health_timeout_s=c.seconds("health_timeout_s", base.health_timeout_s),
+        failure_threshold=c.integer("failure_threshold", base.failure_threshold, minimum=1,
+                                    maximum=MAX_FAILURE_THRESHOLD) or base.failure_threshold,
+        startup_timeout_s=c.seconds("startup_timeout_s", base.startup_timeout_s),
     )
 
 
@@ -212,28 +265,23 @@ def _read_restart(problems: list[str], where: str, table: object,
         return base
     c = _Checker(problems, where, table)
     c.unknown({f.name for f in dataclasses.fields(RestartConfig)})
-    max_restarts = c.integer("max_restarts", base.max_restarts, minimum=0)
+    max_restarts = c.integer("max_restarts", base.max_restarts, minimum=0, maximum=MAX_RESTARTS)
     restart = RestartConfig(
-        grace_s=c.number("grace_s", base.grace_s, positive=False),
-        backoff_initial_s=c.number("backoff_initial_s", base.backoff_initial_s, positive=False),
-        backoff_max_s=c.number("backoff_max_s", base.backoff_max_s, positive=False),
+        grace_s=c.seconds("grace_s", base.grace_s, zero_ok=True),
+        backoff_initial_s=c.seconds("backoff_initial_s", base.backoff_initial_s, zero_ok=True),
+        backoff_max_s=c.seconds("backoff_max_s", base.backoff_max_s, zero_ok=True),
         max_restarts=base.max_restarts if max_restarts is None else max_restarts,
-        window_s=c.number("window_s", base.window_s),
-        stable_s=c.number("stable_s", base.stable_s),
-        kill_timeout_s=c.number("kill_timeout_s", base.kill_timeout_s),
-        release_timeout_s=c.number("release_timeout_s", base.release_timeout_s),
+        window_s=c.seconds("window_s", base.window_s),
+        stable_s=c.seconds("stable_s", base.stable_s),
+        kill_timeout_s=c.seconds("kill_timeout_s", base.kill_timeout_s),
+        release_timeout_s=c.seconds("release_timeout_s", base.release_timeout_s),
     )
-    bad = [key for key in ("grace_s", "backoff_initial_s", "backoff_max_s")
-           if getattr(restart, key) < 0]
-    for key in bad:
-        c.problem(key, f"must be >= 0, got {getattr(restart, key)}")
-    if not bad and restart.backoff_max_s < restart.backoff_initial_s:
+    backoff = {"backoff_initial_s", "backoff_max_s"}
+    if not backoff & c.failed and restart.backoff_max_s < restart.backoff_initial_s:
         c.problem("backoff_max_s", f"must be >= backoff_initial_s ({restart.backoff_initial_s}), "
                                    f"got {restart.backoff_max_s}")
-        bad.append("backoff_max_s")
-    if bad:  # fall back to the base, so that engines inheriting it do not repeat the problem
-        restart = dataclasses.replace(restart, grace_s=base.grace_s,
-                                      backoff_initial_s=base.backoff_initial_s,
+    if backoff & c.failed:  # both from the base, so engines inheriting them agree with the rule
+        restart = dataclasses.replace(restart, backoff_initial_s=base.backoff_initial_s,
                                       backoff_max_s=base.backoff_max_s)
     return restart
 
@@ -286,12 +334,11 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
         problems.append(f"engine #{index + 1}: must be a table, got {_type_name(table)}")
         return None
     raw_id = table.get("id")
-    if not isinstance(raw_id, str) or not _ENGINE_ID.match(raw_id):
-        problems.append(f"engine #{index + 1}: key 'id' must be a string of letters, digits, "
-                        f"'.', '_' or '-' (got {raw_id!r})")
+    if problem := check_engine_id(raw_id):
+        problems.append(f"engine #{index + 1}: key 'id' {problem}")
         engine_id = f"#{index + 1}"
     else:
-        engine_id = raw_id
+        engine_id = str(raw_id)
     where = f"engine '{engine_id}': "
     c = _Checker(problems, where, table)
     c.unknown({"id", "url", "command", "gpus", "env", "ports", "restart_policy", "group", "cwd",
@@ -320,7 +367,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     if command and check_commands and not _command_found(command[0], env):
         c.problem("command", f"names a program that is not found: {command[0]!r}")
 
-    gpus = c.int_list("gpus")
+    gpus = c.int_list("gpus", maximum=MAX_GPU_INDEX)
     ports = c.int_list("ports", maximum=65535)
     policy = c.string("restart_policy", "immediate", choices=RESTART_POLICIES) or "immediate"
     group = c.string("group", None)
@@ -345,21 +392,50 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
                         group=group, cwd=cwd, probe=engine_probe, restart=engine_restart)
 
 
+def _node_id(c: _Checker) -> str:
+    """The node id: also the ZMQ routing id towards the coordinator (at most 255 bytes)."""
+    default = socket.gethostname()
+    node_id = c.name("node_id", default)
+    if any(ch.isspace() for ch in node_id) or len(node_id.encode()) > 255:
+        c.problem("node_id", f"must be at most 255 bytes without spaces, got {shown(node_id)}")
+        return default
+    return node_id
+
+
+def _control(c: _Checker) -> str:
+    """The control endpoint: a Unix socket file, since its only protection is its mode (0600)."""
+    control = c.string("control", DEFAULT_CONTROL) or DEFAULT_CONTROL
+    if not control.startswith("ipc://"):
+        # Remote control goes through the coordinator, which authenticates.
+        c.problem("control", f"must be an ipc:// path (the local control socket has no "
+                             f"authentication), got {shown(control)}")
+    elif problem := ipc_problem(control[len("ipc://"):], local=True):
+        c.problem("control", problem)
+    else:
+        return control
+    return DEFAULT_CONTROL
+
+
 def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeConfig:
     """Validate a parsed TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
     c = _Checker(problems, "", data)
     c.unknown({"node_id", "coordinator", "control", "state_dir", "metrics_port", "metrics_host",
-               "gpu_check", "probe", "restart", "engine"})
-    node_id = c.string("node_id", socket.gethostname()) or socket.gethostname()
+               "gpu_check", "engine_log", "engine_log_max_bytes", "engine_log_backups", "probe",
+               "restart", "engine"})
+    node_id = _node_id(c)
     coordinator = c.string("coordinator", None)
-    control = c.string("control", DEFAULT_CONTROL) or DEFAULT_CONTROL
-    if not control.startswith("ipc://") or len(control) <= len("ipc://"):
-        # It has no authentication; its protection is the file mode (0600). Remote control
-        # goes through the coordinator, which authenticates.
-        c.problem("control", f"must be an ipc:// path (the local control socket has no "
-                             f"authentication), got {control!r}")
-    state_dir = c.string("state_dir", DEFAULT_STATE_DIR) or DEFAULT_STATE_DIR
+    if coordinator is not None and (problem := endpoint_problem(coordinator)):
+        c.problem("coordinator", problem)
+    control = _control(c)
+    state_dir = c.name("state_dir", DEFAULT_STATE_DIR)
+    engine_log = c.string("engine_log", "auto", choices=ENGINE_LOGS) or "auto"
+    engine_log_max_bytes = c.integer("engine_log_max_bytes", DEFAULT_ENGINE_LOG_MAX_BYTES,
+                                     minimum=64 * 1024) or DEFAULT_ENGINE_LOG_MAX_BYTES
+    engine_log_backups = c.integer("engine_log_backups", DEFAULT_ENGINE_LOG_BACKUPS, minimum=0,
+                                   maximum=100)
+    if engine_log_backups is None:
+        engine_log_backups = DEFAULT_ENGINE_LOG_BACKUPS
     metrics_port = c.integer("metrics_port", None, minimum=1, maximum=65535)
     metrics_host = c.string("metrics_host", "127.0.0.1") or "127.0.0.1"
     gpu_check = c.string("gpu_check", "auto", choices=GPU_CHECKS) or "auto"
@@ -399,8 +475,9 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
         raise ConfigError(problems)
     return NodeConfig(node_id=node_id, engines=tuple(engines), coordinator=coordinator,
                       control=control, state_dir=state_dir, metrics_port=metrics_port,
-                      metrics_host=metrics_host, gpu_check=gpu_check, probe=probe,
-                      restart=restart)
+                      metrics_host=metrics_host, gpu_check=gpu_check, engine_log=engine_log,
+                      engine_log_max_bytes=engine_log_max_bytes,
+                      engine_log_backups=engine_log_backups, probe=probe, restart=restart)
 
 
 def load_config(path: str | Path, *, check_commands: bool = True) -> NodeConfig:

@@ -6,6 +6,7 @@ key, and the CLI must exit non-zero with those lines on stderr and no traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ from rollout_watchdog.config import (
     NodeConfig,
     ProbeConfig,
     RestartConfig,
+    check_engine_id,
     command_ports,
     load_config,
     parse_config,
@@ -419,7 +421,8 @@ def test_each_problem_is_one_line_naming_engine_and_key(tmp_path: Path, text: st
 
 @pytest.mark.parametrize("restart", [
     "grace_s = -1.0", "backoff_max_s = -1.0", "backoff_initial_s = 10.0\nbackoff_max_s = 5.0",
-    "backoff_initial_s = -1.0\nbackoff_max_s = 0.5"])
+    "backoff_initial_s = -1.0\nbackoff_max_s = 0.5", "backoff_initial_s = nan\nbackoff_max_s = 0.5",
+    "backoff_max_s = inf", "grace_s = nan", "window_s = nan"])
 def test_a_bad_node_default_is_not_blamed_on_every_engine(tmp_path: Path, restart: str) -> None:
     text = (f"[restart]\n{restart}\n" + engine_toml("e0", 30000, (0,))
             + engine_toml("e1", 30001, (1,)))
@@ -618,3 +621,191 @@ def test_metrics_port_must_not_be_an_engine_port(tmp_path: Path) -> None:
 def test_the_control_socket_must_be_local(tmp_path: Path) -> None:
     one_problem(tmp_path, 'control = "tcp://0.0.0.0:31950"\n', "key 'control'", "ipc://",
                 "no authentication")
+
+
+# ------------------------------------------------------------------ bounds that keep supervision on
+
+# Every duration key, with the bound its message must name.
+TIMING_BOUNDS = {
+    "liveness_interval_s": "86400 (1 day)", "health_interval_s": "86400 (1 day)",
+    "health_timeout_s": "86400 (1 day)", "startup_timeout_s": "604800 (7 days)",
+    "progress_timeout_s": "86400 (1 day)", "grace_s": "86400 (1 day)",
+    "backoff_initial_s": "86400 (1 day)", "backoff_max_s": "86400 (1 day)",
+    "window_s": "2592000 (30 days)", "stable_s": "604800 (7 days)",
+    "kill_timeout_s": "86400 (1 day)", "release_timeout_s": "86400 (1 day)",
+}
+PROBE_KEYS = {f.name for f in dataclasses.fields(ProbeConfig)}
+
+
+def test_every_duration_key_has_a_bound() -> None:
+    durations = {f.name for cls in (ProbeConfig, RestartConfig)
+                 for f in dataclasses.fields(cls) if f.type == "float"}
+    assert durations == set(TIMING_BOUNDS)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "+nan", "1e10", "above"])
+@pytest.mark.parametrize("key", sorted(TIMING_BOUNDS))
+@pytest.mark.parametrize("level", ["node", "engine"])
+def test_durations_must_be_finite_and_bounded(tmp_path: Path, key: str, value: str,
+                                              level: str) -> None:
+    """nan switched supervision off (never probed, backoff forever); 1e10 overflowed the probe."""
+    bound = TIMING_BOUNDS[key]
+    if value == "above":
+        value = str(float(bound.split()[0]) + 0.5)
+    table = "probe" if key in PROBE_KEYS else "restart"
+    if level == "node":
+        text, where = f"[{table}]\n{key} = {value}\n" + engine_toml(), f"[{table}]: "
+    else:
+        text = engine_toml() + f"[engine.{table}]\n{key} = {value}\n"
+        where = f"engine 'e0' [{table}]: "
+    line = one_problem(tmp_path, text, f"key '{key}'")
+    assert line.startswith(where), line
+    if value != "-inf":  # below the lower bound first
+        assert "finite" in line and bound in line, line
+
+
+@pytest.mark.parametrize("key", sorted(TIMING_BOUNDS))
+def test_durations_at_their_bound_are_accepted(tmp_path: Path, key: str) -> None:
+    bound = float(TIMING_BOUNDS[key].split()[0])
+    table = "probe" if key in PROBE_KEYS else "restart"
+    extra = "backoff_max_s = 86400\n" if key == "backoff_initial_s" else ""
+    config = load_config(write(tmp_path, f"[{table}]\n{key} = {bound}\n{extra}" + engine_toml()))
+    assert getattr(getattr(config.engines[0], table), key) == bound
+
+
+@pytest.mark.parametrize(("table", "key", "value", "bound"), [
+    ("probe", "failure_threshold", 1001, "between 1 and 1000"),
+    ("restart", "max_restarts", 10_001, "between 0 and 10000"),
+    ("restart", "max_restarts", 2**62, "between 0 and 10000"),
+])
+def test_counts_are_bounded(tmp_path: Path, table: str, key: str, value: int,
+                            bound: str) -> None:
+    one_problem(tmp_path, f"[{table}]\n{key} = {value}\n" + engine_toml(), f"[{table}]",
+                f"key '{key}'", bound, str(value))
+
+
+# ------------------------------------------------------------------ names, paths, endpoints
+
+
+def test_the_control_path_must_fit_a_unix_socket_address(tmp_path: Path) -> None:
+    """`run` died with a raw ZMQError on a path over 107 bytes; check-config must refuse it."""
+    longest = "/tmp/" + "c" * (107 - len("/tmp/"))
+    config = load_config(write(tmp_path, f'control = "ipc://{longest}"\n'))
+    assert config.control == f"ipc://{longest}"
+    one_problem(tmp_path, f'control = "ipc://{longest}c"\n', "key 'control'", "108 bytes", "107")
+    # The limit counts bytes, not characters.
+    one_problem(tmp_path, f'control = "ipc://{longest[:-1]}é"\n', "key 'control'", "108 bytes")
+
+
+def test_the_control_socket_must_not_be_abstract(tmp_path: Path) -> None:
+    one_problem(tmp_path, 'control = "ipc://@rollout-watchdog"\n', "key 'control'", "abstract",
+                "0600")
+
+
+@pytest.mark.parametrize("control", ["ipc://", "ipc:///tmp/a\\u0000b", "ipc:///tmp/a\\nb"])
+def test_the_control_path_must_be_a_usable_name(tmp_path: Path, control: str) -> None:
+    one_problem(tmp_path, f'control = "{control}"\n', "key 'control'")
+
+
+@pytest.mark.parametrize("coordinator", [
+    "tcp://10.0.0.5:5555", "tcp://head-node.cluster.local:1", "tcp://[::1]:65535",
+    "tcp://[fe80::1]:5555", "ipc:///run/rollout-watchdog/coordinator", "ipc://@coordinator",
+])
+def test_coordinator_endpoints_that_are_accepted(tmp_path: Path, coordinator: str) -> None:
+    assert load_config(write(tmp_path, f'coordinator = "{coordinator}"\n')).coordinator == (
+        coordinator)
+
+
+@pytest.mark.parametrize("coordinator", [
+    "", "10.0.0.5:5555", "http://10.0.0.5:5555", "tcp://10.0.0.5", "tcp://10.0.0.5:0",
+    "tcp://10.0.0.5:65536", "tcp://10.0.0.5:port", "tcp://:5555", "tcp://*:5555",
+    "tcp://[not-ipv6]:5555", "tcp://host name:5555", "tcp://-bad-.host:5555",
+    "tcp://10.0.0.5:5555/path", "tcp://10.0.0.5:\\u0661\\u0662", "ipc://", "udp://10.0.0.5:5555",
+    "ipc:///" + "x" * 120,
+])
+def test_coordinator_must_be_a_zmq_endpoint(tmp_path: Path, coordinator: str) -> None:
+    one_problem(tmp_path, f'coordinator = "{coordinator}"\n', "key 'coordinator'")
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("node_id", ""), ("node_id", "gpu node 17"), ("node_id", "gpu-node\\n17"),
+    ("node_id", "n" * 256), ("node_id", "gpu-node-17\\u202e"), ("state_dir", ""),
+    ("state_dir", "/var/lib/rw\\r\\n"),
+])
+def test_node_id_and_state_dir_must_be_usable_names(tmp_path: Path, key: str,
+                                                    value: str) -> None:
+    one_problem(tmp_path, f'{key} = "{value}"\n' + engine_toml(), f"key '{key}'")
+
+
+@pytest.mark.parametrize("key", ["health_path", "progress_path"])
+@pytest.mark.parametrize("path", ["/health generate", "/health\\r\\nX-Injected: 1", "/h\\tx",
+                                  "health", "/h\\u00e9", "/h\\u0000"])
+def test_probe_paths_must_fit_on_the_request_line(tmp_path: Path, key: str, path: str) -> None:
+    one_problem(tmp_path, f'[probe]\n{key} = "{path}"\n' + engine_toml(), "[probe]",
+                f"key '{key}'", "printable ASCII")
+
+
+def test_probe_paths_with_a_query_are_accepted(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, '[probe]\nhealth_path = "/health?deep=1"\n'
+                                         'progress_path = "/metrics"\n'))
+    assert (config.probe.health_path, config.probe.progress_path) == ("/health?deep=1",
+                                                                     "/metrics")
+
+
+@pytest.mark.parametrize("gpus", ["[99999999]", "[1024]", "[0, 2000, 3000]"])
+def test_gpu_indices_are_bounded(tmp_path: Path, gpus: str) -> None:
+    line = one_problem(tmp_path, engine_toml().replace("gpus = [0]", f"gpus = {gpus}"),
+                       "engine 'e0'", "key 'gpus'", "0 to 1023")
+    assert "[0," not in line  # names only the bad values
+
+
+def test_the_highest_gpu_index_is_accepted(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, engine_toml(gpus=(1023,)))).engines[0].gpus == (1023,)
+
+
+@pytest.mark.parametrize("engine_id", ["e0\\n", "e0 ", " e0", "e\\u202e0", "--all", "a/../../b",
+                                       "../e0", "e" * 65, "", "-e0", ".e0"])
+def test_engine_ids_outside_the_rule_are_refused(tmp_path: Path, engine_id: str) -> None:
+    text = engine_toml().replace('id = "e0"', f'id = "{engine_id}"')
+    one_problem(tmp_path, text, "engine #1", "key 'id'")
+
+
+@pytest.mark.parametrize("engine_id", [
+    "e0\n", "e0 ", "e\u202e0", "--all", "a/../../b", "x" * 60_000, "", 7, None, ["e0"]])
+def test_check_engine_id_names_the_problem(engine_id: object) -> None:
+    problem = check_engine_id(engine_id)
+    assert problem is not None and "letters, digits" in problem
+    assert "\n" not in problem and len(problem) < 200  # one short line, even for 60,000 chars
+
+
+@pytest.mark.parametrize("engine_id", ["e0", "E", "0", "gpu-node-17.e_3", "e" * 64])
+def test_check_engine_id_accepts_the_rule(engine_id: str) -> None:
+    assert check_engine_id(engine_id) is None
+
+
+# ------------------------------------------------------------------ engine logs
+
+
+def test_engine_log_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, engine_toml()))
+    assert (config.engine_log, config.engine_log_max_bytes, config.engine_log_backups) == (
+        "auto", 100 * 1024 * 1024, 2)
+
+
+def test_engine_log_keys_are_read(tmp_path: Path) -> None:
+    text = 'engine_log = "file"\nengine_log_max_bytes = 65536\nengine_log_backups = 0\n'
+    config = load_config(write(tmp_path, text))
+    assert (config.engine_log, config.engine_log_max_bytes, config.engine_log_backups) == (
+        "file", 65536, 0)
+
+
+@pytest.mark.parametrize(("line", "fragments"), [
+    ('engine_log = "syslog"', ("'engine_log'", "auto", "file", "journal", "'syslog'")),
+    ("engine_log_max_bytes = 65535", ("'engine_log_max_bytes'", ">= 65536")),
+    ('engine_log_max_bytes = "100M"', ("'engine_log_max_bytes'", "integer")),
+    ("engine_log_backups = 101", ("'engine_log_backups'", "between 0 and 100")),
+    ("engine_log_backups = -1", ("'engine_log_backups'", "between 0 and 100")),
+])
+def test_engine_log_keys_are_checked(tmp_path: Path, line: str,
+                                     fragments: tuple[str, ...]) -> None:
+    one_problem(tmp_path, line + "\n" + engine_toml(), *fragments)
