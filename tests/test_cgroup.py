@@ -153,8 +153,8 @@ def test_cgroup_kill_takes_the_whole_incarnation(test_cgroup: Path) -> None:
         # Populated 0 while the main process is still an unreaped zombie of the daemon: the
         # daemon may read "everything is gone" before it reaps.
         assert killed["main_state"] == "Z"
-        for pid in (child, helper):
-            wait_until(lambda pid=pid: _gone(pid), 10, what=f"pid {pid} to be gone")
+        wait_until(lambda: _gone(child) and _gone(helper), 10, what="the child and the helper "
+                   "to be gone")
         assert daemon.poll() is None, "cgroup.kill reached the daemon's own cgroup"
 
         assert ask() == {"removed": True, "exists": False}
