@@ -168,7 +168,7 @@ def test_idle_connections_cost_no_thread_and_a_scrape_gets_through() -> None:
     threads = _threads()
     clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(300)]
     try:
-        assert _threads() == threads
+        assert _threads() <= threads
         started = time.monotonic()
         samples = _scrape(f"http://127.0.0.1:{port}/metrics")
         assert time.monotonic() - started < 2.0
@@ -179,7 +179,7 @@ def test_idle_connections_cost_no_thread_and_a_scrape_gets_through() -> None:
             closed.update(i for i, c in enumerate(clients) if i not in closed and _closed(c))
             return len(closed) >= 300 - 64
         wait_until(evicted, 5, what="the server to close all but 64 idle connections")
-        assert _threads() == threads
+        assert _threads() <= threads
     finally:
         for client in clients:
             client.close()
