@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from enum import Enum
 
 import pytest
 import requests
 
+from rollout_watchdog.emulator.testing import wait_until
 from rollout_watchdog.watchdog.metrics import STATES, Metrics
 
 
@@ -18,18 +20,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[Metrics, str]]:
-    metrics = Metrics()
-    # Another process could take the port between the probe and the bind: retry a few times.
+def _start(metrics: Metrics, **kwargs: float) -> int:
+    """Start the server on a free port; another process could take the port between the probe
+    and the bind, so retry a few times."""
     for attempt in range(5):
         port = _free_port()
         try:
-            metrics.start_server(port)
-            break
+            metrics.start_server(port, **kwargs)  # type: ignore[arg-type]
+            return port
         except OSError:
             if attempt == 4:
                 raise
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Metrics, str]]:
+    metrics = Metrics()
+    port = _start(metrics)
     yield metrics, f"http://127.0.0.1:{port}/metrics"
     metrics.stop_server()
 
@@ -133,3 +141,89 @@ def test_str_enums_label_by_value() -> None:
 def test_unknown_state_rejected() -> None:
     with pytest.raises(ValueError):
         Metrics().set_state("e0", "zombie")
+
+
+def _threads() -> int:
+    """Threads of this process, as the kernel counts them."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closed this idle client connection (EOF or reset)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_cost_no_thread_and_a_scrape_gets_through() -> None:
+    """300 idle connections: no thread each, at most 64 kept open, and a fresh scrape answers."""
+    metrics = Metrics()
+    metrics.set_state("e0", "healthy")
+    port = _start(metrics)
+    threads = _threads()
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(300)]
+    try:
+        assert _threads() <= threads
+        started = time.monotonic()
+        samples = _scrape(f"http://127.0.0.1:{port}/metrics")
+        assert time.monotonic() - started < 2.0
+        assert samples['rollout_watchdog_engine_state{engine="e0",state="healthy"}'] == 1
+        closed: set[int] = set()
+
+        def evicted() -> bool:
+            closed.update(i for i, c in enumerate(clients) if i not in closed and _closed(c))
+            return len(closed) >= 300 - 64
+        wait_until(evicted, 5, what="the server to close all but 64 idle connections")
+        assert _threads() <= threads
+    finally:
+        for client in clients:
+            client.close()
+        metrics.stop_server()
+
+
+def test_idle_and_slow_connections_time_out() -> None:
+    metrics = Metrics()
+    port = _start(metrics, timeout_s=0.3)
+    idle = socket.create_connection(("127.0.0.1", port), timeout=5)
+    slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        started = time.monotonic()
+        slow.sendall(b"GET /metr")
+        wait_until(lambda: _closed(idle) and _closed(slow), 5,
+                   what="the server to close an idle and a slow connection")
+        assert time.monotonic() - started >= 0.25  # closed by the timeout, not at once
+    finally:
+        idle.close()
+        slow.close()
+        metrics.stop_server()
+
+
+def test_answers_other_requests_plainly(served: tuple[Metrics, str]) -> None:
+    _, url = served
+    base = url.rsplit("/", 1)[0]
+    assert requests.get(f"{base}/other", timeout=5).status_code == 404
+    assert requests.post(url, timeout=5).status_code == 405
+    head = requests.head(url, timeout=5)
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["Content-Length"]) > 0
+    assert requests.get(f"{url}?name[]=x", timeout=5).status_code == 200
+
+
+def test_stop_server_releases_the_port() -> None:
+    metrics = Metrics()
+    port = _start(metrics)
+    _scrape(f"http://127.0.0.1:{port}/metrics")  # leaves the server side in TIME_WAIT
+    metrics.stop_server()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    again = Metrics()  # a daemon restarted in this process binds the same port
+    again.start_server(port)
+    try:
+        _scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        again.stop_server()

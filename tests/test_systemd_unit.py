@@ -68,6 +68,7 @@ def test_unit_key_settings() -> None:
     assert service["Type"] == "notify"
     assert service["NotifyAccess"] == "main"
     assert service["KillMode"] == "process"
+    assert service["Delegate"] == "yes"  # a cgroup per engine incarnation (watchdog/cgroup.py)
     assert service["Restart"] in ("on-failure", "always")
     assert service["OOMPolicy"] == "continue"
     assert service["RuntimeDirectory"] == "rollout-watchdog"

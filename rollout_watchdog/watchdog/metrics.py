@@ -17,9 +17,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
 )
 from prometheus_client.metrics import MetricWrapperBase
+
+from .metrics_server import MAX_CONNECTIONS, TIMEOUT_S, MetricsServer
 
 STATES = ("starting", "healthy", "suspect", "stopping", "backoff", "failed", "stopped")
 
@@ -97,7 +98,7 @@ class Metrics:
         # Label sets created per engine, so remove_engine can drop exactly those series.
         self._series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
         self._lock = threading.Lock()
-        self._server: Any = None
+        self._server: MetricsServer | None = None
 
     def _labels(self, metric: MetricWrapperBase, engine: str, *rest: str) -> Any:
         """The child of ``metric`` for these labels, remembered under ``engine``.
@@ -110,17 +111,21 @@ class Metrics:
             self._series.setdefault(values[0], set()).add((metric, values))
         return metric.labels(*values)
 
-    def start_server(self, port: int, host: str = "127.0.0.1") -> None:
-        """Serve ``/metrics`` over HTTP from a daemon thread; OSError if the port is taken."""
-        self._server = start_http_server(port, addr=host, registry=self.registry)
+    def start_server(self, port: int, host: str = "127.0.0.1", *,
+                     max_connections: int = MAX_CONNECTIONS, timeout_s: float = TIMEOUT_S
+                     ) -> None:
+        """Serve ``/metrics`` over HTTP from one thread, with bounded connections (see
+        metrics_server); OSError if the port is taken."""
+        self.stop_server()
+        server = MetricsServer(self.render, host, port, max_connections=max_connections,
+                               timeout_s=timeout_s)
+        server.start()
+        self._server = server
 
     def stop_server(self) -> None:
-        """Close the HTTP server, so a restarted daemon in the same process can bind again."""
-        if isinstance(self._server, tuple):  # (server, thread); old prometheus_client: None
-            server, thread = self._server
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
+        """Close the HTTP server and its port, so a restarted daemon in this process can bind."""
+        if self._server is not None:
+            self._server.stop()
         self._server = None
 
     def set_state(self, engine: str, state: str) -> None:
