@@ -38,6 +38,9 @@ GPU_CHECKS = ("auto", "nvml", "none")
 # Flags whose value is a port the engine binds; they must be free before a relaunch.
 PORT_FLAGS = ("--port", "--nccl-port")
 ENGINE_LOGS = ("auto", "file", "journal")
+# How every process of an engine incarnation is kept findable: a delegated cgroup v2 per
+# incarnation, or the subreaper and the environment marker; auto: cgroup under systemd.
+CONTAINMENTS = ("auto", "cgroup", "subreaper")
 MAX_GPU_INDEX = 1023
 DEFAULT_ENGINE_LOG_MAX_BYTES = 100 * 1024 * 1024
 DEFAULT_ENGINE_LOG_BACKUPS = 2
@@ -133,6 +136,7 @@ class NodeConfig:
     engine_log: str = "auto"
     engine_log_max_bytes: int = DEFAULT_ENGINE_LOG_MAX_BYTES
     engine_log_backups: int = DEFAULT_ENGINE_LOG_BACKUPS
+    containment: str = "auto"
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
 
@@ -421,8 +425,8 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
     problems: list[str] = []
     c = _Checker(problems, "", data)
     c.unknown({"node_id", "coordinator", "control", "state_dir", "metrics_port", "metrics_host",
-               "gpu_check", "engine_log", "engine_log_max_bytes", "engine_log_backups", "probe",
-               "restart", "engine"})
+               "gpu_check", "engine_log", "engine_log_max_bytes", "engine_log_backups",
+               "containment", "probe", "restart", "engine"})
     node_id = _node_id(c)
     coordinator = c.string("coordinator", None)
     if coordinator is not None and (problem := endpoint_problem(coordinator)):
@@ -439,6 +443,7 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
     metrics_port = c.integer("metrics_port", None, minimum=1, maximum=65535)
     metrics_host = c.string("metrics_host", "127.0.0.1") or "127.0.0.1"
     gpu_check = c.string("gpu_check", "auto", choices=GPU_CHECKS) or "auto"
+    containment = c.string("containment", "auto", choices=CONTAINMENTS) or "auto"
     probe = _read_probe(problems, "[probe]: ", data.get("probe", {}), ProbeConfig())
     restart = _read_restart(problems, "[restart]: ", data.get("restart", {}), RestartConfig())
 
@@ -477,7 +482,8 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
                       control=control, state_dir=state_dir, metrics_port=metrics_port,
                       metrics_host=metrics_host, gpu_check=gpu_check, engine_log=engine_log,
                       engine_log_max_bytes=engine_log_max_bytes,
-                      engine_log_backups=engine_log_backups, probe=probe, restart=restart)
+                      engine_log_backups=engine_log_backups, containment=containment,
+                      probe=probe, restart=restart)
 
 
 def load_config(path: str | Path, *, check_commands: bool = True) -> NodeConfig:

@@ -56,7 +56,7 @@ root, why = probe_delegated_root()
 assert root is not None, why
 cgroups = CgroupManager(root)
 cgroups.prepare()
-path = cgroups.create("e0", 1)
+path = cgroups.create("e0", 1, "t0")
 engine = subprocess.Popen(cgroups.command(path, [sys.executable, "-c", sys.argv[1]]),
                           stdout=subprocess.PIPE, start_new_session=True)
 pids = json.loads(engine.stdout.readline())
@@ -137,15 +137,15 @@ def test_cgroup_kill_takes_the_whole_incarnation(test_cgroup: Path) -> None:
         main, child, helper = (int(str(info[k])) for k in ("main", "child", "helper"))
         assert Path(str(info["root"])) == test_cgroup
         assert str(info["own"]).endswith(f"/{test_cgroup.name}/{DAEMON_LEAF}\n")
-        assert path == test_cgroup / "engine-e0-1"
-        assert CgroupManager(test_cgroup).existing() == {("e0", 1): path}
+        assert path == test_cgroup / "engine-e0-1-t0"
+        assert CgroupManager(test_cgroup).existing() == [path]
         # The helper left the engine's session and its parent died; the kernel still has it.
         assert os.getsid(helper) != os.getsid(main)
         wait_until(lambda: CgroupManager.pids(path) == sorted((main, child, helper)), 10,
                    what="exactly the engine's three processes in its cgroup")
         assert CgroupManager.populated(path)
         with pytest.raises(CgroupError, match="already holds processes"):
-            CgroupManager(test_cgroup).create("e0", 1)
+            CgroupManager(test_cgroup).create("e0", 1, "t0")
 
         killed = ask()
         assert killed["killed"] is True
@@ -188,10 +188,10 @@ def test_parsing_and_fallback(tmp_path: Path) -> None:
     assert mode_of(CgroupManager(tmp_path)) == MODE_CGROUP
     assert not CgroupManager.populated(tmp_path / "gone")
     assert CgroupManager.pids(tmp_path / "gone") == []
-    for name in ("engine-e0-1", "engine-a-b-12", "engine-x", "daemon", "engine--3"):
+    for name in ("engine-e0-1-t0", "engine-a-b-12-t1", "daemon", "other"):
         (tmp_path / name).mkdir()
-    assert CgroupManager(tmp_path).existing() == {
-        ("e0", 1): tmp_path / "engine-e0-1", ("a-b", 12): tmp_path / "engine-a-b-12"}
+    assert sorted(CgroupManager(tmp_path).existing()) == [
+        tmp_path / "engine-a-b-12-t1", tmp_path / "engine-e0-1-t0"]
     with pytest.raises(FileNotFoundError):
         CgroupManager.command(tmp_path, ["no-such-engine-binary"], {"PATH": "/usr/bin"})
     # Where the join fails (here: the cgroup is gone), the command must not run at all.

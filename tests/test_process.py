@@ -48,12 +48,23 @@ def test_identity_is_pid_plus_start_time() -> None:
     assert open_pidfd(ProcKey(me.pid, me.start_time - 50)) is None
 
 
+def _exe(pid: int) -> str:
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return ""
+
+
 def test_descendants_walk_the_whole_tree() -> None:
     outer = subprocess.Popen([sys.executable, "-c",
                               "import subprocess,sys; subprocess.run(['sleep', '30'])"])
     try:
-        tree = wait_for(lambda: descendants([outer.pid])[outer.pid], 10, "the grandchild")
-        assert any(os.path.basename(os.readlink(f"/proc/{k.pid}/exe")) == "sleep" for k in tree)
+        def sleeping() -> list[ProcKey] | None:
+            # the grandchild is a python fork for a moment before it execs sleep
+            tree = descendants([outer.pid])[outer.pid]
+            return tree if any(_exe(k.pid) == "sleep" for k in tree) else None
+
+        assert wait_for(sleeping, 10, "the grandchild, running sleep")
     finally:
         for key in descendants([outer.pid])[outer.pid]:
             os.kill(key.pid, signal.SIGKILL)

@@ -146,14 +146,14 @@ class CgroupManager:
         except OSError as exc:
             raise CgroupError(f"cannot move the daemon into {leaf}: {exc.strerror}") from exc
 
-    def path(self, engine_id: str, incarnation: int) -> Path:
-        """Where this incarnation's cgroup is (or would be): named so that it can be found."""
-        return self.root / f"{ENGINE_PREFIX}{engine_id}-{incarnation}"
+    def path(self, engine_id: str, incarnation: int, token: str) -> Path:
+        """Where this launch's cgroup is: named by engine, incarnation and the launching
+        daemon's token, so that two daemons' launches never share one."""
+        return self.root / f"{ENGINE_PREFIX}{engine_id}-{incarnation}-{token}"
 
-    def create(self, engine_id: str, incarnation: int) -> Path:
-        """The empty cgroup for this incarnation; an existing one must be empty (CgroupError if
-        not: a copy launched by an earlier daemon runs in it and must be dealt with first)."""
-        path = self.path(engine_id, incarnation)
+    def create(self, engine_id: str, incarnation: int, token: str) -> Path:
+        """The empty cgroup for this launch (CgroupError if it already holds processes)."""
+        path = self.path(engine_id, incarnation, token)
         try:
             path.mkdir(exist_ok=True)
         except OSError as exc:
@@ -162,20 +162,14 @@ class CgroupManager:
             raise CgroupError(f"{path} already holds processes: {self.pids(path)}")
         return path
 
-    def existing(self) -> dict[tuple[str, int], Path]:
-        """Every engine cgroup under the root by (engine id, incarnation): after a daemon
-        restart, the cgroups of adopted engines and of copies that were never recorded."""
-        found: dict[tuple[str, int], Path] = {}
+    def existing(self) -> list[Path]:
+        """Every engine cgroup under the root: after a daemon restart, those of adopted engines
+        and of copies that were never recorded."""
         try:
             entries = list(os.scandir(self.root))
         except OSError as exc:
             raise CgroupError(f"cannot list {self.root}: {exc.strerror}") from exc
-        for entry in entries:
-            name = entry.name
-            engine_id, _, inc = name[len(ENGINE_PREFIX):].rpartition("-")
-            if name.startswith(ENGINE_PREFIX) and engine_id and inc.isdigit() and entry.is_dir():
-                found[(engine_id, int(inc))] = Path(entry.path)
-        return found
+        return [Path(e.path) for e in entries if e.name.startswith(ENGINE_PREFIX) and e.is_dir()]
 
     @staticmethod
     def command(path: Path, argv: list[str], env: dict[str, str] | None = None) -> list[str]:

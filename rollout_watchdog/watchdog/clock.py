@@ -14,6 +14,10 @@ class Clock:
     def wall(self) -> float:
         return time.time()
 
+    def since_boot(self) -> float:
+        """Seconds since boot: the clock of the kernel's process start times."""
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+
     def to_wall(self, monotonic: float) -> float:
         """A monotonic moment on the wall clock (for display)."""
         return self.wall() + (monotonic - self.monotonic())

@@ -26,9 +26,18 @@ from typing import Any, Protocol
 import zmq
 
 from rollout_watchdog.config import NodeConfig
+from rollout_watchdog.logs import dropped_log_lines
 from rollout_watchdog.watchdog import adoption, timers
+from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, probe_delegated_root
 from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.watchdog.containment import (
+    marker_prefix,
+    raise_nofile_limit,
+    reap_children,
+    set_child_subreaper,
+)
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime
+from rollout_watchdog.watchdog.enginelog import LogRotator, engine_log_path
 from rollout_watchdog.watchdog.events import EventLog
 from rollout_watchdog.watchdog.gpu import GpuInspector, make_inspector
 from rollout_watchdog.watchdog.metrics import Metrics
@@ -36,7 +45,7 @@ from rollout_watchdog.watchdog.probe import ProbeRunner
 from rollout_watchdog.watchdog.process import ProcessOps
 from rollout_watchdog.watchdog.publish import Publisher, log_event, metrics_subscriber
 from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
-from rollout_watchdog.watchdog.statefile import load_state, save_state
+from rollout_watchdog.watchdog.statefile import load_state, make_reserve, save_state
 from rollout_watchdog.watchdog.states import Cause, EngineState
 from rollout_watchdog.watchdog.supervisor import Supervisor
 from rollout_watchdog.watchdog.tracker import ProcessTracker
@@ -100,11 +109,14 @@ class Daemon:
         self._shutdown_started = False
         self.sweep_interval = min([config.probe.liveness_interval_s]
                                   + [e.probe.liveness_interval_s for e in config.engines])
-        self._next_sweep = 0.0
+        self._next_sweep = self.clock.monotonic() + self.sweep_interval
         self._next_notify = 0.0
         self._last_summary = ""
         self._sig_r, self._sig_w = os.pipe()
         self._lock_fd: int | None = None
+        self.log_rotator = LogRotator(
+            lambda: [engine_log_path(self.state_dir, e.id) for e in config.engines],
+            config.engine_log_max_bytes, config.engine_log_backups)
 
     @property
     def boot_id(self) -> str:
@@ -140,6 +152,10 @@ class Daemon:
     def setup(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock_state_dir()
+        self._contain()
+        if not make_reserve(self.state_path):
+            log.warning("cannot set disk aside for the state file in %s", self.state_dir)
+        self.log_rotator.start()
         if self.supervisor.inspector is None:
             self.supervisor.set_inspector(make_inspector(self.config.gpu_check))
         if self.config.metrics_port:
@@ -161,6 +177,33 @@ class Daemon:
         signal.set_wakeup_fd(self._sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
+
+    def _contain(self) -> None:
+        """Nothing of an incarnation may outlive it: descriptors to watch every process, the
+        subreaper, and a cgroup per incarnation where one is delegated."""
+        old, new = raise_nofile_limit()
+        if new != old:
+            log.info("open file limit raised from %d to %d", old, new)
+        if not set_child_subreaper():
+            log.warning("cannot become a child subreaper: processes that leave an engine's tree "
+                        "are found by their marker alone")
+        self.tracker.marker_prefix = marker_prefix(self.supervisor.marker_node)
+        mode = self.config.containment
+        if mode == "subreaper" or (mode == "auto" and not os.environ.get("INVOCATION_ID")):
+            return
+        root, why = probe_delegated_root()
+        try:
+            if root is None:
+                raise CgroupError(why)
+            cgroups = CgroupManager(root)
+            cgroups.prepare()
+        except CgroupError as exc:
+            if mode == "cgroup":
+                raise RuntimeError(f"containment = \"cgroup\", but {exc}") from None
+            log.warning("no delegated cgroup v2 (%s): subreaper and marker in force", exc)
+            return
+        self.supervisor.cgroups = cgroups
+        log.info("one cgroup per engine incarnation under %s", root)
 
     def _lock_state_dir(self) -> None:
         """One daemon per state dir: two would adopt, and then kill, each other's engines."""
@@ -217,6 +260,7 @@ class Daemon:
             participant.close()
         self.participants.clear()
         self.probes.close()
+        self.log_rotator.stop()
         self.metrics.stop_server()
         log.info("daemon exits (%s)", self.shutdown_requested or "done")
 
@@ -236,6 +280,7 @@ class Daemon:
         if self.shutdown_requested and not self._shutdown_started:
             self.begin_shutdown()
         self.tracker.handle(ready)
+        self._reap()
         if self.probes.wake_r in ready:
             for result in self.probes.drain():
                 self.metrics.probe(result.engine, result.finished - result.started, result.ok)
@@ -247,8 +292,7 @@ class Daemon:
         self.tracker.poll_unwatched(now)
         if now >= self._next_sweep:
             self._next_sweep = now + self.sweep_interval
-            if self.tracker.sweep([e for e in self.engines.values() if e.state.running]):
-                sup.dirty = True
+            self._sweep()
         for engine in list(self.engines.values()):
             sup.tick(engine, now)
         for participant in self.participants:
@@ -260,11 +304,29 @@ class Daemon:
         self._notify_systemd(now)
         self.metrics.loop_iteration(self.clock.monotonic() - started)
 
+    def _sweep(self) -> None:
+        """One scan of the process table serves every engine: trees refreshed, escaped
+        processes taken back or killed, leftover cgroups cleaned."""
+        sup = self.supervisor
+        table = self.ops.process_table()
+        if self.tracker.sweep([e for e in self.engines.values() if e.state.running], table):
+            sup.dirty = True
+        if sup.take_in_escapees(table):
+            sup.dirty = True
+        sup.clean_cgroups()
+        self.metrics.set_log_lines_dropped(dropped_log_lines())
+
+    def _reap(self) -> None:
+        """Reap the orphans that re-parented to the daemon (its subreaper duty), but not the
+        engines' own main processes: their exit status is read, then reaped, by Popen."""
+        keep = {e.popen.pid for e in self.engines.values()
+                if e.popen is not None and e.popen.returncode is None}
+        reap_children(keep)
+
     def next_deadline(self, now: float) -> float:
         """The earliest moment the loop has something to do without an event."""
         deadlines = [now + MAX_SLEEP_S]
-        if any(e.state.running for e in self.engines.values()):
-            deadlines.append(self._next_sweep)
+        deadlines.append(self._next_sweep)
         deadlines += [d for e in self.engines.values()
                       if (d := timers.next_deadline(e)) is not None]
         deadlines += [d for p in self.participants if (d := p.next_deadline()) is not None]

@@ -71,6 +71,8 @@ class EngineRuntime:
     consecutive_failures: int = 0
     last_failure: Failure | None = None
     # the current incarnation's processes
+    marker: str = ""            # in the environment of every process of this incarnation
+    cgroup: str = ""            # its cgroup, where the daemon runs with a delegated one
     main: ProcKey | None = None
     popen: subprocess.Popen[bytes] | None = None
     returncode: int | None = None
@@ -112,6 +114,8 @@ class EngineRuntime:
         """Forget the previous processes; a relaunch starts with probes active (a pause belongs
         to the incarnation it was given to)."""
         self.incarnation += 1
+        self.marker = ""
+        self.cgroup = ""
         self.main = None
         self.popen = None
         self.returncode = None

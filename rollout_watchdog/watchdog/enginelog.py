@@ -13,6 +13,8 @@ import errno
 import logging
 import os
 import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rollout_watchdog.config import NodeConfig
@@ -167,3 +169,30 @@ def _copy_tail(source: Path, target: Path, max_bytes: int) -> None:
             os.close(dst)
     finally:
         os.close(src)
+
+
+class LogRotator:
+    """Rotates the engine logs from a thread of its own: rotation copies up to max_bytes of
+    file, I/O that the daemon's loop must never wait for."""
+
+    def __init__(self, paths: Callable[[], list[Path]], max_bytes: int, backups: int,
+                 interval_s: float = 1.0) -> None:
+        self._paths = paths
+        self._max_bytes = max_bytes
+        self._backups = backups
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="log-rotator", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            for path in self._paths():
+                rotate_if_needed(path, self._max_bytes, self._backups)
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(wait_s)

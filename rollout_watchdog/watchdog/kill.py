@@ -14,6 +14,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, KillJob, KillPhase
 from rollout_watchdog.watchdog.gpu import GpuInspector, gpu_holders
@@ -81,6 +82,10 @@ def _targets(group: int | None, pids: list[int]) -> str:
 
 
 def any_alive(engine: EngineRuntime, ops: ProcessOps) -> bool:
+    """A process of the engine is left: one we know, or any in its cgroup (where it has one,
+    the kernel's own answer: nothing escapes a cgroup)."""
+    if engine.cgroup and ops.cgroup_populated(Path(engine.cgroup)):
+        return True
     return any(ops.is_alive(k) for k in engine.alive_procs())
 
 
@@ -110,19 +115,20 @@ def advance(engine: EngineRuntime, ctx: KillContext, now: float) -> Outcome:
             ctx.refresh_tree(engine)  # an escaped process found only now is killed too
         if any_alive(engine, ops):
             if now >= job.deadline:
+                left = [str(k.pid) for k in engine.alive_procs() if ops.is_alive(k)]
                 job.problems = [f"still alive {engine.cfg.restart.kill_timeout_s:g} s after "
-                                "SIGKILL: " + ", ".join(str(k.pid) for k in engine.alive_procs()
-                                                        if ops.is_alive(k))]
+                                "SIGKILL: " + (", ".join(left) or f"cgroup {engine.cgroup}")]
                 return Outcome.UNKILLABLE
             _sigkill_all(engine, job, ctx, quiet=True)  # processes forked meanwhile
             return Outcome.PENDING
         if engine.popen is not None:
             engine.returncode = engine.popen.poll()  # reaps it, if nothing did yet
-        if job.after == AfterKill.STOP or not engine.cfg.command:
-            return Outcome.DONE  # nothing will be relaunched here: no resources to wait for
         job.phase = KillPhase.RELEASE
         job.deadline = now + engine.cfg.restart.release_timeout_s
         job.next_check = now
+    if job.phase == KillPhase.RELEASE and (job.after == AfterKill.STOP
+                                           or not engine.cfg.command):
+        return Outcome.DONE  # nothing will be relaunched here (a stop may come meanwhile)
     if job.phase == KillPhase.RELEASE and now >= job.next_check:
         problems = release_problems(engine, ctx.inspector, ops)
         if not problems:
@@ -142,6 +148,8 @@ def _sigkill_all(engine: EngineRuntime, job: KillJob, ctx: KillContext,
     """SIGKILL to the group and to every process ever seen in the tree."""
     ops = ctx.ops
     group = engine_group(engine, ops)
+    if engine.cgroup:
+        ops.cgroup_kill(Path(engine.cgroup))
     if group is not None:
         ops.signal_group(group, signal.SIGKILL)
     sent = [k.pid for k in engine.alive_procs() if ops.signal_proc(k, signal.SIGKILL)]

@@ -90,6 +90,11 @@ class Metrics:
             "Duration of one iteration of the daemon's main loop.",
             buckets=_LOOP_BUCKETS, registry=reg,
         )
+        self._log_dropped = Gauge(
+            "rollout_watchdog_log_lines_dropped",
+            "Log lines dropped since the daemon started because its stderr was not read.",
+            registry=reg,
+        )
         self._bad_control = Counter(
             "rollout_watchdog_bad_control_messages_total",
             "Control messages that were malformed, oversized or unknown, and were rejected.",
@@ -160,6 +165,10 @@ class Metrics:
     def detection(self, engine: str, cause: str, seconds: float) -> None:
         """Record how long a failure took to be declared after its first evidence."""
         self._labels(self._detection, engine, cause).observe(seconds)
+
+    def set_log_lines_dropped(self, n: int) -> None:
+        """Record how many log lines a stalled stderr reader cost so far."""
+        self._log_dropped.set(n)
 
     def loop_iteration(self, seconds: float) -> None:
         """Record the duration of one main loop iteration."""

@@ -9,9 +9,11 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+
+from rollout_watchdog.watchdog.cgroup import CgroupManager
+from rollout_watchdog.watchdog.containment import read_marker
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -43,6 +45,7 @@ class ProcStat:
     ppid: int
     pgrp: int
     start_time: float
+    comm: str = ""          # the kernel's 15-character name (what PR_SET_NAME sets)
 
     @property
     def alive(self) -> bool:
@@ -64,9 +67,11 @@ def read_stat(pid: int) -> ProcStat | None:
         return None
     try:
         # after "pid (comm)": state, ppid, pgrp, ..., starttime is the 20th
-        fields = data.rsplit(b")", 1)[1].split()
+        head, tail = data.rsplit(b")", 1)
+        fields = tail.split()
         return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]),
-                        int(fields[19]) / CLOCK_TICKS)
+                        int(fields[19]) / CLOCK_TICKS,
+                        head.split(b"(", 1)[1].decode(errors="replace"))
     except (IndexError, ValueError):
         return None  # an empty read: the process went away while we read
 
@@ -97,15 +102,13 @@ def is_alive(key: ProcKey) -> bool:
     return stat is not None and stat.start_time == key.start_time and stat.alive
 
 
-def launch(command: tuple[str, ...], env: Mapping[str, str], log_path: Path,
+def launch(command: Sequence[str], env: Mapping[str, str], output: int,
            cwd: str | None = None) -> subprocess.Popen[bytes]:
     """Start an engine in a new session (so its whole group can be signalled, and a daemon
-    crash does not take it down), with output appended to its log file."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(list(command), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                close_fds=True)
+    crash does not take it down), with stdout and stderr on the `output` descriptor."""
+    return subprocess.Popen(list(command), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=output, stderr=output, start_new_session=True,
+                            close_fds=True)
 
 
 def open_pidfd(key: ProcKey) -> int | None:
@@ -265,3 +268,7 @@ class ProcessOps:
     port_bindable = staticmethod(port_bindable)
     peek_exit = staticmethod(peek_exit)
     is_kernel_thread = staticmethod(is_kernel_thread)
+    cgroup_kill = staticmethod(CgroupManager.kill)
+    cgroup_populated = staticmethod(CgroupManager.populated)
+    cgroup_remove = staticmethod(CgroupManager.remove)
+    read_marker = staticmethod(read_marker)

@@ -9,6 +9,7 @@ unreadable file is set aside and reported, and the daemon starts fresh.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ from rollout_watchdog.watchdog.states import Cause, EngineState
 
 log = logging.getLogger(__name__)
 VERSION = 1
+RESERVE_BYTES = 1024 * 1024
 
 
 def kernel_boot_id() -> str:
@@ -50,6 +52,8 @@ class EngineRecord:
     last_failure: Failure | None = None
     deferred_waiting: bool = False
     external: bool = False
+    marker: str = ""
+    cgroup: str = ""
     # derived from the runtime state rather than copied (see record_of / adoption)
     main: ProcKey | None = None
     procs: dict[ProcKey, bool] = field(default_factory=dict)
@@ -158,22 +162,69 @@ class SavedState:
     same_boot: bool
 
 
+def reserve_path(path: Path) -> Path:
+    return path.with_name(path.name + ".reserve")
+
+
+def make_reserve(path: Path) -> bool:
+    """Set aside RESERVE_BYTES of disk beside the state file, for the day the disk fills up
+    (engine logs are a realistic way): the state file is then written in the reserve's
+    place, so a relaunch is never left unrecorded. True if the reserve is there."""
+    reserve = reserve_path(path)
+    if reserve.exists():
+        return True
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            reserve.unlink()
+        log.debug("cannot reserve %d bytes beside the state file %s: %s", RESERVE_BYTES, path,
+                  exc.strerror or exc)
+        return False
+    return True
+
+
 def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord]) -> bool:
-    """Write the state; False (and a log line) if the disk refused."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write the state; False (and a log line) if the disk refused. A full disk gives up the
+    reserve (make_reserve) and tries once more."""
     data = {"version": VERSION, "node_id": node_id, "boot_id": kernel_boot_id(),
             "engines": {i: r.to_json() for i, r in engines.items()}}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, data)
+        return True
+    except OSError as exc:
+        error = exc
+    if error.errno in (errno.ENOSPC, errno.EDQUOT) and reserve_path(path).exists():
+        with contextlib.suppress(OSError):
+            reserve_path(path).unlink()
+        log.error("the disk under %s is full: the state file takes the reserved space; free "
+                  "some disk", path.parent)
+        try:
+            _write(path, data)
+            return True
+        except OSError as exc:
+            error = exc
+    log.error("cannot write state file %s: %s (engines cannot be adopted across a daemon "
+              "restart until this is fixed)", path, error.strerror or error)
+    return False
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with open(fd, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
-        return True
-    except OSError as exc:
-        log.error("cannot write state file %s: %s (engines cannot be adopted across a daemon "
-                  "restart until this is fixed)", path, exc.strerror or exc)
-        return False
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def load_state(path: Path) -> SavedState | None:

@@ -9,20 +9,26 @@ the command layer calls its public methods. Nothing here blocks: the kill is a s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
+from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, mode_of
 from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.watchdog.containment import marker_value, parse_marker, with_marker
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
+from rollout_watchdog.watchdog.enginelog import open_engine_output
 from rollout_watchdog.watchdog.events import EventLog
 from rollout_watchdog.watchdog.gpu import GpuInspector
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
-from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, describe_exit
+from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, describe_exit
 from rollout_watchdog.watchdog.publish import Publisher
 from rollout_watchdog.watchdog.states import Cause, EngineState, check_transition
 from rollout_watchdog.watchdog.timers import Timer, due_timer
@@ -45,6 +51,10 @@ class Supervisor:
         self.node_id = config.node_id
         self.boot_id = boot_id
         self.state_dir = Path(config.state_dir)
+        # The node part of the markers: the node id, and the state dir, which tells two
+        # daemons on one host apart (each adopts, and kills, only what its state dir launched).
+        self.marker_node = (f"{self.node_id}:"
+                            + hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:8])
         self.engines: dict[str, EngineRuntime] = tracker.engines
         self.publisher = publisher
         self.events = events
@@ -54,6 +64,7 @@ class Supervisor:
         self.clock = clock
         self.rng = rng
         self.inspector = inspector
+        self.cgroups: CgroupManager | None = None   # set where a cgroup v2 is delegated
         self.stopping = False          # the daemon is stopping: nothing is launched any more
         self.dirty = True              # the state file is behind
         self.save_now: Any = None      # set by the daemon: saves the state file at once
@@ -142,14 +153,9 @@ class Supervisor:
                 self.transition(engine, S.STOPPED, Cause.COMMANDED, "daemon stopping")
             return
         engine.new_incarnation()
-        env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ONLY_ENV}
-        if engine.cfg.gpus and "CUDA_VISIBLE_DEVICES" not in engine.cfg.env:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.cfg.gpus)
-        env.update(engine.cfg.env)
-        log_path = self.state_dir / "logs" / f"{engine.id}.log"
         try:
-            popen = self.ops.launch(engine.cfg.command, env, log_path, engine.cfg.cwd)
-        except OSError as exc:
+            popen = self._start_process(engine)
+        except (OSError, CgroupError) as exc:
             engine.last_failure = Failure(Cause.LAUNCH_FAILED, str(exc), self.clock.wall())
             self.emit(engine, "launch_failed", cause=Cause.LAUNCH_FAILED, detail=str(exc))
             if old != S.FAILED:
@@ -165,6 +171,27 @@ class Supervisor:
         if self.save_now is not None:
             self.save_now()  # a daemon crash from here on must find this process to adopt
         self.tracker.watch(engine, engine.main)
+
+    def _start_process(self, engine: EngineRuntime) -> subprocess.Popen[bytes]:
+        """The engine's process: its environment carries the incarnation's marker, it starts
+        in its own cgroup where one is delegated, and its output goes to the engine log."""
+        env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ONLY_ENV}
+        if engine.cfg.gpus and "CUDA_VISIBLE_DEVICES" not in engine.cfg.env:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.cfg.gpus)
+        env.update(engine.cfg.env)
+        engine.marker = marker_value(self.marker_node, engine.id, engine.incarnation,
+                                     self.boot_id[:12])
+        env = with_marker(env, engine.marker)
+        command = list(engine.cfg.command)
+        if self.cgroups is not None:
+            path = self.cgroups.create(engine.id, engine.incarnation, self.boot_id[:12])
+            engine.cgroup = str(path)
+            command = self.cgroups.command(path, command, env)
+        output = open_engine_output(self.config, engine.id)
+        try:
+            return self.ops.launch(command, env, output, engine.cfg.cwd)
+        finally:
+            os.close(output)
 
     def unconfigured_engine(self, engine_id: str, url: str) -> EngineConfig:
         """The spec of an engine the config does not list (external, or removed): the node's
@@ -193,8 +220,9 @@ class Supervisor:
         if key not in engine.procs:
             return  # a process of an earlier incarnation
         engine.dead.add(key)
-        if key == engine.main and engine.popen is not None:
-            engine.returncode = self.ops.peek_exit(key.pid)  # not reaped yet: take_in_group
+        if key == engine.main:
+            if engine.popen is not None:
+                engine.returncode = self.ops.peek_exit(key.pid)  # not reaped yet
             if not engine.state.running:  # already being killed: reach its children too
                 self.tracker.take_in_group(engine)
         fatal = engine.procs[key]
@@ -211,9 +239,53 @@ class Supervisor:
             self.fail(engine, Cause.EXITED, f"process {key.pid} of the engine tree exited", now)
 
     def _refresh_for_kill(self, engine: EngineRuntime) -> None:
-        if (engine.main is not None and self.ops.is_alive(engine.main)
-                and self.tracker.refresh([engine])):
+        """Before SIGKILL, and again once every known process is gone: whatever the engine
+        forked since, and whatever escaped its tree (a process can no longer fork once its
+        parent is dead, so a last look that finds nothing new finds everything)."""
+        table = self.ops.process_table()
+        alive = engine.main is not None and self.ops.is_alive(engine.main)
+        if (alive and self.tracker.refresh([engine], table)) | self.take_in_escapees(table):
             self.dirty = True
+
+    def take_in_escapees(self, table: dict[int, ProcStat]) -> bool:
+        """Processes of this node's engines that left their trees: one of a current
+        incarnation is taken back into it (so the kill reaches it); one of an incarnation that
+        is over (an escape before the kill, a copy a crashed daemon never recorded) is killed
+        with its descendants. True if any was taken in."""
+        taken = False
+        for stat, marker in self.tracker.escapees(table):
+            subtree = [stat.key, *self.ops.descendants([stat.pid], table)[stat.pid]]
+            owner = next((e for e in self.engines.values() if e.marker == marker
+                          and (e.state.running or e.state == S.STOPPING)), None)
+            if owner is not None:
+                for key in subtree:
+                    if key not in owner.procs:
+                        owner.procs[key] = False
+                        self.tracker.watch(owner, key)
+                taken = True
+                continue
+            killed = [k.pid for k in subtree if self.ops.signal_proc(k, signal.SIGKILL)]
+            parsed = parse_marker(marker)
+            self.emit(self.engines.get(parsed.engine_id) if parsed else None, "escapee_killed",
+                      detail=f"SIGKILL to pid(s) {killed}: marked {marker}, an incarnation "
+                             "that is over")
+        return taken
+
+    def clean_cgroups(self) -> None:
+        """Engine cgroups of launches that are over: killed if anything is left in them
+        (a copy a crashed daemon never recorded), removed once empty."""
+        if self.cgroups is None:
+            return
+        current = {e.cgroup for e in self.engines.values() if e.cgroup}
+        try:
+            leftovers = [p for p in self.cgroups.existing() if str(p) not in current]
+        except CgroupError as exc:
+            log.warning("cannot look for leftover engine cgroups: %s", exc)
+            return
+        for path in leftovers:
+            if not self.ops.cgroup_remove(path) and self.ops.cgroup_kill(path):
+                self.emit(None, "escapee_killed",
+                          detail=f"cgroup.kill of {path}: a launch that is over")
 
     # ------------------------------------------------------------------ deep probes
 
@@ -286,11 +358,18 @@ class Supervisor:
         return True
 
     def become_healthy(self, engine: EngineRuntime, detail: str) -> None:
-        """The processes in the tree now are the engine (schedulers, detokenizer): from here on
-        the exit of any of them is fatal. Later arrivals are only tracked."""
-        self.tracker.refresh([engine])
-        for key in engine.alive_procs():
-            engine.procs[key] = True
+        """From here on the exit of the engine's own long-lived processes (schedulers,
+        detokenizer) is fatal; every other process is only tracked, so that a kill reaches
+        it (a short-lived helper that happens to run now must not fail the engine later)."""
+        table = self.ops.process_table()
+        self.tracker.refresh([engine], table)
+        if engine.main is not None:
+            started_for = self.clock.since_boot() - engine.main.start_time
+            for key in engine.alive_procs():
+                stat = table.get(key.pid)
+                if stat is not None and stat.key == key and long_lived(stat, engine.main,
+                                                                       started_for):
+                    engine.procs[key] = True
         engine.healthy_since = self.clock.monotonic()
         self.transition(engine, S.HEALTHY, Cause.PROBE_PASSED, detail)
 
@@ -306,7 +385,7 @@ class Supervisor:
                    after: AfterKill, **extra: Any) -> None:
         if engine.state.running:
             self.transition(engine, S.STOPPING, cause, detail, **extra)
-        if engine.popen is not None and engine.main in engine.dead:
+        if engine.main is not None and engine.main in engine.dead:
             self.tracker.take_in_group(engine)
         now = self.clock.monotonic()
         engine.probe_started = None  # a probe still out is of no interest any more
@@ -401,6 +480,7 @@ class Supervisor:
 
     def status(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "boot_id": self.boot_id,
+                "containment": mode_of(self.cgroups),
                 "engines": [self.engine_status(e) for e in self.engines.values()]}
 
     def engine_status(self, e: EngineRuntime) -> dict[str, Any]:
@@ -421,6 +501,20 @@ class Supervisor:
             "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
             if e.kill else None,
         }
+
+
+# SGLang names its own processes (sglang::scheduler, sglang::detokenizer,
+# sglang::data_parallel_controller); the kernel keeps the first 15 bytes.
+ENGINE_PROCESS_PREFIX = "sglang::"
+
+
+def long_lived(stat: ProcStat, main: ProcKey, started_for: float) -> bool:
+    """One of the engine's own processes, whose exit is fatal: recognized by its name, or a
+    direct child of the main process that has lived through the start-up (started in its
+    first half; a helper started just before the engine turned healthy is not)."""
+    if stat.comm.startswith(ENGINE_PROCESS_PREFIX):
+        return True
+    return stat.ppid == main.pid and stat.start_time - main.start_time <= started_for / 2
 
 
 def probe_interval(engine: EngineRuntime) -> float:

@@ -36,6 +36,8 @@ class ProcessTracker:
         self.polled: dict[ProcKey, str] = {}       # processes watched without a pidfd
         self.next_poll = 0.0
         self._live_groups: set[int] | None = None
+        self.marker_prefix = ""                    # this node's markers, set by the daemon
+        self._unmarked: set[ProcKey] = set()       # processes looked at: no marker of ours
 
     def new_turn(self) -> None:
         """Forget what was cached for the previous loop turn."""
@@ -112,13 +114,10 @@ class ProcessTracker:
         if engine is not None:
             self.on_gone(engine, key)
 
-    def sweep(self, engines: list[EngineRuntime]) -> bool:
+    def sweep(self, engines: list[EngineRuntime], table: dict[int, ProcStat]) -> bool:
         """Refresh the trees of the running engines from one scan of the process table: new
         processes are watched (so a kill reaches them); a main process found gone without its
         exit event (not expected) still counts. True if a new process was found."""
-        if not engines:
-            return False
-        table = self.ops.process_table()
         alive = []
         for engine in engines:
             if engine.main is None:
@@ -147,16 +146,49 @@ class ProcessTracker:
                     found = True
         return found
 
+    def escapees(self, table: dict[int, ProcStat]) -> list[tuple[ProcStat, str]]:
+        """Processes outside every engine tree we know that carry a marker of this node (they
+        left a tree: a double fork, a new session, a parent that died), each with its marker.
+        A process is looked at once in its life: unmarked ones are remembered as such."""
+        known: set[ProcKey] = set()
+        for engine in self.engines.values():
+            known.update(engine.procs)
+        found, present = [], set()
+        for stat in table.values():
+            key = stat.key
+            if not stat.alive or key in known:
+                continue
+            present.add(key)
+            if key in self._unmarked:
+                continue
+            marker = self.ops.read_marker(stat.pid)
+            if marker is not None and marker.startswith(self.marker_prefix):
+                found.append((stat, marker))
+            else:
+                self._unmarked.add(key)
+        self._unmarked &= present
+        return found
+
     def take_in_group(self, engine: EngineRuntime) -> None:
-        """Our main process exited: children it forked since the last sweep are still in its
-        group. Take them in before reaping it (an unreaped child pins its pid, and so its group
-        id, against reuse), so that the kill reaches them."""
-        assert engine.main is not None and engine.popen is not None
-        for stat in self.ops.process_table().values():
-            if stat.pgrp == engine.main.pid and stat.alive and stat.key not in engine.procs:
+        """The main process exited: children it forked since the last sweep are still in its
+        group. Take them in, so that the kill reaches them. Where the main process is our
+        unreaped child, its pid (so its group id) cannot have been reused and the whole group
+        is the engine's; for an adopted engine, only members that carry the incarnation's
+        marker, or a group that a known live process of the engine is in, are taken."""
+        assert engine.main is not None
+        pgid = engine.main.pid
+        table = self.ops.process_table()
+        members = [s for s in table.values() if s.pgrp == pgid and s.alive]
+        ours = engine.popen is not None or any(
+            s.key in engine.procs and s.key not in engine.dead for s in members)
+        for stat in members:
+            if stat.key in engine.procs:
+                continue
+            if ours or (engine.marker and self.ops.read_marker(stat.pid) == engine.marker):
                 engine.procs[stat.key] = False
                 self.watch(engine, stat.key)
-        engine.returncode = engine.popen.poll()
+        if engine.popen is not None:
+            engine.returncode = engine.popen.poll()
 
     def close(self) -> None:
         for fd in list(self.pidfds):
