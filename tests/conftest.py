@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_harness import EngineSpec, Node  # noqa: E402
+
+from rollout_watchdog.emulator.testing import wait_until  # noqa: E402
+from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
+    CgroupManager,
+    cgroup2_mount,
+    cgroup_dir,
+    own_cgroup,
+)
 
 
 @pytest.fixture
@@ -25,3 +35,33 @@ def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     yield make
     for node in nodes:
         node.cleanup()
+        # shown by pytest only when the test failed: what the daemon did
+        print(f"---- daemon log of {node.tmp.name} (last 40 lines)")
+        print("\n".join(node.log_text().splitlines()[-40:]))
+
+
+@pytest.fixture
+def test_cgroup() -> Iterator[Path]:
+    """A fresh cgroup below this process's own, or a skip that says why there is none."""
+    mount = cgroup2_mount(Path("/proc/self/mountinfo").read_text())
+    if mount is None:
+        pytest.skip("no cgroup2 file system is mounted here")
+    rel = own_cgroup(Path("/proc/self/cgroup").read_text())
+    base = cgroup_dir(*mount, rel) if rel is not None else None
+    if base is None:
+        pytest.skip(f"this process's cgroup v2 path ({rel}) is not visible under {mount[0]}")
+    path = base / f"rwtest-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup under {base}: {exc.strerror} (not root, or the "
+                    "cgroup2 mount is read-only or not delegated here)")
+    try:
+        if not (path / "cgroup.kill").exists():
+            pytest.skip(f"{path} has no cgroup.kill: the kernel ({os.uname().release}) is older "
+                        "than 5.14")
+        yield path
+    finally:
+        CgroupManager.kill(path)
+        wait_until(lambda: not CgroupManager.populated(path), 10, what="the test cgroup to empty")
+        assert CgroupManager.remove(path)

@@ -107,10 +107,11 @@ class Node:
 
     # -- the daemon
 
-    def start(self, *extra_args: str) -> Node:
+    def start(self, *extra_args: str, wrap: list[str] | None = None) -> Node:
+        """Start the daemon (its command line prefixed by `wrap`, if given)."""
         with open(self.tmp / "daemon.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollout_watchdog", "run", "--config",
+                [*(wrap or []), sys.executable, "-m", "rollout_watchdog", "run", "--config",
                  str(self.config_path), "--log-format", "json", *extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env)
         wait_for(lambda: self.client.call("ping", timeout_s=1.0), 15, "the daemon to answer")
@@ -127,7 +128,10 @@ class Node:
         return self.proc.wait(timeout=timeout)
 
     def log_text(self) -> str:
-        return (self.tmp / "daemon.log").read_text(errors="replace")
+        try:
+            return (self.tmp / "daemon.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     # -- what a user looks at
 

@@ -7,8 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,33 +79,6 @@ sys.stdin.readline()
 def _write(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
-
-
-@pytest.fixture
-def test_cgroup() -> Iterator[Path]:
-    """A fresh cgroup below this process's own, or a skip that says why there is none."""
-    mount = cgroup2_mount(Path("/proc/self/mountinfo").read_text())
-    if mount is None:
-        pytest.skip("no cgroup2 file system is mounted here")
-    rel = own_cgroup(Path("/proc/self/cgroup").read_text())
-    base = cgroup_dir(*mount, rel) if rel is not None else None
-    if base is None:
-        pytest.skip(f"this process's cgroup v2 path ({rel}) is not visible under {mount[0]}")
-    path = base / f"rwtest-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-    except OSError as exc:
-        pytest.skip(f"cannot create a cgroup under {base}: {exc.strerror} (not root, or the "
-                    "cgroup2 mount is read-only or not delegated here)")
-    try:
-        if not (path / "cgroup.kill").exists():
-            pytest.skip(f"{path} has no cgroup.kill: the kernel ({os.uname().release}) is older "
-                        "than 5.14")
-        yield path
-    finally:
-        CgroupManager.kill(path)
-        wait_until(lambda: not CgroupManager.populated(path), 10, what="the test cgroup to empty")
-        assert CgroupManager.remove(path)
 
 
 def _gone(pid: int) -> bool:

@@ -413,6 +413,8 @@ class Supervisor:
             return
         engine.kill = None
         self.dirty = True
+        if engine.cgroup and outcome != kill.Outcome.UNKILLABLE:
+            self.ops.cgroup_remove(Path(engine.cgroup))  # empty now; a sweep retries if not
         if outcome != kill.Outcome.DONE:
             detail = "; ".join(job.problems)
             engine.last_failure = Failure(outcome.cause, detail, self.clock.wall())

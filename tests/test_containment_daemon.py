@@ -1,0 +1,157 @@
+"""Nothing of an incarnation survives it: a helper that daemonizes (double fork plus setsid)
+just before the engine's main process is SIGKILLed is gone before the relaunch, whether the
+daemon launched the engine or adopted it, and whether a cgroup or the subreaper and the marker
+keep it findable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from daemon_harness import EngineSpec, Node, pid_gone, wait_for
+
+from rollout_watchdog.watchdog.containment import read_marker
+
+# An engine watched by liveness alone. On SIGUSR1 it leaves a helper behind: a double fork, the
+# middle process in a new session exits at once, so the helper is nobody's descendant any more
+# (as a leaked GPU worker would be). The helper writes its pid to the file named in argv[1].
+ESCAPER = r"""
+import os, signal, sys, time
+out = sys.argv[1]
+def escape(signum, frame):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(out + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(out + ".tmp", out)
+            while True:
+                signal.pause()
+        os._exit(0)
+    os.wait()
+signal.signal(signal.SIGUSR1, escape)
+open(out + f".ready.{os.getpid()}", "w").close()
+while True:
+    time.sleep(1)
+"""
+# No sweep in between: the helper is found only on the kill's own path.
+SLOW_SWEEP = {"liveness_interval_s": 30.0, "health_path": ""}
+
+
+def escaper(tmp: Path) -> EngineSpec:
+    return EngineSpec("e0", command=[sys.executable, "-c", ESCAPER, str(tmp / "helper.pid")])
+
+
+def escape_then_kill_main(node: Node, tmp: Path) -> int:
+    """Make the engine leave a helper, then SIGKILL its main process at once."""
+    main = node.wait_state("e0", "healthy")["pid"]
+    pid_file = tmp / "helper.pid"
+    pid_file.unlink(missing_ok=True)
+    wait_ready(tmp, main)
+    os.kill(main, signal.SIGUSR1)
+    helper = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 10,
+                          "the helper to daemonize"))
+    os.kill(main, signal.SIGKILL)
+    return helper
+
+
+def wait_ready(tmp: Path, main: int) -> None:
+    wait_for(lambda: (tmp / f"helper.pid.ready.{main}").exists(), 10,
+             "the engine to be ready to escape")
+
+
+def assert_gone_before_relaunch(node: Node, helper: int, incarnation: int) -> None:
+    """The helper's SIGKILL is in the record before the next incarnation started, and the
+    kill that relaunched the engine completed (every process it knew was gone)."""
+    node.wait_state("e0", "healthy", incarnation=incarnation + 1)
+    assert pid_gone(helper)
+    events = node.events("e0")
+    killed = next((i for i, e in enumerate(events) if e["kind"] == "signal_sent"
+                   and e["incarnation"] == incarnation and str(helper) in e["detail"]), None)
+    started = next(i for i, e in enumerate(events) if e["kind"] == "state"
+                   and e["to"] == "starting" and e["incarnation"] == incarnation + 1)
+    assert killed is not None and killed < started, [
+        (e["kind"], e["incarnation"], e["detail"]) for e in events]
+
+
+def marked_processes(prefix: str) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()
+            and (read_marker(int(p)) or "").startswith(prefix)]
+
+
+def test_a_helper_that_daemonizes_just_before_the_sigkill_is_gone_before_the_relaunch(
+        make_node: Any, tmp_path: Path) -> None:
+    node = make_node([escaper(tmp_path)], probe=SLOW_SWEEP).start()
+    assert node.status()["containment"] == "subreaper"
+    helper = escape_then_kill_main(node, tmp_path)
+    assert read_marker(helper) is not None  # the helper carries its incarnation's marker
+    assert_gone_before_relaunch(node, helper, incarnation=1)
+    # and the daemon's stop leaves no process of any incarnation behind
+    again = escape_then_kill_main(node, tmp_path)
+    node.wait_state("e0", "healthy", incarnation=3)
+    assert node.stop_daemon() == 0
+    assert pid_gone(again)
+    assert marked_processes("test-node:") == []
+
+
+def test_the_same_after_the_daemon_restarted(make_node: Any, tmp_path: Path) -> None:
+    """The daemon is SIGKILLed and restarted: it adopts the engine but is no longer its
+    ancestor, so the helper re-parents elsewhere; its marker still gives it away."""
+    node = make_node([escaper(tmp_path)], probe=SLOW_SWEEP).start()
+    node.wait_state("e0", "healthy")
+    node.kill_daemon()
+    node.start()
+    node.wait_event("e0", kind="adopted")
+    helper = escape_then_kill_main(node, tmp_path)
+    assert_gone_before_relaunch(node, helper, incarnation=1)
+
+
+def test_an_unrecorded_copy_is_killed_not_duplicated(make_node: Any, tmp_path: Path) -> None:
+    """The daemon dies between a launch and its state save (here: the state file is lost):
+    the next daemon finds the running copy by its marker and kills it before launching its
+    own, instead of running two (the old one answering the new one's probes)."""
+    node = make_node([EngineSpec("e0")]).start()
+    old = node.wait_state("e0", "healthy")["pid"]
+    node.kill_daemon()
+    (node.state_dir / "state.json").unlink()
+    node.start()
+    new = node.wait_state("e0", "healthy", timeout=60)
+    assert new["pid"] != old
+    assert pid_gone(old)
+    assert any(e["kind"] == "escapee_killed" and str(old) in e["detail"]
+               for e in node.events("e0"))
+
+
+def test_the_cgroup_takes_the_whole_incarnation(make_node: Any, tmp_path: Path,
+                                                test_cgroup: Path) -> None:
+    """Where a cgroup v2 is delegated (as systemd's Delegate=yes does), each incarnation runs
+    in a cgroup of its own, killed with cgroup.kill and known empty from cgroup.events."""
+    node = make_node([escaper(tmp_path)], probe=SLOW_SWEEP, top={"containment": "cgroup"})
+    node.start(wrap=["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"',
+                     str(test_cgroup / "cgroup.procs")])
+    assert node.status()["containment"] == "cgroup"
+    main = node.wait_state("e0", "healthy")["pid"]
+    wait_ready(tmp_path, main)  # past the shim that joins the cgroup
+    engine_cgroup = cgroup_of(main)
+    assert engine_cgroup.startswith("engine-e0-1-")
+    os.kill(main, signal.SIGUSR1)
+    pid_file = tmp_path / "helper.pid"
+    helper = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 10,
+                          "the helper to daemonize"))
+    assert cgroup_of(helper) == engine_cgroup  # the kernel kept it in the incarnation's cgroup
+    os.kill(main, signal.SIGKILL)
+    again = node.wait_state("e0", "healthy", incarnation=2)
+    assert pid_gone(helper)
+    wait_ready(tmp_path, again["pid"])
+    assert cgroup_of(again["pid"]).startswith("engine-e0-2-")
+    wait_for(lambda: not (test_cgroup / engine_cgroup).exists(), 10,
+             "the finished incarnation's cgroup to be removed")
+    assert node.stop_daemon() == 0
+    assert not [p for p in test_cgroup.iterdir() if p.name.startswith("engine-")]
+
+
+def cgroup_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cgroup").read_text().strip().rsplit("/", 1)[1]

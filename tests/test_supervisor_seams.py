@@ -1,0 +1,276 @@
+"""The supervisor driven through its seams, without engines: a clock that the test moves, an
+OS double, the timers, the persisted fields, the fatal-process rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import random
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from daemon_harness import run_command
+
+from rollout_watchdog.config import parse_config
+from rollout_watchdog.watchdog import statefile, timers
+from rollout_watchdog.watchdog.adoption import adopt, record_of
+from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.watchdog.daemon import Daemon
+from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
+from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, proc_key
+from rollout_watchdog.watchdog.statefile import DERIVED, EngineRecord, load_state, save_state
+from rollout_watchdog.watchdog.states import Cause, EngineState
+from rollout_watchdog.watchdog.supervisor import long_lived
+from rollout_watchdog.watchdog.timers import Timer, engine_timers
+from rollout_watchdog.watchdog.tracker import ProcessTracker
+
+S = EngineState
+
+
+class FakeClock(Clock):
+    """Both clocks under the test's control."""
+
+    def __init__(self) -> None:
+        self.mono, self.wall_now = 1000.0, 1_800_000_000.0
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def wall(self) -> float:
+        return self.wall_now
+
+
+class NoGpus:
+    def compute_pids(self, gpu: int) -> set[int]:
+        return set()
+
+
+def make_daemon(tmp_path: Path, clock: Clock | None = None, ops: ProcessOps | None = None,
+                **engine_keys: Any) -> Daemon:
+    engine = {"id": "e0", "url": "http://127.0.0.1:39999", "command": ["true"], **engine_keys}
+    config = parse_config({"state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
+                           "engine": [engine]})
+    return Daemon(config, inspector=NoGpus(), rng=random.Random(0), clock=clock, ops=ops)
+
+
+def healthy(daemon: Daemon) -> EngineRuntime:
+    engine = daemon.engines["e0"]
+    engine.state, engine.incarnation = S.HEALTHY, 1
+    return engine
+
+
+# ------------------------------------------------------------------ clocks
+
+@pytest.mark.parametrize("step_s", [86400.0, -3600.0])
+def test_a_pause_follows_the_monotonic_clock_not_the_wall_clock(tmp_path: Path,
+                                                                step_s: float) -> None:
+    """A wall clock stepped a day forward must not end a 600 s pause at once, nor one stepped
+    an hour back keep a 5 s pause for an hour."""
+    clock = FakeClock()
+    daemon = make_daemon(tmp_path, clock=clock)
+    engine = healthy(daemon)
+    deadline_s = 600.0 if step_s > 0 else 5.0
+    run_command(daemon, "pause", engine="e0", deadline_s=deadline_s)
+    clock.wall_now += step_s
+    clock.mono += deadline_s - 1
+    daemon.supervisor.tick(engine, clock.mono)
+    assert engine.paused is not None, "expired by a step of the wall clock"
+    clock.mono += 1
+    daemon.supervisor.tick(engine, clock.mono)
+    assert engine.paused is None
+    assert [e.kind for _, e in daemon.events.since(0)] == ["paused", "pause_expired"]
+
+
+def test_the_loop_sleeps_until_exactly_the_timer_that_fires(tmp_path: Path) -> None:
+    """The loop's deadline and the firing come from one function: every timer set is due at
+    the moment the loop wakes for it, pause expiry and the stable reset included."""
+    clock = FakeClock()
+    daemon = make_daemon(tmp_path, clock=clock, probe={"health_path": ""},
+                         restart={"stable_s": 7.0})
+    engine = healthy(daemon)
+    engine.healthy_since, engine.consecutive_failures = clock.mono, 2
+    engine.paused = Pause(clock.wall_now + 2.0, clock.mono + 2.0)
+    fired = []
+    while len(fired) < 2:
+        wake = timers.next_deadline(engine)
+        assert wake is not None and wake > clock.mono
+        clock.mono = wake
+        before = {t for t, _ in engine_timers(engine)}
+        daemon.supervisor.tick(engine, clock.mono)
+        fired += sorted(before - {t for t, _ in engine_timers(engine)})
+    assert fired == [Timer.PAUSE_EXPIRY, Timer.STABLE]
+    assert engine.consecutive_failures == 0 and engine.paused is None
+
+
+# ------------------------------------------------------------------ persisted fields
+
+def every_field_set() -> EngineRecord:
+    """A record in which every field differs from its default."""
+    main = ProcKey(1234, 56.25)
+    return EngineRecord(
+        state=EngineState.SUSPECT, incarnation=7, state_since=1.5, restarts=2,
+        relaunch_times=[10.0, 20.0], consecutive_failures=1,
+        last_failure=Failure(Cause.EXITED, "boom", 4.0), deferred_waiting=True, external=True,
+        marker="n:abc/e0/7/tok", cgroup="/sys/fs/cgroup/x/engine-e0-7-tok", main=main,
+        procs={main: True, ProcKey(1240, 57.0): False}, launched_at=3.0, paused=99.0,
+        kill_cause=Cause.PROBE_FAILED, kill_after=AfterKill.RESTART,
+        url="http://127.0.0.1:30000")
+
+
+def test_every_persisted_field_survives_the_state_file(tmp_path: Path) -> None:
+    record = every_field_set()
+    for f in dataclasses.fields(EngineRecord):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        assert getattr(record, f.name) != default, f"{f.name} is left at its default"
+    assert save_state(tmp_path / "state.json", "n", {"e0": record})
+    saved = load_state(tmp_path / "state.json")
+    assert saved is not None
+    assert EngineRecord.from_json(saved.engines["e0"]) == record
+
+
+def test_every_copied_field_goes_from_the_engine_to_the_file_and_back(tmp_path: Path) -> None:
+    clock = FakeClock()
+    daemon = make_daemon(tmp_path, clock=clock)
+    engine = healthy(daemon)
+    record = every_field_set()
+    for name in statefile.COPIED:
+        setattr(engine, name, getattr(record, name))
+    engine.state = S.FAILED  # adopted as it is, without processes
+    engine.kill = None
+    saved = record_of(engine, clock)
+    fresh = EngineRuntime(cfg=engine.cfg)
+    adopt(daemon.supervisor, fresh, EngineRecord.from_json(saved.to_json()), same_boot=True)
+    for name in statefile.COPIED:
+        assert getattr(fresh, name) == getattr(engine, name), name
+    assert set(statefile.COPIED) | DERIVED == {f.name for f in dataclasses.fields(EngineRecord)}
+
+
+def test_a_full_disk_gives_up_the_reserve_for_the_state_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "state.json"
+    assert statefile.make_reserve(path)
+    real, calls = statefile._write, []
+
+    def full_once(target: Path, data: dict[str, Any]) -> None:
+        calls.append(target)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(target, data)
+
+    monkeypatch.setattr(statefile, "_write", full_once)
+    assert save_state(path, "n", {"e0": every_field_set()})
+    assert not statefile.reserve_path(path).exists() and len(calls) == 2
+    monkeypatch.setattr(statefile, "_write", lambda *_: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    assert not save_state(path, "n", {})  # no reserve left: reported, not raised
+
+
+# ------------------------------------------------------------------ the OS seam
+
+class NoPidfds(ProcessOps):
+    """A host out of file descriptors: no pidfd can be had, and /proc reads fail now and
+    then."""
+
+    def __init__(self) -> None:
+        self.flaky = False
+
+    def open_pidfd(self, key: ProcKey) -> int | None:  # type: ignore[override]
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    def is_alive(self, key: ProcKey) -> bool:  # type: ignore[override]
+        if self.flaky:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return ProcessOps.is_alive(key)
+
+
+def test_without_pidfds_processes_are_polled_and_an_error_is_never_an_exit() -> None:
+    ops = NoPidfds()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    gone: list[ProcKey] = []
+    try:
+        key = proc_key(sleeper.pid)
+        assert key is not None
+        engine = EngineRuntime(cfg=parse_config({"engine": [
+            {"id": "e0", "url": "http://127.0.0.1:1", "command": ["true"]}]},
+            check_commands=False).engines[0])
+        tracker = ProcessTracker({"e0": engine}, zmq.Poller(), ops,
+                                 lambda e, k: gone.append(k))
+        tracker.watch(engine, key)
+        assert tracker.polled == {key: "e0"}
+        ops.flaky = True
+        for i in range(5):
+            tracker.poll_unwatched(float(i))
+        assert gone == []  # "cannot tell" is not "exited"
+        ops.flaky = False
+        sleeper.kill()
+        sleeper.wait()
+        tracker.poll_unwatched(10.0)
+        assert gone == [key] and not tracker.polled
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# ------------------------------------------------------------------ what is fatal
+
+def stat(pid: int, ppid: int, start: float, comm: str = "python") -> ProcStat:
+    return ProcStat(pid, b"S", ppid, 100, start, comm)
+
+
+def test_only_the_engines_own_long_lived_processes_are_fatal() -> None:
+    main = ProcKey(100, 50.0)
+    up_for = 60.0  # healthy 60 s after the launch
+    assert long_lived(stat(101, 100, 52.0), main, up_for)                 # a scheduler child
+    assert long_lived(stat(102, 101, 75.0, "sglang::detoken"), main, up_for)  # by its name
+    assert not long_lived(stat(103, 100, 108.0), main, up_for)  # a helper started lately
+    assert not long_lived(stat(104, 101, 52.0), main, up_for)   # a grandchild without a name
+
+
+def test_stop_during_the_release_wait_ends_in_stopped(tmp_path: Path) -> None:
+    """The release wait exists only for a relaunch: a stop (or the daemon's SIGTERM) in the
+    middle of it ends the kill at once, in `stopped`."""
+    class PortTaken(ProcessOps):
+        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
+            return False
+
+    clock = FakeClock()
+    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken())
+    engine = healthy(daemon)
+    daemon.supervisor.start_kill(engine, Cause.EXITED, "test", AfterKill.RECOVER)
+    assert engine.kill is not None and engine.kill.problems  # waiting for the port
+    run_command(daemon, "stop", engine="e0")
+    clock.mono += 0.1
+    daemon.supervisor.tick(engine, clock.mono)
+    assert engine.state == S.STOPPED and engine.kill is None
+
+
+def test_a_first_launch_waits_for_the_engines_ports(tmp_path: Path) -> None:
+    """Before the first launch too: a copy left running must not answer the new one's probes
+    (and the new one die of EADDRINUSE)."""
+    taken = {True}
+
+    class PortTaken(ProcessOps):
+        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
+            return not taken
+
+    clock = FakeClock()
+    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken())
+    daemon.adopt_or_launch()
+    engine = daemon.engines["e0"]
+    assert engine.state == S.STOPPED and isinstance(engine.kill, KillJob)
+    assert engine.popen is None
+    taken.clear()
+    clock.mono += 0.1
+    try:
+        daemon.supervisor.tick(engine, clock.mono)
+        assert engine.state in (S.STARTING, S.STOPPING) and engine.popen is not None
+    finally:
+        if engine.popen is not None:
+            engine.popen.kill()
+            engine.popen.wait()
+    time.sleep(0)
