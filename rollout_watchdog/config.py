@@ -140,12 +140,6 @@ class NodeConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
 
-    def engine(self, engine_id: str) -> EngineConfig:
-        for engine in self.engines:
-            if engine.id == engine_id:
-                return engine
-        raise KeyError(engine_id)
-
 
 def _type_name(value: object) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",

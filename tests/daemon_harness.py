@@ -107,13 +107,16 @@ class Node:
 
     # -- the daemon
 
-    def start(self, *extra_args: str, wrap: list[str] | None = None) -> Node:
-        """Start the daemon (its command line prefixed by `wrap`, if given)."""
+    def start(self, *extra_args: str, wrap: list[str] | None = None,
+              stdout: int | None = None) -> Node:
+        """Start the daemon (its command line prefixed by `wrap`, its output to `stdout` or
+        to daemon.log)."""
         with open(self.tmp / "daemon.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [*(wrap or []), sys.executable, "-m", "rollout_watchdog", "run", "--config",
                  str(self.config_path), "--log-format", "json", *extra_args],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env)
+                stdout=log if stdout is None else stdout, stderr=subprocess.STDOUT,
+                env=self.env)
         wait_for(lambda: self.client.call("ping", timeout_s=1.0), 15, "the daemon to answer")
         return self
 

@@ -21,6 +21,7 @@ from rollout_watchdog.config import (
     DEFAULT_CONTROL,
     DEFAULT_STATE_DIR,
     ConfigError,
+    EngineConfig,
     NodeConfig,
     ProbeConfig,
     RestartConfig,
@@ -35,6 +36,13 @@ EXAMPLE = REPO / "systemd" / "config.example.toml"
 # A program that exists on every machine running these tests, as a TOML string.
 PY = json.dumps(sys.executable)
 
+
+
+def engine_of(config: NodeConfig, engine_id: str) -> EngineConfig:
+    found = [e for e in config.engines if e.id == engine_id]
+    if not found:
+        raise KeyError(engine_id)
+    return found[0]
 
 def engine_toml(eid: str = "e0", port: int = 30000, gpus: tuple[int, ...] = (0,),
                 extra: str = "", nccl: int | None = None) -> str:
@@ -157,7 +165,7 @@ def test_full_config_is_read_with_every_key(tmp_path: Path) -> None:
 
 def test_engine_without_overrides_gets_the_node_defaults(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, FULL))
-    e0 = config.engine("e0")
+    e0 = engine_of(config, "e0")
     assert e0.url == "http://127.0.0.1:30000"
     assert e0.command == (sys.executable, "-m", "sglang.launch_server", "--model-path",
                           "/models/m", "--port", "30000", "--nccl-port", "30100")
@@ -173,7 +181,7 @@ def test_engine_without_overrides_gets_the_node_defaults(tmp_path: Path) -> None
 
 def test_engine_overrides_apply_on_top_of_the_node_defaults(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, FULL))
-    e1 = config.engine("e1")
+    e1 = engine_of(config, "e1")
     assert e1.url == "http://127.0.0.1:30001"  # trailing slash dropped
     assert e1.ports == (30001, 30101, 30201)
     assert e1.restart_policy == "deferred"
@@ -189,7 +197,7 @@ def test_engine_overrides_apply_on_top_of_the_node_defaults(tmp_path: Path) -> N
                                        max_restarts=0, window_s=300.0, stable_s=120.0,
                                        kill_timeout_s=8.0, release_timeout_s=45.0)
     with pytest.raises(KeyError):
-        config.engine("e2")
+        engine_of(config, "e2")
 
 
 def test_minimal_config_takes_the_design_defaults(tmp_path: Path) -> None:
@@ -219,7 +227,7 @@ def test_a_node_without_engines_is_valid(tmp_path: Path) -> None:
 def test_integers_are_accepted_for_durations(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, "[probe]\nhealth_timeout_s = 40\n" + engine_toml()))
     assert config.probe.health_timeout_s == 40.0
-    assert config.engine("e0").probe.health_timeout_s == 40.0
+    assert engine_of(config, "e0").probe.health_timeout_s == 40.0
 
 
 def test_example_config_validates(tmp_path: Path) -> None:
@@ -240,7 +248,7 @@ def test_example_config_validates(tmp_path: Path) -> None:
 def test_parse_config_takes_a_parsed_document() -> None:
     config = parse_config({"node_id": "n", "engine": [
         {"id": "a", "url": "http://127.0.0.1:31000", "command": [sys.executable]}]})
-    assert config.engine("a").ports == (31000,)
+    assert engine_of(config, "a").ports == (31000,)
     with pytest.raises(ConfigError) as info:
         parse_config({"node_id": "n", "bogus": 1})
     # Without a file there is no file prefix.
@@ -256,7 +264,7 @@ def test_command_path_is_looked_up_in_the_engine_env_path(tmp_path: Path) -> Non
     program.chmod(0o755)
     text = ('[[engine]]\nid = "e0"\nurl = "http://127.0.0.1:30000"\n'
             f'command = ["my-engine"]\nenv = {{ PATH = "{bindir}" }}\n')
-    assert load_config(write(tmp_path, text)).engine("e0").command == ("my-engine",)
+    assert engine_of(load_config(write(tmp_path, text)), "e0").command == ("my-engine",)
 
 
 # ------------------------------------------------------------------ one line per problem
@@ -439,7 +447,7 @@ def test_command_path_that_is_not_executable(tmp_path: Path) -> None:
             f'command = ["{program}"]\n')
     one_problem(tmp_path, text, "engine 'e0'", "'command'", str(program))
     program.chmod(program.stat().st_mode | stat.S_IXUSR)
-    assert load_config(tmp_path / "node.toml").engine("e0").command == (str(program),)
+    assert engine_of(load_config(tmp_path / "node.toml"), "e0").command == (str(program),)
 
 
 def test_command_check_can_be_turned_off(tmp_path: Path) -> None:
@@ -448,7 +456,7 @@ def test_command_check_can_be_turned_off(tmp_path: Path) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError):
         load_config(path)
-    assert load_config(path, check_commands=False).engine("e0").command == (
+    assert engine_of(load_config(path, check_commands=False), "e0").command == (
         "no-such-sglang-launcher-xyz",)
 
 

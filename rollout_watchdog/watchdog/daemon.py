@@ -48,7 +48,7 @@ from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
 from rollout_watchdog.watchdog.statefile import load_state, make_reserve, save_state
 from rollout_watchdog.watchdog.states import Cause, EngineState
 from rollout_watchdog.watchdog.supervisor import Supervisor
-from rollout_watchdog.watchdog.tracker import ProcessTracker
+from rollout_watchdog.watchdog.tracker import ProcessTracker, pidfd_budget
 
 log = logging.getLogger("rollout_watchdog.watchdog")
 S = EngineState
@@ -184,6 +184,7 @@ class Daemon:
         old, new = raise_nofile_limit()
         if new != old:
             log.info("open file limit raised from %d to %d", old, new)
+        self.tracker.max_pidfds = pidfd_budget()
         if not set_child_subreaper():
             log.warning("cannot become a child subreaper: processes that leave an engine's tree "
                         "are found by their marker alone")
@@ -315,6 +316,7 @@ class Daemon:
             sup.dirty = True
         sup.clean_cgroups()
         self.metrics.set_log_lines_dropped(dropped_log_lines())
+        self.metrics.set_event_log_write_errors(self.events.write_errors)
 
     def _reap(self) -> None:
         """Reap the orphans that re-parented to the daemon (its subreaper duty), but not the

@@ -3,8 +3,10 @@ followers and appended to a JSON-lines file for the record."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,9 @@ class EventLog:
         self._events: deque[tuple[int, Event]] = deque(maxlen=capacity)
         self.last_seq = 0
         self.write_errors = 0
+        if path is not None and path.exists():
+            with contextlib.suppress(OSError):
+                path.chmod(0o600)  # a file an older version wrote world-readable
 
     def append(self, event: Event) -> int:
         self.last_seq += 1
@@ -68,7 +73,8 @@ class EventLog:
         try:
             if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
                 self.path.replace(self.path.with_suffix(self.path.suffix + ".1"))
-            with open(self.path, "a") as f:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            with open(fd, "a") as f:
                 f.write(json.dumps(event.to_json()) + "\n")
         except OSError as exc:
             self.write_errors += 1

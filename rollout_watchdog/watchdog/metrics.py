@@ -95,6 +95,11 @@ class Metrics:
             "Log lines dropped since the daemon started because its stderr was not read.",
             registry=reg,
         )
+        self._event_log_errors = Gauge(
+            "rollout_watchdog_event_log_write_errors",
+            "Events that could not be appended to events.jsonl (they stay in memory).",
+            registry=reg,
+        )
         self._bad_control = Counter(
             "rollout_watchdog_bad_control_messages_total",
             "Control messages that were malformed, oversized or unknown, and were rejected.",
@@ -169,6 +174,10 @@ class Metrics:
     def set_log_lines_dropped(self, n: int) -> None:
         """Record how many log lines a stalled stderr reader cost so far."""
         self._log_dropped.set(n)
+
+    def set_event_log_write_errors(self, n: int) -> None:
+        """Record how many events the disk refused so far."""
+        self._event_log_errors.set(n)
 
     def loop_iteration(self, seconds: float) -> None:
         """Record the duration of one main loop iteration."""

@@ -42,9 +42,7 @@ class Cause(str, Enum):
     LAUNCHED = "launched"
     PROBE_PASSED = "probe_passed"
     BACKOFF_ELAPSED = "backoff_elapsed"
-    CLEANED_UP = "cleaned_up"
     RESET = "reset"
-    ADOPTED = "adopted"
 
     def __str__(self) -> str:
         return self.value

@@ -8,8 +8,10 @@ polled instead; an exit is never inferred from an error.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import resource
 from collections.abc import Callable, Container
 from typing import Any
 
@@ -25,6 +27,15 @@ POLL_INTERVAL_S = 0.05
 OnGone = Callable[[EngineRuntime, ProcKey], None]
 
 
+def pidfd_budget() -> int:
+    """How many pidfds the tracker may hold: the open-file limit, less a quarter of it (at
+    least 128) kept for sockets, files and probes."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(0, soft - max(128, soft // 4))
+
+
 class ProcessTracker:
     def __init__(self, engines: dict[str, EngineRuntime], poller: zmq.Poller, ops: ProcessOps,
                  on_gone: OnGone) -> None:
@@ -33,6 +44,9 @@ class ProcessTracker:
         self.ops = ops
         self.on_gone = on_gone
         self.pidfds: dict[int, tuple[str, ProcKey]] = {}
+        # Pidfds never take the descriptors the daemon needs for everything else (its
+        # sockets, files, probes): past this many, processes are polled instead.
+        self.max_pidfds = pidfd_budget()
         self.polled: dict[ProcKey, str] = {}       # processes watched without a pidfd
         self.next_poll = 0.0
         self._live_groups: set[int] | None = None
@@ -52,6 +66,9 @@ class ProcessTracker:
     def watch(self, engine: EngineRuntime, key: ProcKey) -> None:
         """Watch a process of the engine; one already gone counts as an exit seen now."""
         try:
+            if len(self.pidfds) >= self.max_pidfds:
+                raise OSError(errno.EMFILE, f"{self.max_pidfds} pidfds open: the rest of the "
+                              "open-file limit is kept for the daemon's own use")
             fd = self.ops.open_pidfd(key)
         except OSError as exc:
             if not self.polled:
