@@ -87,7 +87,7 @@ class Daemon:
         self.metrics = Metrics()
         self.events = EventLog(self.state_dir / "events.jsonl")
         self.publisher = Publisher(self.node_id, self.clock.wall)
-        self.publisher.subscribe(self.events.append)
+        self.publisher.subscribe(self.events.record)
         self.publisher.subscribe(log_event)
         self.publisher.subscribe(metrics_subscriber(self.metrics))
         self.notifier = SystemdNotifier()
@@ -272,7 +272,7 @@ class Daemon:
         sup = self.supervisor
         now = self.clock.monotonic()
         timeout = max(0.0, min(self.next_deadline(now) - now, MAX_SLEEP_S))
-        ready = dict(self.poller.poll(timeout * 1000))
+        ready = dict(self.poller.poll(int(timeout * 1000)))
         started = self.clock.monotonic()
         self.tracker.new_turn()
         if self._sig_r in ready:
