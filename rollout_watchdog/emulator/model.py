@@ -44,8 +44,9 @@ class TinyLM(nn.Module):
         last = self.embed_tokens(last_ids)
         ctx = self.embed_tokens(window_ids).mean(dim=1)
         hidden = torch.tanh(self.mlp(torch.cat([last, ctx], dim=-1)))
-        logits = self.lm_head(hidden)
-        return logits.masked_fill(~self.allowed, float("-inf"))
+        logits: torch.Tensor = self.lm_head(hidden)
+        allowed: torch.Tensor = self.allowed  # type: ignore[assignment]
+        return logits.masked_fill(~allowed, float("-inf"))
 
 
 def build_model(seed: int = MODEL_SEED) -> TinyLM:
@@ -72,7 +73,7 @@ def next_tokens(
         tail = ctx[-CONTEXT_WINDOW:] if ctx else [0]
         windows.append([tail[0]] * (CONTEXT_WINDOW - len(tail)) + tail)
     logits = model(last, torch.tensor(windows, dtype=torch.long))
-    out = logits.argmax(dim=-1).tolist()
+    out: list[int] = logits.argmax(dim=-1).tolist()
     for i, temp in enumerate(temperatures):
         if temp > 1e-6:
             probs = torch.softmax(logits[i] / temp, dim=-1)

@@ -154,7 +154,7 @@ def parse_generate(obj: dict[str, Any]) -> tuple[list[ReqState], bool]:
             prompts, is_batch = [encode(t) for t in text], True
         else:
             raise BadRequest("text must be a string or a non-empty list of strings", True)
-    elif _is_id_list(input_ids):
+    elif isinstance(input_ids, list) and _is_id_list(input_ids):
         prompts, is_batch = [list(input_ids)], False
     elif isinstance(input_ids, list) and input_ids and all(_is_id_list(x) for x in input_ids):
         prompts, is_batch = [list(x) for x in input_ids], True

@@ -157,7 +157,8 @@ class EmulatorHandler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            chunks, total = [], 0
+            chunks: list[bytes] = []
+            total = 0
             while True:
                 line = self.rfile.readline(1024)
                 try:
@@ -191,7 +192,7 @@ class EmulatorHandler(BaseHTTPRequestHandler):
             readable, _, _ = select.select([self.connection], [], [], 0)
             if not readable:
                 return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
+            return bool(self.connection.recv(1, socket.MSG_PEEK) == b"")
         except (OSError, ValueError):
             return True
 

@@ -145,7 +145,7 @@ class Scheduler:
             self._publish_gauges()
 
     def _stalled(self) -> bool:
-        return self.shared[SLOT_STALL] >= 0.5
+        return bool(self.shared[SLOT_STALL] >= 0.5)
 
     def _apply_flags(self) -> None:
         """Follow the main process's run-time fault flags that concern this process."""

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 from rollout_watchdog.emulator import faults, protocol
 from rollout_watchdog.emulator import scheduler as scheduler_mod
@@ -66,8 +66,8 @@ class EmulatorServer(Engine):
         self.force_shutdown = env_bool("SGL_FORCE_SHUTDOWN", "false")
         self.serving = False
         self.stopping = False
-        self.hang_http = False  # fault state: read by every HTTP request and the SIGTERM drain
-        self.ignore_sigterm = False  # fault state: read by the SIGTERM handler
+        self.hang_http: bool = False  # fault state: read by every request and the SIGTERM drain
+        self.ignore_sigterm: bool = False  # fault state: read by the SIGTERM handler
         self.orphans: list[subprocess.Popen[bytes]] = []
         self.timers: list[tuple[float, str]] = []  # (monotonic deadline, fault name)
         self.wake = threading.Event()
@@ -132,16 +132,17 @@ class EmulatorServer(Engine):
 
     def _bind_http(self) -> None:
         try:
-            self.httpd = EmulatorHTTPServer((self.args.host, self.port), EmulatorHandler)
+            httpd = EmulatorHTTPServer((self.args.host, self.port), EmulatorHandler)
         except OSError as exc:
             log(f"ERROR: cannot bind {self.args.host}:{self.port}: {exc}")
             self._kill_scheduler()
             self.exit(1)
-        self.httpd.emu = self
-        self.port = int(self.httpd.server_address[1])
+        self.httpd = httpd
+        httpd.emu = self
+        self.port = int(httpd.server_address[1])
         self.serving = True
         threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
             name="http",
         ).start()
 
@@ -222,7 +223,7 @@ class EmulatorServer(Engine):
     # ---- exits and signals ----------------------------------------------------------------
 
     @staticmethod
-    def exit(code: int) -> None:
+    def exit(code: int) -> NoReturn:
         """Leave at once, like a server process that tears itself down (no cleanup)."""
         sys.stdout.flush()
         sys.stderr.flush()
