@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test suite: installs what it needs, lints, then runs every test (about 3 minutes on 2 cores).
+# The test suite: installs what it needs, lints and type-checks, then runs every test (about 3 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
 .venv/bin/ruff check rollout_watchdog tests bench
+.venv/bin/mypy   # strict for the node daemon (pyproject.toml)
 exec .venv/bin/python -m pytest -q "$@"
