@@ -45,7 +45,9 @@ MAX_CONNECTIONS = 256
 FD_SHARE = 4
 REOPEN_AFTER_S = 2.0          # how long the endpoint stays closed after reaching the bound
 HANDSHAKE_TIMEOUT_S = 3.0     # a peer that has not finished the ZMTP greeting by then is dropped
-PEER_HWM = 64                 # messages queued per peer and direction (unread replies)
+# Messages queued per peer and direction. A client has one request in flight; one that never
+# reads could otherwise hold 1,000 replies of up to 1,000 events each in the daemon.
+PEER_HWM = 16
 MAX_MONITOR_EVENTS_PER_ROUND = 4096
 _CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
