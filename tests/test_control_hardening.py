@@ -4,10 +4,12 @@ connect at all."""
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -20,7 +22,8 @@ import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
-from rollout_watchdog.watchdog.control import FD_SHARE, REOPEN_AFTER_S
+from rollout_watchdog.emulator.testing import wait_until
+from rollout_watchdog.watchdog.control import FD_SHARE, REOPEN_AFTER_S, ControlServer
 
 MakeNode = Callable[..., Node]
 DAEMON_FD_LIMIT = 512
@@ -154,3 +157,39 @@ def test_a_user_who_may_not_connect_is_told_permission_denied(tmp_path: Path) ->
         listener.close()
     assert message.startswith(f"permission denied on ipc://{path}"), message
     assert "no daemon" not in message
+
+
+def test_at_the_bound_the_endpoint_closes_and_reopens_private(tmp_path: Path) -> None:
+    """The bound, in-process: its connections are dropped, no new one can start, and the
+    socket comes back 0600 and answering after `REOPEN_AFTER_S`."""
+    endpoint = f"ipc://{tmp_path}/control"
+    path = str(tmp_path / "control")
+    server = ControlServer(zmq.Context.instance(), endpoint, lambda cmd, args: {"cmd": cmd},
+                           lambda why: None, max_connections=4)
+    raw: list[socket.socket] = []
+    try:
+        raw = raw_flood(path, 4)
+        assert len(raw) == 4
+        wait_until(lambda: server.handle([server.pollables()[1]]) or not server.bound, 5, 0.01,
+                   "the server to stop accepting")
+        assert not os.path.exists(path)
+        raw[0].settimeout(5)
+        assert raw[0].recv(64) and raw[0].recv(64) == b""  # a greeting, then closed
+        server.tick(100.0)
+        assert server.next_deadline() == 100.0 + REOPEN_AFTER_S
+        server.tick(100.0 + REOPEN_AFTER_S)
+        assert server.bound and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        client = zmq.Context.instance().socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(endpoint)
+        client.send(b'{"v": 1, "id": 1, "cmd": "ping"}')
+        deadline = time.monotonic() + 5
+        while not client.poll(10) and time.monotonic() < deadline:
+            server.handle(server.pollables())
+            server.after_save()
+        assert json.loads(client.recv())["result"] == {"cmd": "ping"}
+        client.close()
+    finally:
+        for sock in raw:
+            sock.close()
+        server.close()
