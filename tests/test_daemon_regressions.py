@@ -22,6 +22,7 @@ from daemon_harness import run_command
 from rollout_watchdog.config import parse_config
 from rollout_watchdog.emulator.testing import free_port, wait_until
 from rollout_watchdog.watchdog.commands import CommandError
+from rollout_watchdog.watchdog.control import ControlServer
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.node import node_daemon
 from rollout_watchdog.watchdog.process import (
@@ -397,7 +398,7 @@ def request(request_id: int, cmd: str, **args: Any) -> bytes:
 
 
 def test_clients_that_never_read_their_replies_cannot_grow_the_daemon(
-        live: tuple[Daemon, zmq.Socket]) -> None:
+        live: tuple[Daemon, zmq.SyncSocket]) -> None:
     """3 clients send 1,500 `events` requests each and never read: the parked replies stay
     within their bounds, the unread answers within the per-peer queues, and a client that
     reads still gets its answers."""
@@ -405,7 +406,8 @@ def test_clients_that_never_read_their_replies_cannot_grow_the_daemon(
     for n in range(300):  # every immediate answer then carries 300 events (~100 KB)
         daemon.supervisor.emit(None, "filler", detail=f"{n:04d}" + "x" * 200)
     server = daemon.participants[0]
-    ctx = zmq.Context.instance()
+    assert isinstance(server, ControlServer)
+    ctx: zmq.SyncContext = zmq.Context.instance()
     mutes = []
     for _ in range(3):
         mute = ctx.socket(zmq.DEALER)
@@ -443,7 +445,7 @@ def test_clients_that_never_read_their_replies_cannot_grow_the_daemon(
 
 
 @pytest.mark.parametrize("every", ["no", "true", 1, 0, [], {}])
-def test_all_accepts_only_a_json_boolean(live: tuple[Daemon, zmq.Socket], every: Any) -> None:
+def test_all_accepts_only_a_json_boolean(live: tuple[Daemon, zmq.SyncSocket], every: Any) -> None:
     """`{"all": "no"}` once paused every engine: only `true` means all."""
     daemon, client = live
     replies = send_and_step(daemon, client, request(1, "pause", all=every),
@@ -459,7 +461,7 @@ def test_all_accepts_only_a_json_boolean(live: tuple[Daemon, zmq.Socket], every:
     "x" * 60000, "e0 ", "e0\n", "e\u202e0", "--all", "a/../../b", "", None, 7,
 ], ids=["60000-chars", "trailing-space", "newline", "rtl-override", "dash-dash-all",
         "path", "empty", "null", "number"])
-def test_register_holds_ids_to_the_config_rule(live: tuple[Daemon, zmq.Socket],
+def test_register_holds_ids_to_the_config_rule(live: tuple[Daemon, zmq.SyncSocket],
                                                engine_id: Any) -> None:
     daemon, client = live
     ext = subprocess.Popen(["sleep", "100"])
@@ -476,7 +478,7 @@ def test_register_holds_ids_to_the_config_rule(live: tuple[Daemon, zmq.Socket],
     assert set(daemon.engines) == {"e0"}
 
 
-def test_register_refuses_a_kernel_thread(live: tuple[Daemon, zmq.Socket]) -> None:
+def test_register_refuses_a_kernel_thread(live: tuple[Daemon, zmq.SyncSocket]) -> None:
     if not is_kernel_thread(2):
         pytest.skip("pid 2 is not kthreadd here (a pid namespace without kernel threads)")
     daemon, client = live

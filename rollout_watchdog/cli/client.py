@@ -27,7 +27,7 @@ class ControlClient:
     def __init__(self, endpoint: str | None = None, timeout_s: float = 5.0) -> None:
         self.endpoint = endpoint or default_control()
         self.timeout_s = timeout_s
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.SyncContext = zmq.Context.instance()
 
     def call(self, cmd: str, args: dict[str, Any] | None = None,
              timeout_s: float | None = None) -> Any:
@@ -54,7 +54,7 @@ class ControlClient:
             sock.connect(self.endpoint)
             sock.send(json.dumps({"v": 1, "id": request_id, "cmd": cmd,
                                   "args": args or {}}).encode())
-            if not sock.poll(timeout * 1000):
+            if not sock.poll(int(timeout * 1000)):
                 raise ControlError(f"no answer from the daemon at {self.endpoint} within "
                                    f"{timeout:g} s")
             reply = json.loads(sock.recv())

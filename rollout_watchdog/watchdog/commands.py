@@ -322,7 +322,8 @@ def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     args: {"engine": ID, "url": URL, "pid": PID}. result: {"engine": ID, "action": TEXT}
     """
     engine_id, url, pid = args.get("engine"), args.get("url"), args.get("pid")
-    if problem := check_engine_id(engine_id):
+    problem = check_engine_id(engine_id)
+    if problem or not isinstance(engine_id, str):
         raise CommandError(f"'engine' {problem}")
     if not isinstance(url, str) or url_port(url) is None:
         raise CommandError(f"'url' must be an http URL with a host and a valid port, got "

@@ -59,7 +59,7 @@ class ControlServer:
     """The local control socket as a loop participant: requests are dispatched to the command
     table, and replies (immediate or parked) are sent after the daemon saved its state."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, dispatch: Dispatch,
+    def __init__(self, ctx: zmq.SyncContext, endpoint: str, dispatch: Dispatch,
                  on_bad_message: Callable[[str], None],
                  max_connections: int | None = None) -> None:
         self.endpoint = endpoint
@@ -81,7 +81,7 @@ class ControlServer:
 
     # the loop participant
 
-    def pollables(self) -> list[zmq.Socket]:
+    def pollables(self) -> list[zmq.SyncSocket]:
         return [self.socket, self._monitor]
 
     def handle(self, ready: Container[Any]) -> None:
@@ -225,7 +225,7 @@ def connection_bound() -> int:
     return max(1, min(MAX_CONNECTIONS, soft // FD_SHARE))
 
 
-def control_router(ctx: zmq.Context) -> zmq.Socket:
+def control_router(ctx: zmq.SyncContext) -> zmq.SyncSocket:
     """The control ROUTER, with its bounds: message size, handshake time, per-peer queues."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -237,7 +237,7 @@ def control_router(ctx: zmq.Context) -> zmq.Socket:
     return sock
 
 
-def bind_control(sock: zmq.Socket, endpoint: str) -> None:
+def bind_control(sock: zmq.SyncSocket, endpoint: str) -> None:
     """Bind the control ROUTER; an ipc socket is made 0600 (only root or the daemon's user can
     kill engines through it), and a stale socket file of a dead daemon is replaced."""
     path = ipc_path(endpoint)
