@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import zmq
 from daemon_harness import run_command
@@ -21,9 +22,16 @@ from daemon_harness import run_command
 from rollout_watchdog.config import parse_config
 from rollout_watchdog.emulator.testing import free_port, wait_until
 from rollout_watchdog.watchdog.commands import CommandError
+from rollout_watchdog.watchdog.control import ControlServer
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.node import node_daemon
-from rollout_watchdog.watchdog.process import ProcessOps, ProcStat, is_alive, proc_key
+from rollout_watchdog.watchdog.process import (
+    ProcessOps,
+    ProcStat,
+    is_alive,
+    is_kernel_thread,
+    proc_key,
+)
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 from rollout_watchdog.watchdog.states import Cause, EngineState
 
@@ -381,3 +389,100 @@ def test_a_signal_late_in_a_step_still_stops_the_engines(tmp_path: Path) -> None
         assert engine.state in (S.STOPPING, S.STOPPED)  # the kill began (or is already done)
     finally:
         cleanup(daemon)
+
+
+# ---------------------------------------------------------------- 6. hostile control clients
+
+def request(request_id: int, cmd: str, **args: Any) -> bytes:
+    return json.dumps({"v": 1, "id": request_id, "cmd": cmd, "args": args}).encode()
+
+
+def test_clients_that_never_read_their_replies_cannot_grow_the_daemon(
+        live: tuple[Daemon, zmq.SyncSocket]) -> None:
+    """3 clients send 1,500 `events` requests each and never read: the parked replies stay
+    within their bounds, the unread answers within the per-peer queues, and a client that
+    reads still gets its answers."""
+    daemon, client = live
+    for n in range(300):  # every immediate answer then carries 300 events (~100 KB)
+        daemon.supervisor.emit(None, "filler", detail=f"{n:04d}" + "x" * 200)
+    server = daemon.participants[0]
+    assert isinstance(server, ControlServer)
+    ctx: zmq.SyncContext = zmq.Context.instance()
+    mutes = []
+    for _ in range(3):
+        mute = ctx.socket(zmq.DEALER)
+        mute.setsockopt(zmq.LINGER, 0)
+        mute.setsockopt(zmq.RCVHWM, 1)  # this process holds the mute clients' queues too
+        mute.connect(daemon.config.control)
+        mutes.append(mute)
+    rss_before = psutil.Process().memory_info().rss
+    most_parked = 0
+
+    def serve_what_came() -> None:
+        nonlocal most_parked
+        deadline = time.monotonic() + 30
+        while server.socket.poll(10) and time.monotonic() < deadline:
+            daemon.step()
+            most_parked = max(most_parked, len(server.pending))
+
+    try:
+        for n in range(1500):
+            for mute in mutes:
+                # half wait for an event that never comes (parked), half answer at once
+                since = daemon.events.last_seq if n % 2 else 0
+                mute.send(request(n, "events", since=since, wait_s=30))
+            if n % 100 == 99:
+                serve_what_came()
+        serve_what_came()
+        assert most_parked <= 3 * server.pending.per_client
+        answers = send_and_step(daemon, client, request(1, "ping"), request(2, "status"))
+        assert [a["status"] for a in answers] == ["ok", "ok"]
+        growth = psutil.Process().memory_info().rss - rss_before
+        assert growth < 50 * 2**20, f"RSS grew by {growth / 2**20:.0f} MiB"
+    finally:
+        for mute in mutes:
+            mute.close()
+
+
+@pytest.mark.parametrize("every", ["no", "true", 1, 0, [], {}])
+def test_all_accepts_only_a_json_boolean(live: tuple[Daemon, zmq.SyncSocket], every: Any) -> None:
+    """`{"all": "no"}` once paused every engine: only `true` means all."""
+    daemon, client = live
+    replies = send_and_step(daemon, client, request(1, "pause", all=every),
+                            request(2, "resume", all=every))
+    assert [r["status"] for r in replies] == ["error", "error"]
+    assert all("'all' must be true or false" in r["reason"] or "name an engine" in r["reason"]
+               for r in replies)
+    assert daemon.engines["e0"].paused is None
+    assert not [e for e in daemon.events.since(0) if e[1].kind == "paused"]
+
+
+@pytest.mark.parametrize("engine_id", [
+    "x" * 60000, "e0 ", "e0\n", "e\u202e0", "--all", "a/../../b", "", None, 7,
+], ids=["60000-chars", "trailing-space", "newline", "rtl-override", "dash-dash-all",
+        "path", "empty", "null", "number"])
+def test_register_holds_ids_to_the_config_rule(live: tuple[Daemon, zmq.SyncSocket],
+                                               engine_id: Any) -> None:
+    daemon, client = live
+    ext = subprocess.Popen(["sleep", "100"])
+    try:
+        (reply,) = send_and_step(daemon, client, request(
+            1, "register", engine=engine_id, url=f"http://127.0.0.1:{free_port()}",
+            pid=ext.pid))
+    finally:
+        ext.kill()
+        ext.wait()
+    assert reply["status"] == "error"
+    assert reply["reason"].startswith("'engine' must be a string of at most 64 letters")
+    assert len(reply["reason"]) < 300  # a 60,000-character id still makes one short line
+    assert set(daemon.engines) == {"e0"}
+
+
+def test_register_refuses_a_kernel_thread(live: tuple[Daemon, zmq.SyncSocket]) -> None:
+    if not is_kernel_thread(2):
+        pytest.skip("pid 2 is not kthreadd here (a pid namespace without kernel threads)")
+    daemon, client = live
+    (reply,) = send_and_step(daemon, client, request(
+        1, "register", engine="k2", url=f"http://127.0.0.1:{free_port()}", pid=2))
+    assert reply["status"] == "error" and "kernel thread" in reply["reason"]
+    assert set(daemon.engines) == {"e0"}

@@ -27,7 +27,7 @@ class ControlClient:
     def __init__(self, endpoint: str | None = None, timeout_s: float = 5.0) -> None:
         self.endpoint = endpoint or default_control()
         self.timeout_s = timeout_s
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.ctx: zmq.SyncContext = zmq.Context.instance()
 
     def call(self, cmd: str, args: dict[str, Any] | None = None,
              timeout_s: float | None = None) -> Any:
@@ -38,9 +38,15 @@ class ControlClient:
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         path = self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
-        if path is not None and not socket_listening(path):
-            raise ControlError(f"no daemon at {self.endpoint} (no socket, or nobody listening "
-                               "on it): is `rollout-watchdog run` running?")
+        if path is not None:
+            try:
+                listening = socket_listening(path)
+            except PermissionError:
+                raise ControlError(f"permission denied on {self.endpoint}: the control socket "
+                                   "is 0600, for root or the daemon's user only") from None
+            if not listening:
+                raise ControlError(f"no daemon at {self.endpoint} (no socket, or nobody "
+                                   "listening on it): is `rollout-watchdog run` running?")
         request_id = uuid.uuid4().hex
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

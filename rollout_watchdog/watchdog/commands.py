@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from rollout_watchdog.config import EngineConfig, url_port
+from rollout_watchdog.validate import check_engine_id
 from rollout_watchdog.watchdog.clock import Clock
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.events import EventLog
@@ -32,7 +32,6 @@ DEFAULT_PAUSE_S = 600.0
 MAX_PAUSE_S = 86400.0
 # Commands that would bring an engine (back) up: refused while the daemon is stopping.
 REFUSED_WHILE_STOPPING = frozenset({"restart", "reset", "register"})
-_ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class Node(Protocol):
@@ -90,7 +89,7 @@ def dispatcher(node: Node) -> Callable[[str, dict[str, Any]], dict[str, Any] | D
 def engine_ids(node: Node, args: dict[str, Any]) -> list[str]:
     """The engines a command names: `engine` (one id) or `all: true`."""
     every = args.get("all")
-    if every not in (None, False, True):
+    if every is not None and not isinstance(every, bool):
         raise CommandError(f"'all' must be true or false, got {str(every)[:40]!r}")
     if every is True:
         return list(node.engines)
@@ -323,9 +322,9 @@ def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     args: {"engine": ID, "url": URL, "pid": PID}. result: {"engine": ID, "action": TEXT}
     """
     engine_id, url, pid = args.get("engine"), args.get("url"), args.get("pid")
-    if not isinstance(engine_id, str) or not _ENGINE_ID.fullmatch(engine_id):
-        raise CommandError(f"'engine' must be 1 to 64 letters, digits, '.', '_' or '-', "
-                           f"starting with a letter or digit; got {str(engine_id)[:80]!r}")
+    problem = check_engine_id(engine_id)
+    if problem or not isinstance(engine_id, str):
+        raise CommandError(f"'engine' {problem}")
     if not isinstance(url, str) or url_port(url) is None:
         raise CommandError(f"'url' must be an http URL with a host and a valid port, got "
                            f"{str(url)[:80]!r}")

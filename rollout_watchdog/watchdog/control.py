@@ -5,18 +5,28 @@ Request `{"v": 1, "id": ANY, "cmd": NAME, "args": {...}}` (one frame from a DEAL
 envelope); reply `{"v": 1, "id": ANY, "status": "ok"|"error", "reason": str|null, "result": ...}`.
 Replies that wait for a condition are parked in the shared `PendingReplies`; every reply is
 sent only after the daemon has saved its state.
+
+Connections are bounded: libzmq accepts on its own I/O thread, without limit, and its ipc
+listener aborts the whole process when accept() fails with EMFILE (4.3.x allows only ENFILE
+there). A socket monitor counts the connections; at the bound the endpoint is closed (the file
+unlinked at once, then unbound, which drops every connection made through it) and bound again,
+0600 as before, a few seconds later. Peers that never finish the ZMTP handshake are dropped
+after `HANDSHAKE_TIMEOUT_S`, and each peer's queues are capped at `PEER_HWM` messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import resource
 import socket
 from collections.abc import Callable, Container
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from rollout_watchdog.watchdog.replies import (
     PROTOCOL_VERSION,
@@ -29,6 +39,17 @@ from rollout_watchdog.watchdog.replies import (
 log = logging.getLogger(__name__)
 MAX_CONTROL_MESSAGE = 64 * 1024
 MAX_REQUESTS_PER_ROUND = 100  # so a flood of requests never starves the engines
+# At most this many connections, and never more than 1/FD_SHARE of the fd limit: libzmq keeps
+# accepting until the endpoint is closed, so the rest of the limit is the margin for that.
+MAX_CONNECTIONS = 256
+FD_SHARE = 4
+REOPEN_AFTER_S = 2.0          # how long the endpoint stays closed after reaching the bound
+HANDSHAKE_TIMEOUT_S = 3.0     # a peer that has not finished the ZMTP greeting by then is dropped
+# Messages queued per peer and direction. A client has one request in flight; one that never
+# reads could otherwise hold 1,000 replies of up to 1,000 events each in the daemon.
+PEER_HWM = 16
+MAX_MONITOR_EVENTS_PER_ROUND = 4096
+_CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
 Dispatch = Callable[[str, dict[str, Any]], "dict[str, Any] | Deferred"]
@@ -38,10 +59,21 @@ class ControlServer:
     """The local control socket as a loop participant: requests are dispatched to the command
     table, and replies (immediate or parked) are sent after the daemon saved its state."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, dispatch: Dispatch,
-                 on_bad_message: Callable[[str], None]) -> None:
+    def __init__(self, ctx: zmq.SyncContext, endpoint: str, dispatch: Dispatch,
+                 on_bad_message: Callable[[str], None],
+                 max_connections: int | None = None) -> None:
         self.endpoint = endpoint
-        self.socket = bind_control(ctx, endpoint)
+        self.socket = control_router(ctx)
+        self._monitor = self.socket.get_monitor_socket(_CONNECTION_EVENTS)
+        try:
+            bind_control(self.socket, endpoint)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.max_connections = max_connections or connection_bound()
+        self.connections = 0      # accepted through the current binding and not yet gone
+        self.bound = True
+        self._reopen_at: float | None = None
         self._dispatch = dispatch
         self._on_bad_message = on_bad_message
         self.pending = PendingReplies()
@@ -49,18 +81,26 @@ class ControlServer:
 
     # the loop participant
 
-    def pollables(self) -> list[zmq.Socket]:
-        return [self.socket]
+    def pollables(self) -> list[zmq.SyncSocket]:
+        return [self.socket, self._monitor]
 
     def handle(self, ready: Container[Any]) -> None:
+        if self._monitor in ready:
+            self.count_connections()
         if self.socket in ready:
             self.serve()
 
     def tick(self, now: float) -> None:
         self.pending.answer(now)
+        if not self.bound:
+            if self._reopen_at is None:
+                self._reopen_at = now + REOPEN_AFTER_S
+            elif now >= self._reopen_at:
+                self._reopen(now)
 
     def next_deadline(self) -> float | None:
-        return self.pending.next_deadline()
+        return min((d for d in (self.pending.next_deadline(), self._reopen_at)
+                    if d is not None), default=None)
 
     def after_save(self) -> None:
         """Send the replies made so far: after the save, an acknowledged command survives a
@@ -73,10 +113,65 @@ class ControlServer:
         self._outbox.clear()
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        self._close_sockets()
         path = ipc_path(self.endpoint)
-        if path and os.path.exists(path):
+        if self.bound and path and os.path.exists(path):
             os.unlink(path)
+
+    def _close_sockets(self) -> None:
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+    # the connection bound
+
+    def count_connections(self) -> None:
+        """Follow the monitor's accepted/disconnected events; close the endpoint at the bound.
+        Events of a closed binding are skipped: its connections went with it."""
+        for _ in range(MAX_MONITOR_EVENTS_PER_ROUND):
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if not self.bound:
+                continue
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.connections += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connections = max(0, self.connections - 1)
+        if self.bound and self.connections >= self.max_connections:
+            self._stop_accepting()
+
+    def _stop_accepting(self) -> None:
+        """Unlink the socket file first: no new connection can start from then on, whatever
+        libzmq's I/O thread is doing; the unbind then drops every connection made through it."""
+        log.warning("control socket %s: %d connections reached the bound of %d; all dropped, "
+                    "and none accepted for %g s", self.endpoint, self.connections,
+                    self.max_connections, REOPEN_AFTER_S)
+        path = ipc_path(self.endpoint)
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        try:
+            self.socket.unbind(self.endpoint)
+        except zmq.ZMQError as exc:
+            log.error("control socket %s: cannot unbind: %s", self.endpoint, exc)
+        self.bound = False
+        self.connections = 0
+        self._reopen_at = None
+
+    def _reopen(self, now: float) -> None:
+        self.count_connections()  # skip what the closed binding still reported
+        try:
+            bind_control(self.socket, self.endpoint)
+        except (RuntimeError, OSError, zmq.ZMQError) as exc:
+            log.error("control socket %s: cannot bind again: %s; next try in %g s",
+                      self.endpoint, exc, REOPEN_AFTER_S)
+            self._reopen_at = now + REOPEN_AFTER_S
+            return
+        self.bound = True
+        self._reopen_at = None
+        log.warning("control socket %s: accepting connections again", self.endpoint)
 
     # requests
 
@@ -121,19 +216,40 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
-def bind_control(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """Bind the control ROUTER; an ipc socket is made 0600 (only root or the daemon's user can
-    kill engines through it), and a stale socket file of a dead daemon is replaced."""
+def connection_bound() -> int:
+    """The most control connections this process can afford: `MAX_CONNECTIONS`, or a share of
+    the soft fd limit in force when the socket is made, whichever is less."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, soft // FD_SHARE))
+
+
+def control_router(ctx: zmq.SyncContext) -> zmq.SyncSocket:
+    """The control ROUTER, with its bounds: message size, handshake time, per-peer queues."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # a reply to a peer that left is dropped
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_TIMEOUT_S * 1000))
+    sock.setsockopt(zmq.SNDHWM, PEER_HWM)      # beyond it, replies to that peer are dropped
+    sock.setsockopt(zmq.RCVHWM, PEER_HWM)
+    return sock
+
+
+def bind_control(sock: zmq.SyncSocket, endpoint: str) -> None:
+    """Bind the control ROUTER; an ipc socket is made 0600 (only root or the daemon's user can
+    kill engines through it), and a stale socket file of a dead daemon is replaced."""
     path = ipc_path(endpoint)
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.exists(path):
-            if socket_listening(path):
-                sock.close()
+            try:
+                listening = socket_listening(path)
+            except PermissionError:
+                raise RuntimeError(f"control socket {path} exists and belongs to another "
+                                   "user (permission denied)") from None
+            if listening:
                 raise RuntimeError(f"control socket {path} is in use: is another daemon "
                                    "running?")
             os.unlink(path)
@@ -145,17 +261,19 @@ def bind_control(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
         os.chmod(path, 0o600)
     else:
         sock.bind(endpoint)
-    return sock
 
 
 def socket_listening(path: str) -> bool:
     """Is a daemon listening on this ipc path? (A daemon killed by SIGKILL leaves its socket
-    file behind: a connect tells at once.)"""
+    file behind: a connect tells at once.) PermissionError when this user may not connect:
+    that says nothing about whether a daemon is there."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
         probe.connect(path)
         return True
+    except PermissionError:
+        raise
     except OSError:
         return False
     finally:

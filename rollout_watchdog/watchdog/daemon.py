@@ -19,7 +19,7 @@ import os
 import random
 import signal
 import uuid
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -280,30 +280,46 @@ class Daemon:
                 os.read(self._sig_r, 512)
         if self.shutdown_requested and not self._shutdown_started:
             self.begin_shutdown()
-        self.tracker.handle(ready)
-        self._reap()
+        with self._survive("exits"):
+            self.tracker.handle(ready)
+            self._reap()
         if self.probes.wake_r in ready:
             for result in self.probes.drain():
                 self.metrics.probe(result.engine, result.finished - result.started, result.ok)
-                sup.on_probe_result(result)
+                with self._survive(f"probe result of {result.engine}"):
+                    sup.on_probe_result(result)
         for participant in self.participants:
-            participant.handle(ready)
+            with self._survive(f"{type(participant).__name__}"):
+                participant.handle(ready)
         now = self.clock.monotonic()
         self.probes.expire(now)  # a probe past its deadline ends now, its socket closed
-        self.tracker.poll_unwatched(now)
-        if now >= self._next_sweep:
-            self._next_sweep = now + self.sweep_interval
-            self._sweep()
+        with self._survive("the process table"):
+            self.tracker.poll_unwatched(now)
+            if now >= self._next_sweep:
+                self._next_sweep = now + self.sweep_interval
+                self._sweep()
         for engine in list(self.engines.values()):
-            sup.tick(engine, now)
+            with self._survive(f"engine {engine.id}"):
+                sup.tick(engine, now)
         for participant in self.participants:
-            participant.tick(now)
+            with self._survive(f"{type(participant).__name__}"):
+                participant.tick(now)
         if sup.dirty:
             self.save_state()
         for participant in self.participants:
             participant.after_save()  # an acknowledged command survives a crash
         self._notify_systemd(now)
         self.metrics.loop_iteration(self.clock.monotonic() - started)
+
+    @contextlib.contextmanager
+    def _survive(self, what: str) -> Iterator[None]:
+        """An OS error in one part of a turn (no file descriptor left, say) is logged and that
+        part is tried again next turn: it never ends the daemon, which would leave every engine
+        unsupervised."""
+        try:
+            yield
+        except OSError as exc:
+            log.error("%s: %s; trying again next turn", what, exc)
 
     def _sweep(self) -> None:
         """One scan of the process table serves every engine: trees refreshed, escaped
