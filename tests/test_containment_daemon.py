@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import EngineSpec, Node, pid_gone, wait_for
 
 from rollout_watchdog.watchdog.containment import read_marker
@@ -32,7 +33,15 @@ def escape(signum, frame):
                 signal.pause()
         os._exit(0)
     os.wait()
+def fork_child(signum, frame):
+    if os.fork() == 0:  # stays in the engine's group and session: a plain child
+        with open(out + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(out + ".tmp", out)
+        while True:
+            signal.pause()
 signal.signal(signal.SIGUSR1, escape)
+signal.signal(signal.SIGUSR2, fork_child)
 open(out + f".ready.{os.getpid()}", "w").close()
 while True:
     time.sleep(1)
@@ -45,17 +54,27 @@ def escaper(tmp: Path) -> EngineSpec:
     return EngineSpec("e0", command=[sys.executable, "-c", ESCAPER, str(tmp / "helper.pid")])
 
 
-def escape_then_kill_main(node: Node, tmp: Path) -> int:
-    """Make the engine leave a helper, then SIGKILL its main process at once."""
+def escape_then_kill_main(node: Node, tmp: Path,
+                          how: int = signal.SIGUSR1) -> tuple[int, int]:
+    """Make the engine leave a helper (SIGUSR1: one that daemonized; SIGUSR2: a plain child),
+    then SIGKILL its main process at once. The helper's pid and process group."""
     main = node.wait_state("e0", "healthy")["pid"]
     pid_file = tmp / "helper.pid"
     pid_file.unlink(missing_ok=True)
     wait_ready(tmp, main)
-    os.kill(main, signal.SIGUSR1)
+    os.kill(main, how)
     helper = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), 10,
-                          "the helper to daemonize"))
+                          "the helper to start"))
+    group = os.getpgid(helper)
+    assert read_marker(helper) is not None  # it carries its incarnation's marker
     os.kill(main, signal.SIGKILL)
-    return helper
+    return helper, group
+
+
+def signalled(event: dict[str, Any], pid: int, group: int) -> bool:
+    """A signal_sent event that reached the process: by its pid, or by its group."""
+    words = event["detail"].replace("[", " ").replace("]", " ").replace(",", " ").split()
+    return str(pid) in words or f"group {group}" in event["detail"]
 
 
 def wait_ready(tmp: Path, main: int) -> None:
@@ -63,14 +82,14 @@ def wait_ready(tmp: Path, main: int) -> None:
              "the engine to be ready to escape")
 
 
-def assert_gone_before_relaunch(node: Node, helper: int, incarnation: int) -> None:
-    """The helper's SIGKILL is in the record before the next incarnation started, and the
+def assert_gone_before_relaunch(node: Node, helper: int, group: int, incarnation: int) -> None:
+    """The helper's signal is in the record before the next incarnation started, and the
     kill that relaunched the engine completed (every process it knew was gone)."""
     node.wait_state("e0", "healthy", incarnation=incarnation + 1)
     assert pid_gone(helper)
     events = node.events("e0")
     killed = next((i for i, e in enumerate(events) if e["kind"] == "signal_sent"
-                   and e["incarnation"] == incarnation and str(helper) in e["detail"]), None)
+                   and e["incarnation"] == incarnation and signalled(e, helper, group)), None)
     started = next(i for i, e in enumerate(events) if e["kind"] == "state"
                    and e["to"] == "starting" and e["incarnation"] == incarnation + 1)
     assert killed is not None and killed < started, [
@@ -86,37 +105,45 @@ def test_a_helper_that_daemonizes_just_before_the_sigkill_is_gone_before_the_rel
         make_node: Any, tmp_path: Path) -> None:
     node = make_node([escaper(tmp_path)], probe=SLOW_SWEEP).start()
     assert node.status()["containment"] == "subreaper"
-    helper = escape_then_kill_main(node, tmp_path)
-    assert read_marker(helper) is not None  # the helper carries its incarnation's marker
-    assert_gone_before_relaunch(node, helper, incarnation=1)
+    helper, group = escape_then_kill_main(node, tmp_path)
+    assert_gone_before_relaunch(node, helper, group, incarnation=1)
     # and the daemon's stop leaves no process of any incarnation behind
-    again = escape_then_kill_main(node, tmp_path)
+    again, _ = escape_then_kill_main(node, tmp_path)
     node.wait_state("e0", "healthy", incarnation=3)
     assert node.stop_daemon() == 0
     assert pid_gone(again)
     assert marked_processes("test-node:") == []
 
 
-def test_the_same_after_the_daemon_restarted(make_node: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", [signal.SIGUSR1, signal.SIGUSR2],
+                         ids=["daemonized-helper", "child-forked-before-the-exit"])
+def test_the_same_after_the_daemon_restarted(make_node: Any, tmp_path: Path, how: int) -> None:
     """The daemon is SIGKILLed and restarted: it adopts the engine but is no longer its
-    ancestor, so the helper re-parents elsewhere; its marker still gives it away."""
+    ancestor (nor does it hold its Popen): a helper that daemonized, or a plain child forked
+    just before the main process died, re-parents elsewhere; its marker gives it away."""
     node = make_node([escaper(tmp_path)], probe=SLOW_SWEEP).start()
     node.wait_state("e0", "healthy")
     node.kill_daemon()
     node.start()
     node.wait_event("e0", kind="adopted")
-    helper = escape_then_kill_main(node, tmp_path)
-    assert_gone_before_relaunch(node, helper, incarnation=1)
+    helper, group = escape_then_kill_main(node, tmp_path, how)
+    assert_gone_before_relaunch(node, helper, group, incarnation=1)
 
 
-def test_an_unrecorded_copy_is_killed_not_duplicated(make_node: Any, tmp_path: Path) -> None:
-    """The daemon dies between a launch and its state save (here: the state file is lost):
-    the next daemon finds the running copy by its marker and kills it before launching its
-    own, instead of running two (the old one answering the new one's probes)."""
+@pytest.mark.parametrize("damage", ["lost", "truncated"])
+def test_an_unrecorded_copy_is_killed_not_duplicated(make_node: Any, damage: str) -> None:
+    """The daemon dies between a launch and its state save (here: the state file is lost, or
+    truncated by a full disk): the next daemon finds the running copy by its marker and kills
+    it before launching its own, instead of running two (the old one answering the new one's
+    probes, the new one dying of EADDRINUSE)."""
     node = make_node([EngineSpec("e0")]).start()
     old = node.wait_state("e0", "healthy")["pid"]
     node.kill_daemon()
-    (node.state_dir / "state.json").unlink()
+    state = node.state_dir / "state.json"
+    if damage == "lost":
+        state.unlink()
+    else:
+        state.write_text(state.read_text()[:40])
     node.start()
     new = node.wait_state("e0", "healthy", timeout=60)
     assert new["pid"] != old
