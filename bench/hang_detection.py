@@ -359,5 +359,5 @@ def extra_args(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    bench_main(main, parse_args(__doc__ or "", repeat=3, quick_repeat=1, time_limit=3000,
+    bench_main(main, parse_args(__doc__ or "", repeat=3, quick_repeat=1, time_limit=1800,
                                 extra=extra_args))
