@@ -21,6 +21,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
 from rollout_watchdog.emulator.testing import wait_until
+from rollout_watchdog.watchdog.containment import read_marker
 from rollout_watchdog.watchdog.control import FD_SHARE, REOPEN_AFTER_S, ControlServer
 
 MakeNode = Callable[..., Node]
@@ -89,8 +90,10 @@ def test_a_connection_flood_neither_kills_nor_blinds_the_daemon(
             dealer.send(b'{"v": 1, "id": %d, "cmd": "status"}' % n)
         os.kill(first["pid"], signal.SIGKILL)
         # the engine's death is seen and it is relaunched while the flood goes on
-        wait_for(lambda: any(p.pid != first["pid"] for p in daemon.children()), 30,
-                 "the relaunch of e0 during the flood")
+        # (the daemon's children also include what re-parented to it, the subreaper: the
+        # relaunch is the child that carries the second incarnation's marker)
+        wait_for(lambda: any("/e0/2/" in (read_marker(p.pid) or "") for p in daemon.children()),
+                 30, "the relaunch of e0 during the flood")
         raw += raw_flood(path, RAW_CONNECTIONS - len(raw))
         assert node.proc.poll() is None
         flood_ended = time.time()
