@@ -24,7 +24,7 @@ from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, 
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, proc_key
 from rollout_watchdog.watchdog.statefile import DERIVED, EngineRecord, load_state, save_state
 from rollout_watchdog.watchdog.states import Cause, EngineState
-from rollout_watchdog.watchdog.supervisor import long_lived
+from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.timers import Timer, engine_timers
 from rollout_watchdog.watchdog.tracker import ProcessTracker
 
@@ -274,3 +274,22 @@ def test_a_first_launch_waits_for_the_engines_ports(tmp_path: Path) -> None:
             engine.popen.kill()
             engine.popen.wait()
     time.sleep(0)
+
+
+def test_a_process_that_takes_an_engine_name_later_becomes_fatal() -> None:
+    """A scheduler renames itself once it runs, possibly after the engine turned healthy
+    (liveness-only followers are healthy at once): from the sweep that sees the name on, its
+    exit is fatal."""
+    main, child = ProcKey(100, 50.0), ProcKey(101, 51.0)
+    engine = EngineRuntime(cfg=parse_config({"engine": [
+        {"id": "e0", "url": "http://127.0.0.1:1", "command": ["true"]}]},
+        check_commands=False).engines[0], state=S.HEALTHY, main=main,
+        procs={main: True, child: False})
+    tracker = ProcessTracker({"e0": engine}, zmq.Poller(), ProcessOps(), lambda e, k: None)
+    table = {100: ProcStat(100, b"S", 1, 100, 50.0, "python"),
+             101: ProcStat(101, b"S", 100, 100, 51.0, "python")}
+    tracker.sweep([engine], table)
+    assert engine.procs[child] is False
+    table[101] = ProcStat(101, b"S", 100, 100, 51.0, "sglang::schedul")
+    assert tracker.sweep([engine], table)
+    assert engine.procs[child] is True

@@ -1,4 +1,5 @@
-"""Restart decisions as pure functions: backoff, the restart budget, and the probe threshold."""
+"""Supervision decisions as pure functions: backoff, the restart budget, the probe threshold,
+and which processes of an engine are fatal."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rollout_watchdog.config import RestartConfig
+from rollout_watchdog.watchdog.process import ProcKey, ProcStat
 
 JITTER = 0.2
 
@@ -49,3 +51,17 @@ def judge_probe(ok: bool, failures_before: int, threshold: int) -> ProbeVerdict:
         return ProbeVerdict(0, False, False)
     failures = failures_before + 1
     return ProbeVerdict(failures, True, failures >= threshold)
+
+
+# SGLang names its own processes (sglang::scheduler, sglang::detokenizer,
+# sglang::data_parallel_controller); the kernel keeps the first 15 bytes.
+ENGINE_PROCESS_PREFIX = "sglang::"
+
+
+def long_lived(stat: ProcStat, main: ProcKey, started_for: float) -> bool:
+    """One of the engine's own processes, whose exit is fatal: recognized by its name, or a
+    direct child of the main process that has lived through the start-up (started in its
+    first half; a helper started just before the engine turned healthy is not)."""
+    if stat.comm.startswith(ENGINE_PROCESS_PREFIX):
+        return True
+    return stat.ppid == main.pid and stat.start_time - main.start_time <= started_for / 2

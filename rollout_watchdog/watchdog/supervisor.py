@@ -27,6 +27,7 @@ from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, 
 from rollout_watchdog.watchdog.enginelog import open_engine_output
 from rollout_watchdog.watchdog.events import EventLog
 from rollout_watchdog.watchdog.gpu import GpuInspector
+from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, describe_exit
 from rollout_watchdog.watchdog.publish import Publisher
@@ -503,20 +504,6 @@ class Supervisor:
             "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
             if e.kill else None,
         }
-
-
-# SGLang names its own processes (sglang::scheduler, sglang::detokenizer,
-# sglang::data_parallel_controller); the kernel keeps the first 15 bytes.
-ENGINE_PROCESS_PREFIX = "sglang::"
-
-
-def long_lived(stat: ProcStat, main: ProcKey, started_for: float) -> bool:
-    """One of the engine's own processes, whose exit is fatal: recognized by its name, or a
-    direct child of the main process that has lived through the start-up (started in its
-    first half; a helper started just before the engine turned healthy is not)."""
-    if stat.comm.startswith(ENGINE_PROCESS_PREFIX):
-        return True
-    return stat.ppid == main.pid and stat.start_time - main.start_time <= started_for / 2
 
 
 def probe_interval(engine: EngineRuntime) -> float:

@@ -18,7 +18,9 @@ from typing import Any
 import zmq
 
 from rollout_watchdog.watchdog.engine import EngineRuntime
+from rollout_watchdog.watchdog.policy import ENGINE_PROCESS_PREFIX
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat
+from rollout_watchdog.watchdog.states import EngineState
 
 log = logging.getLogger(__name__)
 # How often a process without a pidfd is polled for its exit.
@@ -144,7 +146,22 @@ class ProcessTracker:
                 alive.append(engine)
             elif engine.main not in engine.dead:
                 self.on_gone(engine, engine.main)
-        return self.refresh(alive, table)
+        found = self.refresh(alive, table)
+        for engine in alive:
+            if engine.state in (EngineState.HEALTHY, EngineState.SUSPECT):
+                found |= self._named_fatal(engine, table)
+        return found
+
+    @staticmethod
+    def _named_fatal(engine: EngineRuntime, table: dict[int, ProcStat]) -> bool:
+        """A process that took one of the engine's own names after it turned healthy (a
+        scheduler renames itself once it runs) is fatal from then on."""
+        named = [k for k, fatal in engine.procs.items() if not fatal
+                 and (stat := table.get(k.pid)) is not None and stat.key == k
+                 and stat.comm.startswith(ENGINE_PROCESS_PREFIX)]
+        for key in named:
+            engine.procs[key] = True
+        return bool(named)
 
     def refresh(self, engines: list[EngineRuntime],
                 table: dict[int, ProcStat] | None = None) -> bool:
