@@ -21,10 +21,10 @@ from rollout_watchdog.watchdog.adoption import adopt, record_of
 from rollout_watchdog.watchdog.clock import Clock
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
+from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, proc_key
 from rollout_watchdog.watchdog.statefile import DERIVED, EngineRecord, load_state, save_state
 from rollout_watchdog.watchdog.states import Cause, EngineState
-from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.timers import Timer, engine_timers
 from rollout_watchdog.watchdog.tracker import ProcessTracker
 
@@ -259,7 +259,7 @@ def test_a_first_launch_waits_for_the_engines_ports(tmp_path: Path) -> None:
             return not taken
 
     clock = FakeClock()
-    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken())
+    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken(), command=["sleep", "30"])
     daemon.adopt_or_launch()
     engine = daemon.engines["e0"]
     assert engine.state == S.STOPPED and isinstance(engine.kill, KillJob)
@@ -268,7 +268,7 @@ def test_a_first_launch_waits_for_the_engines_ports(tmp_path: Path) -> None:
     clock.mono += 0.1
     try:
         daemon.supervisor.tick(engine, clock.mono)
-        assert engine.state in (S.STARTING, S.STOPPING) and engine.popen is not None
+        assert engine.state == S.STARTING and engine.popen is not None
     finally:
         if engine.popen is not None:
             engine.popen.kill()
