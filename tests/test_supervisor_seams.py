@@ -293,3 +293,32 @@ def test_a_process_that_takes_an_engine_name_later_becomes_fatal() -> None:
     table[101] = ProcStat(101, b"S", 100, 100, 51.0, "sglang::schedul")
     assert tracker.sweep([engine], table)
     assert engine.procs[child] is True
+
+
+def test_a_kill_looks_again_soon_not_only_at_its_deadline(tmp_path: Path) -> None:
+    """The grace period is a bound, not a wait: a kill looks again every CHECK_INTERVAL_S and
+    completes once the processes are gone, long before a 30 s grace would end."""
+    clock = FakeClock()
+    # an engine that takes a moment to stop on SIGTERM
+    slow_stop = ["sh", "-c", 'trap "sleep 0.3; exit 0" TERM; while :; do sleep 0.05; done']
+    daemon = make_daemon(tmp_path, clock=clock, command=slow_stop,
+                         restart={"grace_s": 30.0, "kill_timeout_s": 10.0})
+    engine = daemon.engines["e0"]
+    sup = daemon.supervisor
+    sup.launch(engine, Cause.LAUNCHED)
+    try:
+        sup.start_kill(engine, Cause.COMMANDED, "test", AfterKill.STOP)
+        assert engine.state == S.STOPPING
+        wake = timers.next_deadline(engine)
+        assert wake is not None and wake <= clock.mono + 0.05
+        deadline = time.monotonic() + 5.0
+        while engine.state == S.STOPPING and time.monotonic() < deadline:
+            time.sleep(0.01)
+            clock.mono += 0.05
+            daemon.tracker.new_turn()
+            sup.tick(engine, clock.mono)
+        assert engine.state == S.STOPPED  # it stopped on its SIGTERM; no 30 s wait
+    finally:
+        if engine.popen is not None:
+            engine.popen.kill()
+            engine.popen.wait()

@@ -35,7 +35,7 @@ class KillJob:
     after: AfterKill
     phase: KillPhase = KillPhase.TERM
     deadline: float = 0.0           # monotonic: end of the current phase
-    next_check: float = 0.0         # monotonic: next release check
+    next_check: float = 0.0         # monotonic: the next look (at most the deadline)
     problems: list[str] = field(default_factory=list)
 
 

@@ -22,7 +22,8 @@ from rollout_watchdog.watchdog.process import ProcessOps
 from rollout_watchdog.watchdog.states import Cause
 
 log = logging.getLogger(__name__)
-RELEASE_CHECK_INTERVAL_S = 0.05
+# How often a kill in progress looks again: are the processes gone, are ports and GPUs free.
+CHECK_INTERVAL_S = 0.05
 
 
 class Outcome(str, Enum):
@@ -104,7 +105,7 @@ def advance(engine: EngineRuntime, ctx: KillContext, now: float) -> Outcome:
     ops = ctx.ops
     if job.phase == KillPhase.TERM:
         if not (now >= job.deadline or _group_done(engine, ctx)):
-            return Outcome.PENDING
+            return _again(job, now)
         job.phase = KillPhase.KILL
         job.deadline = now + engine.cfg.restart.kill_timeout_s
         ctx.refresh_tree(engine)
@@ -120,7 +121,7 @@ def advance(engine: EngineRuntime, ctx: KillContext, now: float) -> Outcome:
                                 "SIGKILL: " + (", ".join(left) or f"cgroup {engine.cgroup}")]
                 return Outcome.UNKILLABLE
             _sigkill_all(engine, job, ctx, quiet=True)  # processes forked meanwhile
-            return Outcome.PENDING
+            return _again(job, now)
         if engine.popen is not None:
             engine.returncode = engine.popen.poll()  # reaps it, if nothing did yet
         job.phase = KillPhase.RELEASE
@@ -139,7 +140,12 @@ def advance(engine: EngineRuntime, ctx: KillContext, now: float) -> Outcome:
         if now >= job.deadline:
             return (Outcome.GPU_NOT_RELEASED if any("GPU" in p for p in problems)
                     else Outcome.PORT_NOT_RELEASED)
-        job.next_check = now + RELEASE_CHECK_INTERVAL_S
+    return _again(job, now)
+
+
+def _again(job: KillJob, now: float) -> Outcome:
+    """Pending: the next look comes after CHECK_INTERVAL_S, or at the phase's deadline."""
+    job.next_check = min(now + CHECK_INTERVAL_S, job.deadline)
     return Outcome.PENDING
 
 

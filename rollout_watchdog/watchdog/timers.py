@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from rollout_watchdog.watchdog.engine import EngineRuntime, KillPhase
+from rollout_watchdog.watchdog.engine import EngineRuntime
 from rollout_watchdog.watchdog.states import EngineState
 
 # A probe whose result has not come back this long after its own deadline is judged failed
@@ -32,8 +32,7 @@ def engine_timers(engine: EngineRuntime) -> list[tuple[Timer, float]]:
     A kill in progress holds every other timer."""
     if engine.kill is not None:
         job = engine.kill
-        return [(Timer.KILL, job.next_check if job.phase == KillPhase.RELEASE
-                 else job.deadline)]
+        return [(Timer.KILL, job.next_check)]
     probe, restart = engine.cfg.probe, engine.cfg.restart
     timers: list[tuple[Timer, float]] = []
     if engine.paused is not None:
