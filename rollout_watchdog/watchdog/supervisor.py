@@ -221,6 +221,8 @@ class Supervisor:
         if key not in engine.procs:
             return  # a process of an earlier incarnation
         engine.dead.add(key)
+        if engine.kill is not None:  # what a kill waits for: look again at once
+            engine.kill.next_check = min(engine.kill.next_check, self.clock.monotonic())
         if key == engine.main:
             if engine.popen is not None:
                 engine.returncode = self.ops.peek_exit(key.pid)  # not reaped yet
