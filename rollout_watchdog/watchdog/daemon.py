@@ -115,8 +115,9 @@ class Daemon:
         self._sig_r, self._sig_w = os.pipe()
         self._lock_fd: int | None = None
         self.log_rotator = LogRotator(
-            lambda: [engine_log_path(self.state_dir, e.id) for e in config.engines],
+            [engine_log_path(self.state_dir, e.id) for e in config.engines],
             config.engine_log_max_bytes, config.engine_log_backups)
+        self._child_exited = True  # SIGCHLD seen: orphans to reap
 
     @property
     def boot_id(self) -> str:
@@ -177,6 +178,7 @@ class Daemon:
         signal.set_wakeup_fd(self._sig_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGCHLD, self._on_child)
 
     def _contain(self) -> None:
         """Nothing of an incarnation may outlive it: descriptors to watch every process, the
@@ -221,6 +223,9 @@ class Daemon:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
+    def _on_child(self, signum: int, frame: object) -> None:
+        self._child_exited = True
+
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.shutdown_requested:
             return
@@ -256,6 +261,7 @@ class Daemon:
         # A clean stop leaves nothing to adopt: the next start launches every engine.
         self.save_state(clean=self.shutdown_requested == "stop")
         signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.tracker.close()
         for participant in self.participants:
             participant.close()
@@ -331,12 +337,17 @@ class Daemon:
         if sup.take_in_escapees(table):
             sup.dirty = True
         sup.clean_cgroups()
+        self.log_rotator.check()
         self.metrics.set_log_lines_dropped(dropped_log_lines())
         self.metrics.set_event_log_write_errors(self.events.write_errors)
 
     def _reap(self) -> None:
         """Reap the orphans that re-parented to the daemon (its subreaper duty), but not the
-        engines' own main processes: their exit status is read, then reaped, by Popen."""
+        engines' own main processes: their exit status is read, then reaped, by Popen. Only
+        after a SIGCHLD: nothing else leaves a child to reap."""
+        if not self._child_exited:
+            return
+        self._child_exited = False
         keep = {e.popen.pid for e in self.engines.values()
                 if e.popen is not None and e.popen.returncode is None}
         reap_children(keep)

@@ -12,9 +12,9 @@ import contextlib
 import errno
 import logging
 import os
+import queue
 import socket
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from rollout_watchdog.config import NodeConfig
@@ -172,27 +172,38 @@ def _copy_tail(source: Path, target: Path, max_bytes: int) -> None:
 
 
 class LogRotator:
-    """Rotates the engine logs from a thread of its own: rotation copies up to max_bytes of
-    file, I/O that the daemon's loop must never wait for."""
+    """Rotates the engine logs on a thread of its own: rotation copies up to max_bytes of file,
+    I/O that the daemon's loop must never wait for. The loop only looks at the sizes (a stat
+    per engine in its sweep) and hands over the logs that are due."""
 
-    def __init__(self, paths: Callable[[], list[Path]], max_bytes: int, backups: int,
-                 interval_s: float = 1.0) -> None:
-        self._paths = paths
+    def __init__(self, paths: list[Path], max_bytes: int, backups: int) -> None:
+        self.paths = paths
         self._max_bytes = max_bytes
         self._backups = backups
-        self._interval_s = interval_s
-        self._stop = threading.Event()
+        self._due: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
+        self._pending: set[Path] = set()
         self._thread = threading.Thread(target=self._run, name="log-rotator", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def check(self) -> None:
+        """Hand every log past its size to the thread (from the loop: a stat per log)."""
+        for path in self.paths:
+            try:
+                over = os.stat(path).st_size > self._max_bytes
+            except OSError:
+                continue  # no log (journald, or not launched yet)
+            if over and path not in self._pending:
+                self._pending.add(path)
+                self._due.put(path)
+
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            for path in self._paths():
-                rotate_if_needed(path, self._max_bytes, self._backups)
+        while (path := self._due.get()) is not None:
+            rotate_if_needed(path, self._max_bytes, self._backups)
+            self._pending.discard(path)
 
     def stop(self, wait_s: float = 2.0) -> None:
-        self._stop.set()
+        self._due.put(None)
         if self._thread.is_alive():
             self._thread.join(wait_s)
