@@ -140,7 +140,7 @@ def test_a_server_that_never_answers_fails_at_the_deadline(runner: ProbeRunner,
 
 def test_a_trickling_engine_is_cut_off_at_the_deadline(runner: ProbeRunner, server: str) -> None:
     """A byte every 0.2 s and never a status line: the timeout bounds the whole probe, not each
-    read, and the probe's thread ends and its socket is closed."""
+    read; its socket is closed and its worker is free for the next probe."""
     baseline, trickles = threading.active_count(), TRICKLES["open"]
     started = time.monotonic()
     assert runner.submit("e", 1, server + "/trickle", 1.0)
@@ -148,8 +148,10 @@ def test_a_trickling_engine_is_cut_off_at_the_deadline(runner: ProbeRunner, serv
     result = result_of(runner)
     assert time.monotonic() - started < 2.0
     assert (result.ok, result.detail) == (False, "no answer within 1 s")
-    wait_until(lambda: threading.active_count() == baseline, 2, what="the probe thread's end")
     wait_until(lambda: TRICKLES["open"] == trickles, 2, what="the server to see the socket close")
+    assert runner.submit("e", 2, server + "/ok", 1.0)  # the same worker takes the next one
+    assert result_of(runner).ok
+    assert threading.active_count() == baseline + 1
 
 
 def test_expire_ends_a_probe_at_once(runner: ProbeRunner, server: str) -> None:

@@ -8,10 +8,10 @@ the socket of a probe past its deadline, so a read blocked on an engine that tri
 returns at once. A probe then reports "no answer within N s" and its thread ends. (Resolving a
 host name is the one step nothing can cut short; its probe stays in flight until it returns.)
 
-Each probe runs on a thread of its own rather than on a fixed pool: an engine has at most one
-probe in flight (`submit` refuses a second), so the threads never outnumber the engines, and no
-engine's probe ever waits in a queue behind the hung probes of others. Starting a thread costs
-about 0.1 ms, against one probe per engine every few seconds.
+Probes run on worker threads that are kept for the next probes, and a new one is started
+whenever none is idle: an engine has at most one probe in flight (`submit` refuses a second),
+so the workers never outnumber the engines, and no engine's probe ever waits in a queue behind
+the hung probes of others.
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ class _Flight:
 
     probe_id: int
     timeout_s: float
-    thread: threading.Thread
     started: float = field(default_factory=time.monotonic)
     sock: socket.socket | None = None
     expired: bool = False   # `expire` or `close` aborted it
@@ -97,6 +96,11 @@ class ProbeRunner:
         self._max = max_workers
         self._lock = threading.Lock()
         self._flights: dict[str, _Flight] = {}
+        # Worker threads, kept for the next probes: a thread is started only when none is
+        # idle, so there are never more than the most probes ever in flight at once.
+        self._jobs: queue.SimpleQueue[tuple[str, str, str | None] | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._idle = 0
         self._closed = False
         self.results: queue.SimpleQueue[ProbeResult] = queue.SimpleQueue()
         self.wake_r, self._wake_w = os.pipe()
@@ -111,18 +115,25 @@ class ProbeRunner:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"probe timeout must be a finite number of seconds > 0, "
                              f"not {timeout_s!r}")
-        thread = threading.Thread(target=self._run, name=f"probe {engine:.40}", daemon=True,
-                                  args=(engine, url, progress_url))
-        flight = _Flight(probe_id, timeout_s, thread)
+        flight = _Flight(probe_id, timeout_s)
         with self._lock:
             if (self._closed or engine in self._flights
                     or (self._max is not None and len(self._flights) >= self._max)):
                 return False
             self._flights[engine] = flight
-        try:
-            thread.start()
-        except RuntimeError as exc:  # no thread to be had: still the one result promised
-            self._post(engine, flight, False, f"probe error: {exc}", None)
+            start_one = self._idle == 0
+            if not start_one:
+                self._idle -= 1  # that idle worker takes this job
+        self._jobs.put((engine, url, progress_url))
+        if start_one:
+            worker = threading.Thread(target=self._work, name="probe", daemon=True)
+            try:
+                worker.start()
+                self._workers.append(worker)
+            except RuntimeError as exc:  # no thread to be had: still the one result promised
+                with contextlib.suppress(queue.Empty):
+                    self._jobs.get_nowait()
+                self._post(engine, flight, False, f"probe error: {exc}", None)
         return True
 
     def in_flight(self, engine: str) -> bool:
@@ -171,11 +182,20 @@ class ProbeRunner:
                 flight.abort()
             os.close(self.wake_r)
             os.close(self._wake_w)
+        for _ in self._workers:
+            self._jobs.put(None)
         end = time.monotonic() + wait_s
-        for flight in flights:
-            flight.thread.join(max(0.0, end - time.monotonic()))
+        for worker in self._workers:
+            worker.join(max(0.0, end - time.monotonic()))
 
     # ------------------------------------------------------------------ the probe's thread
+
+    def _work(self) -> None:
+        """A worker: one probe after another, until close."""
+        while (job := self._jobs.get()) is not None:
+            self._run(*job)
+            with self._lock:
+                self._idle += 1
 
     def _run(self, engine: str, url: str, progress_url: str | None) -> None:
         with self._lock:
