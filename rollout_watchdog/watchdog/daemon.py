@@ -55,8 +55,9 @@ S = EngineState
 # Exit code of a daemon told to go away and leave its engines running (SIGUSR2): the unit's
 # RestartForceExitStatus restarts it, and the new daemon adopts them.
 DETACH_EXIT_CODE = 75
-# The longest the loop sleeps without looking at its timers.
-MAX_SLEEP_S = 0.5
+# The longest the loop sleeps without looking at its timers (a safety net: every timer, the
+# sweep and every socket wake it when due).
+MAX_SLEEP_S = 1.0
 
 
 class Participant(Protocol):
@@ -91,8 +92,8 @@ class Daemon:
         self.publisher.subscribe(log_event)
         self.publisher.subscribe(metrics_subscriber(self.metrics))
         self.notifier = SystemdNotifier()
-        # A thread per probe in flight, and at most one probe per engine: no engine's probe
-        # ever waits behind another's.
+        # At most one probe per engine, each on a worker of its own: no engine's probe ever
+        # waits behind another's.
         self.probes = ProbeRunner()
         self.poller = zmq.Poller()
         engines = {e.id: EngineRuntime(cfg=e) for e in config.engines}
