@@ -322,3 +322,43 @@ def test_a_kill_looks_again_soon_not_only_at_its_deadline(tmp_path: Path) -> Non
         if engine.popen is not None:
             engine.popen.kill()
             engine.popen.wait()
+
+
+def test_a_stop_during_the_first_launchs_wait_ends_in_stopped(tmp_path: Path) -> None:
+    """The first launch waits for the ports in `stopped`; a stop (or the daemon's SIGTERM)
+    then ends that wait where it is, without a `stopped -> stopped` transition."""
+    class PortTaken(ProcessOps):
+        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
+            return False
+
+    clock = FakeClock()
+    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken(), command=["sleep", "30"])
+    daemon.adopt_or_launch()
+    engine = daemon.engines["e0"]
+    assert engine.state == S.STOPPED and engine.kill is not None
+    run_command(daemon, "stop", engine="e0")
+    clock.mono += 0.1
+    daemon.supervisor.tick(engine, clock.mono)
+    assert engine.state == S.STOPPED and engine.kill is None and engine.popen is None
+
+
+def test_a_first_launch_still_waiting_survives_a_daemon_restart(tmp_path: Path) -> None:
+    """Detached (or crashed) while the first launch waited for its ports: the next daemon
+    waits on and launches, instead of keeping the engine stopped until someone restarts it."""
+    class PortTaken(ProcessOps):
+        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
+            return False
+
+    clock = FakeClock()
+    first = make_daemon(tmp_path, clock=clock, ops=PortTaken(), command=["sleep", "30"])
+    first.adopt_or_launch()
+    first.save_state()
+    second = make_daemon(tmp_path, clock=clock, command=["sleep", "30"])
+    second.adopt_or_launch()
+    engine = second.engines["e0"]
+    try:
+        assert engine.state == S.STARTING and engine.popen is not None
+    finally:
+        if engine.popen is not None:
+            engine.popen.kill()
+            engine.popen.wait()

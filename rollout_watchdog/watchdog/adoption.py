@@ -79,6 +79,11 @@ def adopt(sup: Supervisor, engine: EngineRuntime, record: EngineRecord, *,
             engine.backoff_until = clock.monotonic()
         sup.emit(engine, "adopted", to=str(engine.state),
                  detail=f"kept {record.state} from the previous daemon")
+        if (record.state == S.STOPPED and record.kill_after == AfterKill.RESTART
+                and engine.cfg.command):
+            # it was waiting for its ports before a launch: it still is
+            sup.launch_when_released(engine, record.kill_cause or Cause.LAUNCHED,
+                                     "waiting for the engine's ports and GPUs to be free")
         return
     now = clock.monotonic()
     if same_boot:

@@ -37,11 +37,12 @@ class Marker(NamedTuple):
     boot: str
 
 
-def set_child_subreaper() -> bool:
-    """Make orphaned descendants re-parent to this process (Linux >= 3.4); False if refused."""
+def set_child_subreaper(on: bool = True) -> bool:
+    """Make orphaned descendants re-parent to this process (Linux >= 3.4), or stop doing so;
+    False if refused."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 

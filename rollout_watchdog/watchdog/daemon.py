@@ -263,6 +263,7 @@ class Daemon:
         self.save_state(clean=self.shutdown_requested == "stop")
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        set_child_subreaper(False)  # a daemon embedded in a process gives the duty back
         self.tracker.close()
         for participant in self.participants:
             participant.close()
@@ -320,13 +321,15 @@ class Daemon:
 
     @contextlib.contextmanager
     def _survive(self, what: str) -> Iterator[None]:
-        """An OS error in one part of a turn (no file descriptor left, say) is logged and that
-        part is tried again next turn: it never ends the daemon, which would leave every engine
-        unsupervised."""
+        """An error in one part of a turn (no file descriptor left, say, or a bug) is logged
+        and that part is tried again next turn: it never ends the daemon, which would leave
+        every engine unsupervised."""
         try:
             yield
         except OSError as exc:
             log.error("%s: %s; trying again next turn", what, exc)
+        except Exception:  # a bug in one engine's handling must not end the others' watch
+            log.exception("%s: unexpected error; trying again next turn", what)
 
     def _sweep(self) -> None:
         """One scan of the process table serves every engine: trees refreshed, escaped

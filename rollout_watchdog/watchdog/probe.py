@@ -98,7 +98,8 @@ class ProbeRunner:
         self._flights: dict[str, _Flight] = {}
         # Worker threads, kept for the next probes: a thread is started only when none is
         # idle, so there are never more than the most probes ever in flight at once.
-        self._jobs: queue.SimpleQueue[tuple[str, str, str | None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[str, _Flight, str, str | None] | None] = (
+            queue.SimpleQueue())
         self._workers: list[threading.Thread] = []
         self._idle = 0
         self._closed = False
@@ -124,15 +125,14 @@ class ProbeRunner:
             start_one = self._idle == 0
             if not start_one:
                 self._idle -= 1  # that idle worker takes this job
-        self._jobs.put((engine, url, progress_url))
+        self._jobs.put((engine, flight, url, progress_url))
         if start_one:
             worker = threading.Thread(target=self._work, name="probe", daemon=True)
             try:
                 worker.start()
                 self._workers.append(worker)
             except RuntimeError as exc:  # no thread to be had: still the one result promised
-                with contextlib.suppress(queue.Empty):
-                    self._jobs.get_nowait()
+                # (the job stays queued; a worker that takes it later finds it answered)
                 self._post(engine, flight, False, f"probe error: {exc}", None)
         return True
 
@@ -197,9 +197,10 @@ class ProbeRunner:
             with self._lock:
                 self._idle += 1
 
-    def _run(self, engine: str, url: str, progress_url: str | None) -> None:
+    def _run(self, engine: str, flight: _Flight, url: str, progress_url: str | None) -> None:
         with self._lock:
-            flight = self._flights[engine]
+            if self._flights.get(engine) is not flight:
+                return  # already answered (no thread could be started for it)
         progress = None
         ok, detail, stage = False, "probe error: no verdict", ""
         try:  # a probe always reports, or its pause is never acknowledged

@@ -70,6 +70,7 @@ class Supervisor:
         self.dirty = True              # the state file is behind
         self.save_now: Any = None      # set by the daemon: saves the state file at once
         self._probe_ids = 0
+        self._escapees_killed: set[ProcKey] = set()
         self.killing = kill.KillContext(ops, inspector, tracker.live_groups,
                                         self._refresh_for_kill, self._signalled)
 
@@ -256,6 +257,7 @@ class Supervisor:
         is over (an escape before the kill, a copy a crashed daemon never recorded) is killed
         with its descendants. True if any was taken in."""
         taken = False
+        self._escapees_killed &= {s.key for s in table.values()}
         for stat, marker in self.tracker.escapees(table):
             subtree = [stat.key, *self.ops.descendants([stat.pid], table)[stat.pid]]
             owner = next((e for e in self.engines.values() if e.marker == marker
@@ -268,6 +270,9 @@ class Supervisor:
                 taken = True
                 continue
             killed = [k.pid for k in subtree if self.ops.signal_proc(k, signal.SIGKILL)]
+            if stat.key in self._escapees_killed:
+                continue  # said once; the signal is sent again while it lingers
+            self._escapees_killed.add(stat.key)
             parsed = parse_marker(marker)
             self.emit(self.engines.get(parsed.engine_id) if parsed else None, "escapee_killed",
                       detail=f"SIGKILL to pid(s) {killed}: marked {marker}, an incarnation "
@@ -386,15 +391,16 @@ class Supervisor:
 
     def start_kill(self, engine: EngineRuntime, cause: Cause, detail: str,
                    after: AfterKill, **extra: Any) -> None:
+        now = self.clock.monotonic()
+        job = KillJob(cause, detail, after, deadline=now + engine.cfg.restart.grace_s)
+        engine.kill = job  # first: whatever fails below, the kill's timer goes on
         if engine.state.running:
             self.transition(engine, S.STOPPING, cause, detail, **extra)
         if engine.main is not None and engine.main in engine.dead:
             self.tracker.take_in_group(engine)
-        now = self.clock.monotonic()
         engine.probe_started = None  # a probe still out is of no interest any more
         engine.backoff_until = None
         self._refresh_for_kill(engine)
-        job = KillJob(cause, detail, after, deadline=now + engine.cfg.restart.grace_s)
         self.dirty = True
         self._kill_outcome(engine, kill.begin(engine, job, self.killing, now))
 
@@ -423,8 +429,9 @@ class Supervisor:
             engine.last_failure = Failure(outcome.cause, detail, self.clock.wall())
             self.transition(engine, S.FAILED, outcome.cause, detail)
         elif job.after == AfterKill.STOP:
-            self.transition(engine, S.STOPPED, job.cause,
-                            f"{job.detail}; {describe_exit(engine.returncode)}")
+            if engine.state != S.STOPPED:  # (a first launch's wait may end in a stop)
+                self.transition(engine, S.STOPPED, job.cause,
+                                f"{job.detail}; {describe_exit(engine.returncode)}")
             if not engine.cfg.command and not engine.external:  # removed from the config
                 self.forget(engine, "removed", "stopped, and no longer in the config")
         elif job.after == AfterKill.RESTART:
@@ -477,6 +484,11 @@ class Supervisor:
         self.emit(engine, "restart_counted", cause=cause,
                   detail=f"relaunch {len(engine.relaunch_times)} of {restart.max_restarts} "
                          f"within {restart.window_s:g} s")
+
+    def probe_in_flight(self, engine_id: str) -> bool:
+        """A probe to this engine id is still on the wire (of this runtime or of an earlier
+        one under the same id: an engine unregistered and registered again)."""
+        return self.probes.in_flight(engine_id)
 
     def release_problems(self, engine: EngineRuntime) -> list[str]:
         return kill.release_problems(engine, self.inspector, self.ops)

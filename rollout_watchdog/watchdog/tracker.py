@@ -213,7 +213,7 @@ class ProcessTracker:
         pgid = engine.main.pid
         table = self.ops.process_table()
         members = [s for s in table.values() if s.pgrp == pgid and s.alive]
-        ours = engine.popen is not None or any(
+        ours = (engine.popen is not None and engine.popen.returncode is None) or any(
             s.key in engine.procs and s.key not in engine.dead for s in members)
         for stat in members:
             if stat.key in engine.procs:
