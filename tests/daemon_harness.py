@@ -212,6 +212,15 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def fd_limit(limit: int) -> list[str]:
+    """A `Node.start` wrap that runs the daemon with soft and hard RLIMIT_NOFILE at `limit`
+    (both: the daemon raises its soft limit to the hard one)."""
+    return [sys.executable, "-c",
+            "import os, resource, sys; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+            "os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
 def run_command(daemon: Any, name: str, **args: Any) -> Any:
     """A control command run in-process against a Daemon, as the control socket would."""
     from rollout_watchdog.watchdog.commands import dispatch

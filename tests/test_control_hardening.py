@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from daemon_harness import EngineSpec, Node, wait_for
+from daemon_harness import EngineSpec, Node, fd_limit, wait_for
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
 from rollout_watchdog.emulator.testing import wait_until
@@ -34,7 +34,7 @@ NOBODY = 65534
 def start_with_fd_limit(node: Node, limit: int) -> Node:
     """`Node.start`, with the daemon's soft and hard RLIMIT_NOFILE at `limit` (the daemon may
     raise its soft limit to the hard one, so both are set)."""
-    return node.start(wrap=["prlimit", f"--nofile={limit}:{limit}", "--"])
+    return node.start(wrap=fd_limit(limit))
 
 
 @pytest.fixture

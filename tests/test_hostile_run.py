@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import EngineSpec, run_command, wait_for
+from daemon_harness import EngineSpec, fd_limit, run_command, wait_for
 from test_supervisor_seams import healthy, make_daemon
 
 from rollout_watchdog.watchdog.events import Event, EventLog
@@ -102,7 +102,7 @@ def test_out_of_descriptors_no_healthy_engine_is_taken_for_dead(make_node: Any) 
     node = make_node([EngineSpec("many", command=[sys.executable, "-c", FORKER],
                                  extra={"probe": {"health_path": ""}}),
                       EngineSpec("ok")])
-    node.start(wrap=["prlimit", "--nofile=256:256", "--"])
+    node.start(wrap=fd_limit(256))
     first = node.wait_state("ok", "healthy")
     many = node.wait_state("many", "healthy")["pid"]
     wait_for(lambda: len(subprocess.run(["pgrep", "-P", str(many)], capture_output=True,
