@@ -1,4 +1,5 @@
 """The ZMQ link between a node's watchdog and the driver-side coordinator (DESIGN.md, "Agent").
 
-Not built yet: the node daemon runs alone until this package lands (see the open issues).
+So far: `keys`, the CURVE keypairs (`rollout-watchdog keygen`). The link itself, the
+coordinator and `FleetClient` are issue 6's next parts.
 """

@@ -153,6 +153,19 @@ def cmd_register(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from rollout_watchdog.agent.keys import KeygenError, keygen
+
+    try:
+        public, secret = keygen(args.dir, args.name)
+    except KeygenError as exc:
+        print(f"rollout-watchdog keygen: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"public key {public} (give it to the other side)\nkeypair {secret} (mode 0600, keep "
+          "it here)")
+    return EXIT_OK
+
+
 def cmd_emulator(args: argparse.Namespace) -> int:
     """Parse the emulator's own options here, so that no other command loads the emulator."""
     from rollout_watchdog.emulator import build_parser, run
@@ -221,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="the engine's HTTP address (probed)")
     p.add_argument("--pid", type=int, required=True,
                    help="the engine's main process (its tree is watched and killed)")
+
+    p = sub.add_parser("keygen", help="write a CURVE keypair for the fleet link", description=(
+        "Write DIR/NAME.key (the public key: give it to the other side, e.g. the coordinator's "
+        "authorized/ directory) and DIR/NAME.key_secret (the keypair, mode 0600), in pyzmq's "
+        "certificate format. An existing key is never overwritten."))
+    p.add_argument("dir", help="directory for the key files (created 0700 if missing)")
+    p.add_argument("name", help="the key's name: a node id, a client or 'coordinator'")
+    p.set_defaults(func=cmd_keygen)
 
     # Its options (and its -h) are the emulator's own: main() hands them over unparsed.
     p = sub.add_parser("emulator", help="an SGLang-compatible engine for tests (no GPU)",
