@@ -1,0 +1,344 @@
+"""The fleet wire protocol between node agents, the coordinator and its clients.
+
+This docstring is the spec (docs/protocol.md says the same for people).
+
+Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX_MESSAGE_BYTES
+(1 MiB: a HELLO snapshot of a node with hundreds of engines fits). Every message has
+    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 0)
+    "kind": one of "hello", "event", "ack", "heartbeat", "command", "reply", "subscribe"
+and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR (a
+newer minor only adds optional fields) and ignores fields it does not know. Numbers are finite
+(no NaN/Infinity); integers fit in a signed 64-bit int. Sequence numbers count from 1 within one
+boot of a node daemon; 0 means "none yet".
+
+Kinds (direction; fields, "?" = optional, may be null or absent):
+    hello      node -> coordinator, on every (re)connect: node_id, boot (the node daemon's boot
+               id), engines (the list `status --json` prints, each an object with a string
+               "id"), last_seq (the highest seq issued in this boot, >= 0).
+    event      node -> coordinator -> client: node_id, boot, seq (>= 1), event (the object
+               `events --json` prints). A node keeps it until acknowledged.
+    ack        coordinator -> node: boot, seq (>= 0): every event of that boot up to seq is
+               received; the node may drop them from its outbox.
+    heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
+    command    client -> coordinator -> node: request_id (idempotency key: a repeated id gets
+               the same reply), cmd (a control command name), args (object, default {}),
+               node? (one node; null = every reachable node), engine? (one engine of `node`;
+               null = all; needs `node`), timeout_s? (> 0: how long to gather the replies).
+    reply      answer to a command: request_id, status ("ok" | "error"), reason? (required
+               for "error"), result? (any JSON value).
+    subscribe  client -> coordinator: resume? (null = from now on, else
+               {node_id: {"boot": ..., "seq": ...}}: the last event the client has per node,
+               so none is sent twice).
+
+decode() refuses any bad frame with one ProtocolError (a ValueError) whose message names the
+problem; it never raises anything else, so a receiver can drop and count bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, TypeAlias, TypeVar
+
+MAJOR = 1
+MINOR = 0
+VERSION = (MAJOR, MINOR)
+MAX_MESSAGE_BYTES = 1 << 20
+_INT_LIMIT = 1 << 63
+STATUSES = ("ok", "error")
+
+
+class ProtocolError(ValueError):
+    """A message that is not valid under this protocol; the text says what is wrong."""
+
+
+def _fail(kind: str, name: str, expected: str, value: object) -> ProtocolError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return ProtocolError(f"{kind}: field {name!r} must be {expected}, got {shown}")
+
+
+def _check_str(kind: str, name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        raise _fail(kind, name, "a non-empty string", value)
+
+
+def _check_int(kind: str, name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < _INT_LIMIT:
+        raise _fail(kind, name, f"an integer >= {minimum}", value)
+
+
+def _as_float(kind: str, name: str, value: object, *, positive: bool = False) -> float:
+    """A finite number as a float (JSON writes 1.0 as 1); refused otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and (number > 0 or not positive):
+            return number
+    raise _fail(kind, name, "a positive finite number" if positive else "a finite number", value)
+
+
+def _check_object(kind: str, name: str, value: object) -> None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _fail(kind, name, "an object", value)
+
+
+_M = TypeVar("_M", bound="_Message")
+
+
+@dataclass(frozen=True)
+class _Message:
+    """Common JSON mapping: a message's fields are its JSON fields, plus "v" and "kind"."""
+
+    KIND: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]:
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"v": list(VERSION), "kind": self.KIND, **body}
+
+    @classmethod
+    def from_json(cls: type[_M], obj: Mapping[str, Any]) -> _M:
+        """The message in `obj` (its envelope already checked); unknown fields are ignored."""
+        known: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in obj:
+                known[f.name] = obj[f.name]
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise ProtocolError(f"{cls.KIND}: missing required field {f.name!r}")
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class Hello(_Message):
+    """A node's full snapshot, sent on every (re)connect; supersedes anything it lost."""
+
+    KIND: ClassVar[str] = "hello"
+    node_id: str
+    boot: str
+    engines: list[dict[str, Any]]
+    last_seq: int
+
+    def __post_init__(self) -> None:
+        _check_str(self.KIND, "node_id", self.node_id)
+        _check_str(self.KIND, "boot", self.boot)
+        if not isinstance(self.engines, list):
+            raise _fail(self.KIND, "engines", "a list", self.engines)
+        for i, engine in enumerate(self.engines):
+            _check_object(self.KIND, f"engines[{i}]", engine)
+            _check_str(self.KIND, f"engines[{i}].id", engine.get("id"))
+        _check_int(self.KIND, "last_seq", self.last_seq, 0)
+
+
+@dataclass(frozen=True)
+class Event(_Message):
+    """One event of a node, numbered within its boot so that none is lost or doubled."""
+
+    KIND: ClassVar[str] = "event"
+    node_id: str
+    boot: str
+    seq: int
+    event: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        _check_str(self.KIND, "node_id", self.node_id)
+        _check_str(self.KIND, "boot", self.boot)
+        _check_int(self.KIND, "seq", self.seq, 1)
+        _check_object(self.KIND, "event", self.event)
+
+
+@dataclass(frozen=True)
+class Ack(_Message):
+    """Every event of `boot` up to `seq` has arrived: the node may forget them."""
+
+    KIND: ClassVar[str] = "ack"
+    boot: str
+    seq: int
+
+    def __post_init__(self) -> None:
+        _check_str(self.KIND, "boot", self.boot)
+        _check_int(self.KIND, "seq", self.seq, 0)
+
+
+@dataclass(frozen=True)
+class Heartbeat(_Message):
+    """Liveness, both ways; a peer silent past its deadline is unreachable."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    sent_at: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sent_at", _as_float(self.KIND, "sent_at", self.sent_at))
+
+
+@dataclass(frozen=True)
+class Command(_Message):
+    """A control command, scoped to every node, one node, or one engine of one node."""
+
+    KIND: ClassVar[str] = "command"
+    request_id: str
+    cmd: str
+    args: dict[str, Any] = field(default_factory=dict)
+    node: str | None = None
+    engine: str | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_str(self.KIND, "request_id", self.request_id)
+        _check_str(self.KIND, "cmd", self.cmd)
+        _check_object(self.KIND, "args", self.args)
+        _check_str(self.KIND, "node", self.node, optional=True)
+        _check_str(self.KIND, "engine", self.engine, optional=True)
+        if self.engine is not None and self.node is None:
+            raise ProtocolError(f"command: engine {self.engine!r} given without its node (an "
+                                "engine id is only unique within a node)")
+        if self.timeout_s is not None:
+            timeout = _as_float(self.KIND, "timeout_s", self.timeout_s, positive=True)
+            object.__setattr__(self, "timeout_s", timeout)
+
+
+@dataclass(frozen=True)
+class Reply(_Message):
+    """The answer to the command with the same request id."""
+
+    KIND: ClassVar[str] = "reply"
+    request_id: str
+    status: str
+    reason: str | None = None
+    result: Any = None
+
+    def __post_init__(self) -> None:
+        _check_str(self.KIND, "request_id", self.request_id)
+        if self.status not in STATUSES:
+            raise _fail(self.KIND, "status", '"ok" or "error"', self.status)
+        _check_str(self.KIND, "reason", self.reason, optional=self.status == "ok")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The last event a client has from one node: (boot, seq)."""
+
+    boot: str
+    seq: int
+
+    def __post_init__(self) -> None:
+        _check_str(Subscribe.KIND, "resume.boot", self.boot)
+        _check_int(Subscribe.KIND, "resume.seq", self.seq, 0)
+
+
+@dataclass(frozen=True)
+class Subscribe(_Message):
+    """A client asks for the event stream, from `resume` on (None: from now on)."""
+
+    KIND: ClassVar[str] = "subscribe"
+    resume: dict[str, ResumePoint] | None = None
+
+    def __post_init__(self) -> None:
+        if self.resume is None:
+            return
+        _check_object(self.KIND, "resume", self.resume)
+        for node_id, point in self.resume.items():
+            if not node_id or not isinstance(point, ResumePoint):
+                raise _fail(self.KIND, f"resume[{node_id!r}]", "a resume point", point)
+
+    def to_json(self) -> dict[str, Any]:
+        resume = None if self.resume is None else {
+            node: {"boot": p.boot, "seq": p.seq} for node, p in self.resume.items()}
+        return {**super().to_json(), "resume": resume}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Subscribe:
+        raw = obj.get("resume")
+        if raw is None:
+            return cls()
+        _check_object(cls.KIND, "resume", raw)
+        points = {}
+        for node_id, point in raw.items():
+            _check_object(cls.KIND, f"resume[{node_id!r}]", point)
+            for name in ("boot", "seq"):
+                if name not in point:
+                    raise ProtocolError(f"subscribe: resume[{node_id!r}] lacks {name!r}")
+            points[node_id] = ResumePoint(point["boot"], point["seq"])
+        return cls(points)
+
+
+Message: TypeAlias = Hello | Event | Ack | Heartbeat | Command | Reply | Subscribe
+KINDS: dict[str, type[Message]] = {
+    cls.KIND: cls for cls in (Hello, Event, Ack, Heartbeat, Command, Reply, Subscribe)}
+
+
+def encode(msg: Message) -> bytes:
+    """One frame for `msg`; ProtocolError if it holds something JSON cannot carry or is too big."""
+    try:
+        text = json.dumps(msg.to_json(), allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{msg.KIND}: cannot encode: {exc}") from None
+    data = text.encode("ascii")  # ensure_ascii: lone surrogates stay valid as escapes
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{msg.KIND}: {len(data)} bytes exceeds the limit of "
+                            f"{MAX_MESSAGE_BYTES} bytes")
+    return data
+
+
+def _parse_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ProtocolError(f"non-finite number {text[:40]!r}")
+    return number
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > 20 or not -_INT_LIMIT <= (number := int(text)) < _INT_LIMIT:
+        raise ProtocolError(f"integer {text[:40]!r} does not fit in 64 bits")
+    return number
+
+
+def _parse_constant(text: str) -> Any:
+    raise ProtocolError(f"non-finite number {text!r}")
+
+
+def from_json(obj: object) -> Message:
+    """The message in an already-parsed JSON value: envelope checked, then its kind's fields."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message is a JSON object, got {type(obj).__name__}")
+    version = obj.get("v")
+    if (not isinstance(version, list) or len(version) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                       for n in version)):
+        raise ProtocolError(f"missing or malformed version 'v' (want [MAJOR, MINOR]), got "
+                            f"{version!r:.60}")
+    if version[0] != MAJOR:
+        raise ProtocolError(f"unsupported protocol version {version[0]}.{version[1]}: this "
+                            f"side speaks {MAJOR}")
+    kind = obj.get("kind")
+    if kind is None:
+        raise ProtocolError("missing 'kind'")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ProtocolError(f"unknown kind {kind!r:.60} (known: {', '.join(sorted(KINDS))})")
+    return KINDS[kind].from_json(obj)
+
+
+def decode(data: bytes) -> Message:
+    """The message in one frame; ProtocolError (and nothing else) for anything invalid."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of "
+                            f"{MAX_MESSAGE_BYTES} bytes")
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"not UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        obj = json.loads(text, parse_float=_parse_float, parse_int=_parse_int,
+                         parse_constant=_parse_constant)
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply") from None
+    except ValueError as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    try:
+        return from_json(obj)
+    except RecursionError:  # showing a deeply nested value in a refusal
+        raise ProtocolError("JSON nested too deeply") from None

@@ -1,0 +1,186 @@
+"""The fleet wire protocol: every kind survives a round trip, and every bad frame is refused
+with one ProtocolError that names the problem (never another exception)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from rollout_watchdog.agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    Ack,
+    Command,
+    Event,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Reply,
+    ResumePoint,
+    Subscribe,
+    decode,
+    encode,
+)
+
+ENGINE = {"id": "e0", "state": "serving", "paused": False, "pid": 4242, "incarnation": 3,
+          "restarts": 1, "url": "http://127.0.0.1:30000",
+          "last_failure": {"cause": "crash", "detail": "exit 9 ü", "ts": 1700000000.5}}
+EVENT = {"ts": 1700000001.25, "node_id": "n1", "engine": "e0", "incarnation": 3, "kind": "state",
+         "from": "starting", "to": "serving", "cause": None, "detail": ""}
+
+EVERY_KIND: list[Message] = [
+    Hello(node_id="n1", boot="b-77", engines=[ENGINE, {**ENGINE, "id": "e1"}], last_seq=12),
+    Event(node_id="n1", boot="b-77", seq=13, event=EVENT),
+    Ack(boot="b-77", seq=13),
+    Heartbeat(sent_at=1700000002.5),
+    Command(request_id="r-1", cmd="pause", args={"timeout_s": 30}, node="n1", engine="e0",
+            timeout_s=2.5),
+    Reply(request_id="r-1", status="error", reason="no engine e9", result={"n1": [1, "x"]}),
+    Subscribe(resume={"n1": ResumePoint(boot="b-77", seq=13), "n2": ResumePoint("b-1", 0)}),
+]
+
+
+def frame(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def refused(data: bytes) -> str:
+    with pytest.raises(ProtocolError) as caught:
+        decode(data)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("msg", EVERY_KIND, ids=lambda m: m.KIND)
+def test_every_kind_round_trips_with_every_field(msg: Message) -> None:
+    data = encode(msg)
+    assert decode(data) == msg
+    sent = json.loads(data)
+    assert sent["v"] == [1, 0] and sent["kind"] == msg.KIND
+
+
+def test_optional_fields_default_when_absent() -> None:
+    assert decode(frame({"v": [1, 0], "kind": "command", "request_id": "r", "cmd": "status"})) \
+        == Command(request_id="r", cmd="status", args={}, node=None, engine=None, timeout_s=None)
+    assert decode(frame({"v": [1, 0], "kind": "reply", "request_id": "r", "status": "ok"})) \
+        == Reply(request_id="r", status="ok")
+    assert decode(frame({"v": [1, 0], "kind": "subscribe", "resume": None})) == Subscribe()
+    # JSON writes a whole float as an int: still a float on our side
+    beat = decode(frame({"v": [1, 0], "kind": "heartbeat", "sent_at": 5}))
+    assert isinstance(beat, Heartbeat) and isinstance(beat.sent_at, float)
+
+
+def test_unknown_fields_ignored_and_newer_minor_accepted() -> None:
+    obj: dict[str, Any] = {**Ack(boot="b", seq=4).to_json(), "v": [1, 7], "priority": "high"}
+    assert decode(frame(obj)) == Ack(boot="b", seq=4)
+
+
+GOOD_ACK = {"v": [1, 0], "kind": "ack", "boot": "b", "seq": 1}
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b"{\"v\": [1, 0], ", "not JSON"),
+    (b"", "not JSON"),
+    (frame([1, 2]), "a message is a JSON object, got list"),
+    (frame({"v": [2, 0], "kind": "ack", "boot": "b", "seq": 1}),
+     "unsupported protocol version 2.0: this side speaks 1"),
+    (frame({"kind": "ack", "boot": "b", "seq": 1}), "missing or malformed version"),
+    (frame({**GOOD_ACK, "v": "1.0"}), "missing or malformed version"),
+    (frame({**GOOD_ACK, "v": [True, 0]}), "missing or malformed version"),
+    (frame({"v": [1, 0], "boot": "b", "seq": 1}), "missing 'kind'"),
+    (frame({**GOOD_ACK, "kind": "launch"}), "unknown kind 'launch' (known: ack, command"),
+    (frame({**GOOD_ACK, "kind": 3}), "unknown kind 3"),
+    (frame({"v": [1, 0], "kind": "ack", "boot": "b"}), "ack: missing required field 'seq'"),
+    (frame({**GOOD_ACK, "seq": -1}), "ack: field 'seq' must be an integer >= 0, got -1"),
+    (frame({**GOOD_ACK, "seq": "3"}), "ack: field 'seq' must be an integer >= 0, got '3'"),
+    (frame({**GOOD_ACK, "seq": 2.0}), "field 'seq' must be an integer"),
+    (frame({**GOOD_ACK, "seq": True}), "field 'seq' must be an integer"),
+    (frame({**GOOD_ACK, "boot": ""}), "ack: field 'boot' must be a non-empty string"),
+    (frame({**Event("n", "b", 1, {}).to_json(), "seq": 0}), "event: field 'seq' must be an "
+     "integer >= 1"),
+    (frame({**Event("n", "b", 1, {}).to_json(), "event": [1]}), "field 'event' must be an object"),
+    (frame({**Hello("n", "b", [], 0).to_json(), "engines": {}}), "field 'engines' must be a list"),
+    (frame({**Hello("n", "b", [], 0).to_json(), "engines": [{"state": "x"}]}),
+     "field 'engines[0].id' must be a non-empty string"),
+    (frame({**Hello("n", "b", [], 0).to_json(), "node_id": None}), "field 'node_id'"),
+    (frame({"v": [1, 0], "kind": "heartbeat", "sent_at": "now"}), "'sent_at' must be a finite"),
+    (frame({"v": [1, 0], "kind": "command", "request_id": "r", "cmd": "x", "engine": "e0"}),
+     "engine 'e0' given without its node"),
+    (frame({"v": [1, 0], "kind": "command", "request_id": "r", "cmd": "x", "timeout_s": 0}),
+     "'timeout_s' must be a positive finite number"),
+    (frame({"v": [1, 0], "kind": "command", "request_id": "r", "cmd": "x", "args": []}),
+     "'args' must be an object"),
+    (frame({"v": [1, 0], "kind": "reply", "request_id": "r", "status": "maybe"}),
+     "'status' must be \"ok\" or \"error\""),
+    (frame({"v": [1, 0], "kind": "reply", "request_id": "r", "status": "error"}),
+     "field 'reason' must be a non-empty string"),
+    (frame({"v": [1, 0], "kind": "subscribe", "resume": {"n1": {"boot": "b"}}}),
+     "resume['n1'] lacks 'seq'"),
+    (frame({"v": [1, 0], "kind": "subscribe", "resume": {"n1": {"boot": "b", "seq": -2}}}),
+     "'resume.seq' must be an integer >= 0"),
+    (frame({"v": [1, 0], "kind": "subscribe", "resume": [1]}), "'resume' must be an object"),
+    (b'{"v": [1, 0], "kind": "heartbeat", "sent_at": NaN}', "non-finite number 'NaN'"),
+    (b'{"v": [1, 0], "kind": "heartbeat", "sent_at": -Infinity}', "non-finite number"),
+    (b'{"v": [1, 0], "kind": "heartbeat", "sent_at": 1e999}', "non-finite number '1e999'"),
+    (b'{"v": [1, 0], "kind": "ack", "boot": "b", "seq": 99999999999999999999}',
+     "does not fit in 64 bits"),
+])
+def test_bad_frames_are_refused_with_their_reason(data: bytes, reason: str) -> None:
+    assert reason in refused(data)
+
+
+def test_size_bound_on_both_sides() -> None:
+    detail = "x" * (MAX_MESSAGE_BYTES // 2)
+    fits = Event("n1", "b", 1, {**EVENT, "detail": detail})
+    assert decode(encode(fits)) == fits
+    too_big = Event("n1", "b", 1, {**EVENT, "detail": detail * 2})
+    with pytest.raises(ProtocolError, match="exceeds the limit of 1048576 bytes"):
+        encode(too_big)
+    oversized = frame(too_big.to_json())
+    assert "exceeds the limit" in refused(oversized)
+    assert "exceeds the limit" in refused(b" " * (MAX_MESSAGE_BYTES + 1))
+
+
+def test_a_snapshot_of_a_large_node_fits() -> None:
+    engines = [{**ENGINE, "id": f"engine-{i:04d}", "url": f"http://10.0.0.1:{30000 + i}"}
+               for i in range(1000)]
+    hello = Hello("gpu-node-17", "b", engines, 10**9)
+    assert decode(encode(hello)) == hello
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"[" * 200_000, "nested too deeply"),
+    (b'{"v": [1, 0], "kind": "command", "request_id": "r", "cmd": "x", "args": {"a": '
+     + b"[" * 100_000 + b"]" * 100_000 + b"}}", "nested too deeply"),
+    (b'{"v": [1, 0], "kind": "ack", "boot": "b", "seq": 1' + b"0" * 500_000 + b"}",
+     "does not fit in 64 bits"),
+    (b'{"v": [1, 0], "kind": "heartbeat", "sent_at": 1' + b"0" * 500_000 + b".5}",
+     "non-finite number"),
+])
+def test_hostile_json_is_refused_not_crashing(data: bytes, reason: str) -> None:
+    assert reason in refused(data)
+
+
+def test_deep_but_parseable_value_in_a_refusal_does_not_crash() -> None:
+    # nested just within the parser's reach, in a field whose refusal shows the value
+    for depth in (100, 500, 900):
+        data = b'{"v": [1, 0], "kind": "ack", "boot": "b", "seq": ' + b"[" * depth \
+            + b"]" * depth + b"}"
+        reason = refused(data)
+        assert "ack: field 'seq'" in reason or "nested too deeply" in reason
+
+
+def test_encode_refuses_what_json_cannot_carry() -> None:
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode(Event("n", "b", 1, {"detail": float("nan")}))
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode(Reply("r", "ok", result={1, 2}))
+
+
+def test_constructing_an_invalid_message_is_refused_too() -> None:
+    with pytest.raises(ProtocolError, match="'seq' must be an integer >= 0"):
+        Ack(boot="b", seq=-1)
+    with pytest.raises(ProtocolError, match="must be a resume point"):
+        Subscribe(resume={"n1": {"boot": "b", "seq": 1}})  # type: ignore[dict-item]
