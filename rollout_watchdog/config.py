@@ -126,6 +126,8 @@ class NodeConfig:
     node_id: str
     engines: tuple[EngineConfig, ...]
     coordinator: str | None = None
+    key: str | None = None               # CURVE: this node's keypair (NODE.key_secret) ...
+    coordinator_key: str | None = None   # ... and the coordinator's public key
     control: str = DEFAULT_CONTROL
     state_dir: str = DEFAULT_STATE_DIR
     metrics_port: int | None = None
@@ -414,17 +416,35 @@ def _control(c: _Checker) -> str:
     return DEFAULT_CONTROL
 
 
+def _curve_keys(c: _Checker, coordinator: str | None, *, check_files: bool
+                ) -> tuple[str | None, str | None]:
+    """CURVE on the node link: both key files or neither, only with a coordinator."""
+    key, coordinator_key = c.string("key", None), c.string("coordinator_key", None)
+    if (key is None) != (coordinator_key is None):
+        c.problem("coordinator_key" if key else "key", "is needed too: CURVE takes the node's "
+                  "keypair (key) and the coordinator's public key (coordinator_key)")
+    if key is not None and coordinator is None:
+        c.problem("key", "is set, but there is no 'coordinator' to use it with")
+    for name, path in (("key", key), ("coordinator_key", coordinator_key)):
+        if check_files and path is not None and not os.access(path, os.R_OK):
+            c.problem(name, f"{path!r} is not a readable file (rollout-watchdog keygen makes "
+                            "one)")
+    return key, coordinator_key
+
+
 def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeConfig:
     """Validate a parsed TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
     c = _Checker(problems, "", data)
-    c.unknown({"node_id", "coordinator", "control", "state_dir", "metrics_port", "metrics_host",
+    c.unknown({"node_id", "coordinator", "key", "coordinator_key", "control", "state_dir",
+               "metrics_port", "metrics_host",
                "gpu_check", "engine_log", "engine_log_max_bytes", "engine_log_backups",
                "containment", "probe", "restart", "engine"})
     node_id = _node_id(c)
     coordinator = c.string("coordinator", None)
     if coordinator is not None and (problem := endpoint_problem(coordinator)):
         c.problem("coordinator", problem)
+    key, coordinator_key = _curve_keys(c, coordinator, check_files=check_commands)
     control = _control(c)
     state_dir = c.name("state_dir", DEFAULT_STATE_DIR)
     engine_log = c.string("engine_log", "auto", choices=ENGINE_LOGS) or "auto"
@@ -473,7 +493,8 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
     if problems:
         raise ConfigError(problems)
     return NodeConfig(node_id=node_id, engines=tuple(engines), coordinator=coordinator,
-                      control=control, state_dir=state_dir, metrics_port=metrics_port,
+                      key=key, coordinator_key=coordinator_key, control=control,
+                      state_dir=state_dir, metrics_port=metrics_port,
                       metrics_host=metrics_host, gpu_check=gpu_check, engine_log=engine_log,
                       engine_log_max_bytes=engine_log_max_bytes,
                       engine_log_backups=engine_log_backups, containment=containment,

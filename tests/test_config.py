@@ -817,3 +817,19 @@ def test_engine_log_keys_are_read(tmp_path: Path) -> None:
 def test_engine_log_keys_are_checked(tmp_path: Path, line: str,
                                      fragments: tuple[str, ...]) -> None:
     one_problem(tmp_path, line + "\n" + engine_toml(), *fragments)
+
+
+def test_curve_keys_for_the_node_link(tmp_path: Path) -> None:
+    """DESIGN's node config: `coordinator` plus, for CURVE, `key` and `coordinator_key`."""
+    secret, public = tmp_path / "n.key_secret", tmp_path / "coordinator.key"
+    secret.write_text("x")
+    public.write_text("x")
+    base = {"coordinator": "tcp://10.0.0.5:5555", "engine": []}
+    config = parse_config({**base, "key": str(secret), "coordinator_key": str(public)})
+    assert (config.key, config.coordinator_key) == (str(secret), str(public))
+    with pytest.raises(ConfigError, match="'coordinator_key' is needed too"):
+        parse_config({**base, "key": str(secret)})
+    with pytest.raises(ConfigError, match="'key' is set, but there is no 'coordinator'"):
+        parse_config({"engine": [], "key": str(secret), "coordinator_key": str(public)})
+    with pytest.raises(ConfigError, match="not a readable file"):
+        parse_config({**base, "key": str(tmp_path / "missing"), "coordinator_key": str(public)})
