@@ -1,6 +1,7 @@
 """The ZMQ link between a node's watchdog and the driver-side coordinator (DESIGN.md, "Agent").
 
-So far: `protocol`, the wire messages (its docstring is the spec; docs/protocol.md), and `keys`,
-the CURVE keypairs (`rollout-watchdog keygen`). The node link, the coordinator and `FleetClient`
-are issue 6's next parts.
+So far: `protocol`, the wire messages (its docstring is the spec; docs/protocol.md); `keys`, the
+CURVE keypairs (`rollout-watchdog keygen`); `link`, the node's side (a participant of the node
+daemon's loop, on when the config names a `coordinator`). The coordinator and `FleetClient` are
+issue 6's next parts.
 """

@@ -1,5 +1,6 @@
-"""The node daemon as `rollout-watchdog run` starts it: the core with its control socket. The
-one place where the core and the command layer meet (the core never imports commands)."""
+"""The node daemon as `rollout-watchdog run` starts it: the core with its control socket and,
+when the config names a coordinator, its link to it. The one place where the core and the
+command layer meet (the core never imports commands)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from typing import Any
 
 import zmq
 
+from rollout_watchdog.agent.link import NodeLink
 from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.watchdog.commands import dispatcher
 from rollout_watchdog.watchdog.control import ControlServer
-from rollout_watchdog.watchdog.daemon import Daemon
+from rollout_watchdog.watchdog.daemon import Daemon, ParticipantFactory
 
 
 def control_socket(daemon: Daemon) -> ControlServer:
@@ -18,5 +20,21 @@ def control_socket(daemon: Daemon) -> ControlServer:
                          dispatcher(daemon.supervisor), daemon.bad_message)
 
 
+def fleet_link(daemon: Daemon) -> NodeLink:
+    """The link to the coordinator: it hears every event and runs the same commands."""
+    config = daemon.config
+    assert config.coordinator is not None
+    link = NodeLink(zmq.Context.instance(), endpoint=config.coordinator,
+                    node_id=config.node_id, boot=daemon.boot_id,
+                    snapshot=lambda: list(daemon.status()["engines"]),
+                    dispatch=dispatcher(daemon.supervisor), clock=daemon.clock,
+                    key=config.key, coordinator_key=config.coordinator_key)
+    daemon.publisher.subscribe(link.on_event)
+    return link
+
+
 def node_daemon(config: NodeConfig, **kwargs: Any) -> Daemon:
-    return Daemon(config, participants=[control_socket], **kwargs)
+    participants: list[ParticipantFactory] = [control_socket]
+    if config.coordinator:
+        participants.append(fleet_link)
+    return Daemon(config, participants=participants, **kwargs)
