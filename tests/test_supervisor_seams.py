@@ -49,6 +49,16 @@ class NoGpus:
         return set()
 
 
+class PortsTaken(ProcessOps):
+    """An OS where the engines' ports are in use (until `taken` is cleared)."""
+
+    def __init__(self) -> None:
+        self.taken = True
+
+    def port_bindable(self, port: int) -> bool:  # type: ignore[override]
+        return not self.taken
+
+
 def make_daemon(tmp_path: Path, clock: Clock | None = None, ops: ProcessOps | None = None,
                 **engine_keys: Any) -> Daemon:
     engine = {"id": "e0", "url": "http://127.0.0.1:39999", "command": ["true"], **engine_keys}
@@ -234,12 +244,8 @@ def test_only_the_engines_own_long_lived_processes_are_fatal() -> None:
 def test_stop_during_the_release_wait_ends_in_stopped(tmp_path: Path) -> None:
     """The release wait exists only for a relaunch: a stop (or the daemon's SIGTERM) in the
     middle of it ends the kill at once, in `stopped`."""
-    class PortTaken(ProcessOps):
-        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
-            return False
-
     clock = FakeClock()
-    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken())
+    daemon = make_daemon(tmp_path, clock=clock, ops=PortsTaken())
     engine = healthy(daemon)
     daemon.supervisor.start_kill(engine, Cause.EXITED, "test", AfterKill.RECOVER)
     assert engine.kill is not None and engine.kill.problems  # waiting for the port
@@ -252,19 +258,14 @@ def test_stop_during_the_release_wait_ends_in_stopped(tmp_path: Path) -> None:
 def test_a_first_launch_waits_for_the_engines_ports(tmp_path: Path) -> None:
     """Before the first launch too: a copy left running must not answer the new one's probes
     (and the new one die of EADDRINUSE)."""
-    taken = {True}
-
-    class PortTaken(ProcessOps):
-        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
-            return not taken
-
+    ports = PortsTaken()
     clock = FakeClock()
-    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken(), command=["sleep", "30"])
+    daemon = make_daemon(tmp_path, clock=clock, ops=ports, command=["sleep", "30"])
     daemon.adopt_or_launch()
     engine = daemon.engines["e0"]
     assert engine.state == S.STOPPED and isinstance(engine.kill, KillJob)
     assert engine.popen is None
-    taken.clear()
+    ports.taken = False
     clock.mono += 0.1
     try:
         daemon.supervisor.tick(engine, clock.mono)
@@ -273,7 +274,6 @@ def test_a_first_launch_waits_for_the_engines_ports(tmp_path: Path) -> None:
         if engine.popen is not None:
             engine.popen.kill()
             engine.popen.wait()
-    time.sleep(0)
 
 
 def test_a_process_that_takes_an_engine_name_later_becomes_fatal() -> None:
@@ -327,12 +327,8 @@ def test_a_kill_looks_again_soon_not_only_at_its_deadline(tmp_path: Path) -> Non
 def test_a_stop_during_the_first_launchs_wait_ends_in_stopped(tmp_path: Path) -> None:
     """The first launch waits for the ports in `stopped`; a stop (or the daemon's SIGTERM)
     then ends that wait where it is, without a `stopped -> stopped` transition."""
-    class PortTaken(ProcessOps):
-        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
-            return False
-
     clock = FakeClock()
-    daemon = make_daemon(tmp_path, clock=clock, ops=PortTaken(), command=["sleep", "30"])
+    daemon = make_daemon(tmp_path, clock=clock, ops=PortsTaken(), command=["sleep", "30"])
     daemon.adopt_or_launch()
     engine = daemon.engines["e0"]
     assert engine.state == S.STOPPED and engine.kill is not None
@@ -345,12 +341,8 @@ def test_a_stop_during_the_first_launchs_wait_ends_in_stopped(tmp_path: Path) ->
 def test_a_first_launch_still_waiting_survives_a_daemon_restart(tmp_path: Path) -> None:
     """Detached (or crashed) while the first launch waited for its ports: the next daemon
     waits on and launches, instead of keeping the engine stopped until someone restarts it."""
-    class PortTaken(ProcessOps):
-        def port_bindable(self, port: int) -> bool:  # type: ignore[override]
-            return False
-
     clock = FakeClock()
-    first = make_daemon(tmp_path, clock=clock, ops=PortTaken(), command=["sleep", "30"])
+    first = make_daemon(tmp_path, clock=clock, ops=PortsTaken(), command=["sleep", "30"])
     first.adopt_or_launch()
     first.save_state()
     second = make_daemon(tmp_path, clock=clock, command=["sleep", "30"])

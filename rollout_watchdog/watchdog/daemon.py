@@ -88,7 +88,7 @@ class Daemon:
         self.metrics = Metrics()
         self.events = EventLog(self.state_dir / "events.jsonl")
         self.publisher = Publisher(self.node_id, self.clock.wall)
-        self.publisher.subscribe(self.events.record)
+        self.publisher.subscribe(self.events.append)
         self.publisher.subscribe(log_event)
         self.publisher.subscribe(metrics_subscriber(self.metrics))
         self.notifier = SystemdNotifier()

@@ -59,10 +59,6 @@ class EventLog:
         self._write(event)
         return self.last_seq
 
-    def record(self, event: Event) -> None:
-        """append, as a publisher's subscriber."""
-        self.append(event)
-
     def since(self, seq: int, limit: int = 1000) -> list[tuple[int, Event]]:
         return [(s, e) for s, e in self._events if s > seq][:limit]
 

@@ -14,7 +14,7 @@ from rollout_watchdog.watchdog.metrics import Metrics
 from rollout_watchdog.watchdog.states import Cause
 
 log = logging.getLogger("rollout_watchdog.watchdog")
-Subscriber = Callable[[Event], None]
+Subscriber = Callable[[Event], object]  # what it returns is ignored
 # Events after which an engine's series are dropped: it is no longer on this node.
 FORGETTING = ("unregistered", "removed")
 
