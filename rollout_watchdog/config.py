@@ -116,6 +116,7 @@ class EngineConfig:
     ports: tuple[int, ...] = ()
     restart_policy: str = "immediate"
     group: str | None = None
+    tp_size: int | None = None           # ranks in the weight-update group (None: ask /server_info)
     cwd: str | None = None
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
@@ -342,7 +343,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     where = f"engine '{engine_id}': "
     c = _Checker(problems, where, table)
     c.unknown({"id", "url", "command", "gpus", "env", "ports", "restart_policy", "group", "cwd",
-               "probe", "restart"})
+               "tp_size", "probe", "restart"})
 
     url = table.get("url")
     if url is None:
@@ -371,6 +372,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     ports = c.int_list("ports", maximum=65535)
     policy = c.string("restart_policy", "immediate", choices=RESTART_POLICIES) or "immediate"
     group = c.string("group", None)
+    tp_size = c.integer("tp_size", None, minimum=1)
     cwd = c.string("cwd", None)
     engine_probe = _read_probe(problems, f"engine '{engine_id}' [probe]: ",
                                table.get("probe", {}), probe)
@@ -389,7 +391,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     all_ports = sorted({url_port(url) or 0, *command_ports(tuple(command)), *ports} - {0})
     return EngineConfig(id=engine_id, url=url.rstrip("/"), command=tuple(command), gpus=gpus,
                         env=dict(env), ports=tuple(all_ports), restart_policy=policy,
-                        group=group, cwd=cwd, probe=engine_probe, restart=engine_restart)
+                        group=group, tp_size=tp_size, cwd=cwd, probe=engine_probe, restart=engine_restart)
 
 
 def _node_id(c: _Checker) -> str:

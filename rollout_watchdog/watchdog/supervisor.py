@@ -515,6 +515,7 @@ class Supervisor:
             "next_launch": next_launch,
             "pause_deadline": e.paused.deadline if e.paused else None,
             "gpus": list(e.cfg.gpus), "ports": list(e.cfg.ports),
+            "group": e.cfg.group, "tp_size": e.cfg.tp_size,
             "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
             if e.kill else None,
         }
