@@ -38,10 +38,13 @@ Dispatch = Callable[[str, dict[str, Any]], "dict[str, Any] | Deferred"]
 class NodeLink:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], *, endpoint: str, node_id: str,
                  boot: str, snapshot: Callable[[], list[dict[str, Any]]], dispatch: Dispatch,
-                 clock: Clock, key: str | None = None, coordinator_key: str | None = None,
+                 clock: Clock, engine_status: Callable[[str], dict[str, Any] | None] = (
+                     lambda engine_id: None),
+                 key: str | None = None, coordinator_key: str | None = None,
                  heartbeat_s: float = HEARTBEAT_S, outbox_limit: int = OUTBOX_LIMIT) -> None:
         self.node_id, self.boot = node_id, boot
         self._snapshot, self._dispatch, self._clock = snapshot, dispatch, clock
+        self._engine_status = engine_status
         self.heartbeat_s = heartbeat_s
         self.outbox: deque[protocol.Event] = deque()
         self.outbox_limit = outbox_limit
@@ -73,7 +76,8 @@ class NodeLink:
     def on_event(self, event: Event) -> None:
         """A subscriber of the node's publish point: every event goes to the outbox."""
         self.seq += 1
-        message = protocol.Event(self.node_id, self.boot, self.seq, event.to_json())
+        status = self._engine_status(event.engine) if event.engine is not None else None
+        message = protocol.Event(self.node_id, self.boot, self.seq, event.to_json(), status)
         self.outbox.append(message)
         if len(self.outbox) > self.outbox_limit:
             self.outbox.popleft()

@@ -24,11 +24,17 @@ def fleet_link(daemon: Daemon) -> NodeLink:
     """The link to the coordinator: it hears every event and runs the same commands."""
     config = daemon.config
     assert config.coordinator is not None
+    supervisor = daemon.supervisor
+
+    def engine_status(engine_id: str) -> dict[str, Any] | None:
+        engine = supervisor.engines.get(engine_id)
+        return supervisor.engine_status(engine) if engine is not None else None
+
     link = NodeLink(zmq.Context.instance(), endpoint=config.coordinator,
                     node_id=config.node_id, boot=daemon.boot_id,
                     snapshot=lambda: list(daemon.status()["engines"]),
-                    dispatch=dispatcher(daemon.supervisor), clock=daemon.clock,
-                    key=config.key, coordinator_key=config.coordinator_key)
+                    dispatch=dispatcher(supervisor), clock=daemon.clock,
+                    engine_status=engine_status, key=config.key, coordinator_key=config.coordinator_key)
     daemon.publisher.subscribe(link.on_event)
     return link
 

@@ -1,0 +1,331 @@
+"""The coordinator against real node daemons with emulator engines (each a process of its own),
+over loopback TCP: what a driver sees of the fleet, what it can command, and what it cannot do
+without the right key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.auth
+from daemon_harness import EngineSpec, Node, wait_for
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent.coordinator import Coordinator
+from rollout_watchdog.agent.keys import keygen
+from rollout_watchdog.emulator.testing import emulator_info, inject_fault
+
+
+class Peer:
+    """A client of the coordinator speaking the wire protocol directly (a DEALER)."""
+
+    def __init__(self, endpoint: str, curve: tuple[bytes, bytes, bytes] | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        if curve is not None:
+            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = curve
+        self.sock.connect(endpoint)
+        self.events: list[protocol.Event] = []
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    def call(self, cmd: str, timeout: float = 10.0, **fields: Any) -> protocol.Reply | None:
+        """The reply to one command, or None if none came in time."""
+        request_id = uuid.uuid4().hex
+        self.sock.send(protocol.encode(protocol.Command(request_id, cmd, **fields)))
+        found = None
+
+        def reply() -> protocol.Reply | None:
+            nonlocal found
+            self.pump(0.05)
+            return found
+
+        def keep(message: protocol.Message) -> None:
+            nonlocal found
+            if isinstance(message, protocol.Reply) and message.request_id == request_id:
+                found = message
+        self._keep = keep
+        try:
+            return wait_for(reply, timeout, f"the reply to {cmd}")
+        except AssertionError:
+            return None
+        finally:
+            self._keep = None
+
+    _keep: Callable[[protocol.Message], None] | None = None
+
+    def pump(self, wait_s: float) -> None:
+        while self.sock.poll(int(wait_s * 1000)):
+            message = protocol.decode(self.sock.recv())
+            if isinstance(message, protocol.Event):
+                self.events.append(message)
+            elif self._keep is not None:
+                self._keep(message)
+            wait_s = 0
+
+    def wait_event(self, match: Callable[[dict[str, Any]], bool], what: str,
+                   timeout: float = 20.0) -> protocol.Event:
+        def found() -> protocol.Event | None:
+            self.pump(0.05)
+            return next((e for e in self.events if match(e.event)), None)
+        return wait_for(found, timeout, what)
+
+    def fleet(self) -> dict[str, Any]:
+        reply = self.call("status")
+        assert reply is not None and reply.status == "ok", reply
+        return dict(reply.result)
+
+
+def engines_of(fleet: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f"{n['node_id']}/{e['id']}": e for n in fleet["nodes"] for e in n["engines"]}
+
+
+@pytest.fixture
+def coordinator() -> Iterator[Coordinator]:
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coord:
+        yield coord
+
+
+@pytest.fixture
+def client(coordinator: Coordinator) -> Iterator[Peer]:
+    peer = Peer(coordinator.endpoint)
+    yield peer
+    peer.close()
+
+
+def fleet_of(make_node: Callable[..., Node], endpoint: str, count: int,
+             engines: Callable[[int], list[EngineSpec]] | None = None, **kwargs: Any
+             ) -> list[Node]:
+    nodes = [make_node(engines(i) if engines else [EngineSpec("e0")], node_id=f"node{i}",
+                       top={"coordinator": endpoint, **kwargs.pop("top", {})}, **kwargs)
+             for i in range(count)]
+    for node in nodes:
+        node.start()
+    return nodes
+
+
+def all_healthy(client: Peer, count: int) -> Callable[[], bool]:
+    def check() -> bool:
+        states = [e["state"] for e in engines_of(client.fleet()).values()]
+        return len(states) == count and set(states) == {"healthy"}
+    return check
+
+
+def test_an_engine_sigkilled_on_a_node_reaches_a_subscriber_with_cause_and_incarnation(
+        make_node: Callable[..., Node], coordinator: Coordinator, client: Peer) -> None:
+    fleet_of(make_node, coordinator.endpoint, 2)
+    wait_for(all_healthy(client, 2), 60, "both nodes' engines healthy in the fleet view")
+    client.sock.send(protocol.encode(protocol.Subscribe()))
+    wait_for(lambda: client.call("ping").result["subscribers"] == 1, 10, "the subscription")
+    victim = engines_of(client.fleet())["node1/e0"]
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    died = client.wait_event(lambda e: e["engine"] == "e0" and e["kind"] == "state"
+                             and e["to"] == "stopping", "the crash event")
+    assert (died.node_id, died.event["cause"], died.event["incarnation"]) == (
+        "node1", "exited", victim["incarnation"])
+    assert died.boot and died.seq >= 1
+    back = client.wait_event(lambda e: e["to"] == "healthy" and e["node_id"] == "node1",
+                             "the relaunch")
+    assert back.event["incarnation"] == victim["incarnation"] + 1
+    view = engines_of(client.fleet())["node1/e0"]
+    assert (view["state"], view["incarnation"]) == ("healthy", victim["incarnation"] + 1)
+    assert view["pid"] not in (None, victim["pid"])
+    seqs = [e.seq for e in client.events if e.node_id == "node1" and e.boot == died.boot]
+    assert seqs == sorted(set(seqs)), "events of one node arrive in order, each once"
+
+
+def test_fleet_view_shape_and_unreachable_node(make_node: Callable[..., Node],
+                                               coordinator: Coordinator, client: Peer) -> None:
+    nodes = fleet_of(make_node, coordinator.endpoint, 2)
+    wait_for(all_healthy(client, 2), 60, "the fleet healthy")
+    fleet = client.fleet()
+    assert [n["node_id"] for n in fleet["nodes"]] == ["node0", "node1"]
+    for node in fleet["nodes"]:
+        assert {"node_id", "reachable", "last_seen", "engines"} <= node.keys()
+        for engine in node["engines"]:
+            assert {"id", "state", "paused", "pid", "incarnation", "restarts", "url",
+                    "last_failure", "weight_version", "serving"} <= engine.keys()
+    client.sock.send(protocol.encode(protocol.Subscribe()))
+    wait_for(lambda: client.call("ping").result["subscribers"] == 1, 10, "the subscription")
+
+    assert nodes[1].proc is not None
+    nodes[1].proc.send_signal(signal.SIGSTOP)   # silent, connection open: a hung node
+    try:
+        client.wait_event(lambda e: e["kind"] == "node_unreachable", "node1 unreachable")
+        node1 = next(n for n in client.fleet()["nodes"] if n["node_id"] == "node1")
+        assert node1["reachable"] is False
+        assert [e["reachable"] for e in node1["engines"]] == [False]   # listed, flagged
+        refused = client.call("restart", node="node1", engine="e0")
+        assert refused is not None and refused.status == "error"
+        assert "unreachable" in str(refused.reason)
+    finally:
+        nodes[1].proc.send_signal(signal.SIGCONT)
+    back = client.wait_event(lambda e: e["kind"] == "node_reachable" and e["node_id"] == "node1"
+                             and "silence" in e["detail"], "node1 reachable again")
+    assert back.event["engine"] is None
+
+
+def test_commands_fan_out_and_name_what_failed(make_node: Callable[..., Node],
+                                                coordinator: Coordinator, client: Peer) -> None:
+    fleet_of(make_node, coordinator.endpoint, 2)
+    wait_for(all_healthy(client, 2), 60, "the fleet healthy")
+    paused = client.call("pause", args={"all": True})
+    assert paused is not None and paused.status == "ok", paused
+    assert set(paused.result["nodes"]) == {"node0", "node1"}
+    assert all(engine["paused"] for engine in engines_of(client.fleet()).values())
+    resumed = client.call("resume", args={"all": True})
+    assert resumed is not None and resumed.status == "ok"
+
+    before = engines_of(client.fleet())["node0/e0"]["incarnation"]
+    restarted = client.call("restart", node="node0", engine="e0")
+    assert restarted is not None and restarted.status == "ok", restarted
+    wait_for(lambda: engines_of(client.fleet())["node0/e0"]["incarnation"] == before + 1
+             and engines_of(client.fleet())["node0/e0"]["state"] == "healthy", 30,
+             "node0/e0 restarted")
+
+    wrong = client.call("restart", node="node0", engine="nope")
+    assert wrong is not None and wrong.status == "error" and "node0" in str(wrong.reason)
+    unknown = client.call("frobnicate", node="node0")
+    assert unknown is not None and "unknown command" in str(unknown.reason)
+    stranger = client.call("restart", node="node9", engine="e0")
+    assert stranger is not None and "unknown node 'node9'" in str(stranger.reason)
+
+    # A repeated request id gets the same reply, and nothing is done twice.
+    command = protocol.Command("same-id", "restart", {}, "node1", "e0")
+    client.sock.send(protocol.encode(command))
+    first = client.call("ping")  # let the first one be handled
+    assert first is not None
+    incarnation = engines_of(client.fleet())["node1/e0"]["incarnation"]
+    wait_for(lambda: engines_of(client.fleet())["node1/e0"]["state"] == "healthy", 30,
+             "node1/e0 back")
+    client.sock.send(protocol.encode(command))
+    client.pump(1.0)
+    assert engines_of(client.fleet())["node1/e0"]["incarnation"] == incarnation
+
+
+def test_fleet_pause_waits_for_the_inflight_probe(make_node: Callable[..., Node],
+                                                 coordinator: Coordinator, client: Peer) -> None:
+    """With each probe taking about 2 s (slow tokens) and one in flight, a pause given less
+    time than that is refused naming the node; one given more is acknowledged once the probe
+    is done."""
+    (node,) = fleet_of(make_node, coordinator.endpoint, 1,
+                       probe={"health_timeout_s": 10.0, "health_interval_s": 0.1},
+                       env={"SGLANG_HEALTH_CHECK_TIMEOUT": "20"})
+    wait_for(all_healthy(client, 1), 60, "the engine healthy")
+    url = node.engines["e0"].url
+    inject_fault(url, "token_latency", ms=2000)
+    wait_for(lambda: emulator_info(url)["num_pending"] >= 1, 10, "a slow probe in flight")
+    short = client.call("pause", args={"all": True}, timeout_s=0.5)
+    assert short is not None and short.status == "error"
+    assert "node0" in str(short.reason)
+    long = client.call("pause", args={"all": True}, timeout_s=8.0)
+    assert long is not None and long.status == "ok", long
+    assert long.result["nodes"]["node0"]["result"]["paused"] == ["e0"]
+    assert emulator_info(url)["num_pending"] == 0
+
+
+def test_node_daemon_sigkilled_and_restarted_keeps_its_engines(
+        make_node: Callable[..., Node], coordinator: Coordinator, client: Peer) -> None:
+    (node,) = fleet_of(make_node, coordinator.endpoint, 1,
+                       engines=lambda i: [EngineSpec("e0"), EngineSpec("e1")])
+    wait_for(all_healthy(client, 2), 60, "the engines healthy")
+    before = client.fleet()["nodes"][0]
+    node.kill_daemon()
+    node.start()
+    after = wait_for(lambda: (n := client.fleet()["nodes"][0])["boot"] != before["boot"]
+                     and n, 30, "the restarted daemon's HELLO")
+    assert after["reachable"]
+    assert {e["id"]: (e["incarnation"], e["pid"]) for e in after["engines"]} == {
+        e["id"]: (e["incarnation"], e["pid"]) for e in before["engines"]}
+
+
+def test_a_failed_part_of_a_multi_node_engine_restarts_the_whole_group(
+        make_node: Callable[..., Node], coordinator: Coordinator, client: Peer) -> None:
+    fleet_of(make_node, coordinator.endpoint, 2,
+             engines=lambda i: [EngineSpec("tp", extra={"group": "big"}), EngineSpec("solo")])
+    wait_for(all_healthy(client, 4), 60, "the fleet healthy")
+    before = engines_of(client.fleet())
+    os.kill(before["node0/tp"]["pid"], signal.SIGKILL)
+    wait_for(lambda: engines_of(client.fleet())["node1/tp"]["incarnation"]
+             == before["node1/tp"]["incarnation"] + 1, 30, "the other part restarted")
+    wait_for(all_healthy(client, 4), 60, "the fleet healthy again")
+    after = engines_of(client.fleet())
+    assert after["node1/solo"]["incarnation"] == before["node1/solo"]["incarnation"]
+    assert after["node0/tp"]["incarnation"] == before["node0/tp"]["incarnation"] + 1
+
+
+def test_garbage_is_dropped_and_counted_and_the_coordinator_carries_on(
+        coordinator: Coordinator, client: Peer) -> None:
+    junk = [b"", b"\xff\xfe", b"{", b"[]", b'{"v":[2,0],"kind":"hello"}',
+            b'{"v":[1,0],"kind":"bogus"}', b'{"v":[1,0],"kind":"ack","boot":"b","seq":1}',
+            protocol.encode(protocol.Hello("someone-else", "b", [], 0)),
+            protocol.encode(protocol.Event("ghost", "b", 1, {}))]
+    for frame in junk:
+        client.sock.send(frame)
+    client.sock.send_multipart([b"two", b"frames"])
+    reply = client.call("ping")
+    assert reply is not None and reply.status == "ok"
+    bad = reply.result["bad_messages"]
+    assert bad["undecodable"] == 6 and bad["wrong_direction"] == 1
+    assert bad["unknown_node"] == 1 and bad["no_hello"] == 1 and bad["framing"] == 1
+
+
+def test_a_non_loopback_bind_without_keys_is_refused() -> None:
+    with pytest.raises(ValueError, match="--insecure"):
+        Coordinator(bind="tcp://0.0.0.0:0")
+    Coordinator(bind="tcp://0.0.0.0:0", insecure=True)  # the operator said so
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    directory = tmp_path / "keys"
+    keygen(directory, "coordinator")
+    (directory / "authorized").mkdir()
+    for name in ("node0", "trainer", "stranger"):
+        keygen(tmp_path / "peers", name)
+    for name in ("node0", "trainer"):
+        (directory / "authorized" / f"{name}.key").write_bytes(
+            (tmp_path / "peers" / f"{name}.key").read_bytes())
+    return directory
+
+
+def curve_of(tmp_path: Path, name: str) -> tuple[bytes, bytes, bytes]:
+    public, secret = zmq.auth.load_certificate(tmp_path / "peers" / f"{name}.key_secret")
+    server, _ = zmq.auth.load_certificate(tmp_path / "keys" / "coordinator.key")
+    assert secret is not None
+    return public, secret, server
+
+
+def test_curve_lets_in_listed_keys_only(make_node: Callable[..., Node], tmp_path: Path,
+                                        keys: Path) -> None:
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys)) as coord:
+        fleet_of(make_node, coord.endpoint, 1, top={
+            "key": str(tmp_path / "peers" / "node0.key_secret"),
+            "coordinator_key": str(keys / "coordinator.key")})
+        trainer = Peer(coord.endpoint, curve_of(tmp_path, "trainer"))
+        stranger = Peer(coord.endpoint, curve_of(tmp_path, "stranger"))
+        plain = Peer(coord.endpoint)
+        try:
+            wait_for(all_healthy(trainer, 1), 60, "the node, over CURVE")
+            for outsider in (stranger, plain):
+                assert outsider.call("restart", timeout=2.0, node="node0", engine="e0") is None
+                assert outsider.call("status", timeout=1.0) is None
+            before = engines_of(trainer.fleet())["node0/e0"]["incarnation"]
+            assert engines_of(trainer.fleet())["node0/e0"]["incarnation"] == before
+            # a listed client key cannot pose as a node
+            trainer.sock.send(protocol.encode(protocol.Hello("node0", "fake", [], 0)))
+            bad = trainer.call("ping")
+            assert bad is not None and bad.result["bad_messages"]["unknown_node"] == 1
+        finally:
+            for peer in (trainer, stranger, plain):
+                peer.close()
