@@ -43,7 +43,7 @@ def joined(view: FleetView, node: str, **kwargs: Any) -> None:
 
 def engine_state(view: FleetView, node: str, engine_id: str) -> str:
     (entry,) = [n for n in view.status()["nodes"] if n["node_id"] == node]
-    return next(e["state"] for e in entry["engines"] if e["id"] == engine_id)
+    return str(next(e["state"] for e in entry["engines"] if e["id"] == engine_id))
 
 
 # ---------------------------------------------------------------------- HELLO
