@@ -1,0 +1,269 @@
+"""The coordinator's fleet view, driven with plain messages and explicit clocks (no sockets):
+which node messages are taken or refused, what the fleet status shows, when nodes go silent,
+and which parts of a multi-node engine a failure restarts (docs/protocol.md, "The
+coordinator's side")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rollout_watchdog.agent.fleet import FleetView, Refused
+from rollout_watchdog.agent.protocol import Event, Hello
+
+T0 = 1000.0          # monotonic clock of the tests
+WALL0 = 1_700_000_000.0
+
+
+def engine(engine_id: str, state: str = "healthy", group: str | None = None,
+           incarnation: int = 1) -> dict[str, Any]:
+    """An engine object as a node's status shows it (the fields the fleet reads, plus some)."""
+    return {"id": engine_id, "state": state, "paused": False, "incarnation": incarnation,
+            "pid": 4242, "restarts": 0, "group": group, "tp_size": 1}
+
+
+def hello(node: str, boot: str = "b1", engines: list[dict[str, Any]] | None = None,
+          last_seq: int = 0) -> Hello:
+    return Hello(node, boot, engines if engines is not None else [engine("e0")], last_seq)
+
+
+def state_event(node: str, seq: int, engine_id: str, src: str, dst: str,
+                cause: str | None, boot: str = "b1",
+                status: dict[str, Any] | None = None) -> Event:
+    """A node's state-change event, with the engine's status after it when `status` is given."""
+    body = {"ts": WALL0 + seq, "node_id": node, "engine": engine_id, "incarnation": 1,
+            "kind": "state", "from": src, "to": dst, "cause": cause, "detail": ""}
+    return Event(node, boot, seq, body, status)
+
+
+def joined(view: FleetView, node: str, **kwargs: Any) -> None:
+    view.hello(hello(node, **kwargs), node, T0, WALL0)
+
+
+def engine_state(view: FleetView, node: str, engine_id: str) -> str:
+    (entry,) = [n for n in view.status()["nodes"] if n["node_id"] == node]
+    return str(next(e["state"] for e in entry["engines"] if e["id"] == engine_id))
+
+
+# ---------------------------------------------------------------------- HELLO
+
+
+def test_hello_makes_the_node_reachable_and_says_so() -> None:
+    view = FleetView()
+    own = view.hello(hello("n1"), "n1", T0, WALL0)
+    assert [(e["kind"], e["node_id"], e["engine"]) for e in own] == \
+        [("node_reachable", "n1", None)]
+    assert view.reachable() == ["n1"]
+    # a second HELLO of a node already reachable (a reconnect) announces nothing new
+    assert view.hello(hello("n1"), "n1", T0 + 1, WALL0 + 1) == []
+
+
+def test_hello_for_another_node_is_refused_as_unknown_node() -> None:
+    view = FleetView()
+    with pytest.raises(Refused) as refused:
+        view.hello(hello("n2"), "n1", T0, WALL0)
+    assert refused.value.reason == "unknown_node"
+    assert "n2" in str(refused.value) and "n1" in str(refused.value)
+    assert view.status() == {"nodes": []}
+
+
+def test_hello_for_a_superseded_boot_is_refused_as_duplicate_node() -> None:
+    """Two daemons with one node id: the one whose boot was replaced cannot take it back."""
+    view = FleetView()
+    joined(view, "n1", boot="b1")
+    joined(view, "n1", boot="b2")
+    with pytest.raises(Refused) as refused:
+        view.hello(hello("n1", boot="b1"), "n1", T0 + 1, WALL0 + 1)
+    assert refused.value.reason == "duplicate_node"
+    assert "b1" in str(refused.value)
+    assert view.status()["nodes"][0]["boot"] == "b2"
+    # the current boot still says hello freely
+    view.hello(hello("n1", boot="b2"), "n1", T0 + 2, WALL0 + 2)
+
+
+# ---------------------------------------------------------------------- events
+
+
+def test_new_events_are_taken_and_a_replayed_seq_is_dropped_and_counted() -> None:
+    view = FleetView()
+    joined(view, "n1")
+    first = state_event("n1", 1, "e0", "healthy", "suspect", "probe_failed")
+    assert view.event(first, "n1", T0, WALL0) == (True, [])
+    assert view.event(state_event("n1", 2, "e0", "suspect", "healthy", "probe_passed"),
+                      "n1", T0, WALL0)[0] is True
+    assert view.event(first, "n1", T0, WALL0)[0] is False
+    assert view.event(state_event("n1", 2, "e0", "suspect", "healthy", "probe_passed"),
+                      "n1", T0, WALL0)[0] is False
+    assert view.refused["replayed"] == 2
+    assert engine_state(view, "n1", "e0") == "healthy"
+
+
+def test_an_event_before_hello_is_refused() -> None:
+    view = FleetView()
+    with pytest.raises(Refused) as refused:
+        view.event(state_event("n1", 1, "e0", "healthy", "suspect", "probe_failed"), "n1",
+                   T0, WALL0)
+    assert refused.value.reason == "no_hello"
+
+
+def test_an_event_from_a_stale_boot_is_refused() -> None:
+    view = FleetView()
+    joined(view, "n1", boot="b1")
+    joined(view, "n1", boot="b2")
+    with pytest.raises(Refused) as refused:
+        view.event(state_event("n1", 9, "e0", "healthy", "suspect", "probe_failed", boot="b1"),
+                   "n1", T0, WALL0)
+    assert refused.value.reason == "stale_boot"
+    # the new boot counts its events from 1 again
+    assert view.event(state_event("n1", 1, "e0", "healthy", "suspect", "probe_failed",
+                                  boot="b2"), "n1", T0, WALL0)[0] is True
+
+
+def test_events_held_in_the_hello_snapshot_are_relayed_but_do_not_regress_it() -> None:
+    """A node resends its unacknowledged events after its HELLO; they are news to clients, but
+    the snapshot already holds their effect and more."""
+    view = FleetView()
+    joined(view, "n1", engines=[engine("e0", state="healthy", incarnation=2)], last_seq=2)
+    old = state_event("n1", 2, "e0", "starting", "stopping", "startup_timeout",
+                      status=engine("e0", state="stopping", incarnation=1))
+    assert view.event(old, "n1", T0, WALL0)[0] is True
+    assert engine_state(view, "n1", "e0") == "healthy"
+    newer = state_event("n1", 3, "e0", "healthy", "suspect", "probe_failed",
+                        status=engine("e0", state="suspect", incarnation=2))
+    assert view.event(newer, "n1", T0, WALL0)[0] is True
+    assert engine_state(view, "n1", "e0") == "suspect"
+
+
+def test_engine_status_replaces_the_engine_entry() -> None:
+    view = FleetView()
+    joined(view, "n1", engines=[engine("e0"), engine("e1")])
+    status = {**engine("e0", state="backoff", incarnation=4), "restarts": 3}
+    view.event(state_event("n1", 1, "e0", "stopping", "backoff", "exited", status=status),
+               "n1", T0, WALL0)
+    (node,) = view.status()["nodes"]
+    e0 = next(e for e in node["engines"] if e["id"] == "e0")
+    assert {k: e0[k] for k in status} == status
+    assert engine_state(view, "n1", "e1") == "healthy"
+
+
+def test_an_event_without_engine_status_updates_what_it_says() -> None:
+    """An older node sends bare events: the state and pause they report still show."""
+    view = FleetView()
+    joined(view, "n1")
+    view.event(state_event("n1", 1, "e0", "healthy", "suspect", "probe_failed"), "n1",
+               T0, WALL0)
+    paused = {"ts": WALL0, "node_id": "n1", "engine": "e0", "incarnation": 1,
+              "kind": "paused", "from": None, "to": None, "cause": None, "detail": ""}
+    view.event(Event("n1", "b1", 2, paused), "n1", T0, WALL0)
+    (e0,) = view.status()["nodes"][0]["engines"]
+    assert (e0["state"], e0["paused"]) == ("suspect", True)
+
+
+# ---------------------------------------------------------------------- silence
+
+
+def test_a_silent_node_becomes_unreachable_once_and_its_engines_stay_listed() -> None:
+    view = FleetView(node_timeout_s=5.0)
+    joined(view, "n1")
+    joined(view, "n2")
+    view.heard("n2", T0 + 4.0, WALL0 + 4.0)
+    assert view.tick(T0 + 5.0, WALL0 + 5.0) == []          # at the deadline, not past it
+    gone = view.tick(T0 + 5.1, WALL0 + 5.1)
+    assert [(e["kind"], e["node_id"]) for e in gone] == [("node_unreachable", "n1")]
+    assert view.tick(T0 + 8.0, WALL0 + 8.0) == []          # said once
+    assert view.reachable() == ["n2"]
+    n1 = view.status("n1")["nodes"][0]
+    assert n1["reachable"] is False and n1["last_seen"] == WALL0
+    assert [(e["id"], e["reachable"]) for e in n1["engines"]] == [("e0", False)]
+    # the next message from it makes it reachable again, announced once
+    back = view.heard("n1", T0 + 9.0, WALL0 + 9.0)
+    assert [(e["kind"], e["node_id"]) for e in back] == [("node_reachable", "n1")]
+    assert view.heard("n1", T0 + 9.5, WALL0 + 9.5) == []
+    assert view.status("n1")["nodes"][0]["engines"][0]["reachable"] is True
+
+
+def test_a_hello_after_silence_makes_the_node_reachable_again() -> None:
+    view = FleetView(node_timeout_s=5.0)
+    joined(view, "n1")
+    view.tick(T0 + 6.0, WALL0 + 6.0)
+    own = view.hello(hello("n1", boot="b2"), "n1", T0 + 7.0, WALL0 + 7.0)
+    assert [e["kind"] for e in own] == ["node_reachable"]
+    assert view.reachable() == ["n1"]
+
+
+# ---------------------------------------------------------------------- status
+
+
+def test_status_has_exactly_the_documented_shape() -> None:
+    view = FleetView()
+    node_engine = engine("e0", group="g1")
+    view.hello(hello("n2", boot="b7", engines=[node_engine]), "n2", T0, WALL0 + 2)
+    view.hello(hello("n1", boot="b3", engines=[engine("e1", state="starting")]), "n1",
+               T0, WALL0 + 1)
+    status = view.status()
+    assert list(status) == ["nodes"]
+    assert [n["node_id"] for n in status["nodes"]] == ["n1", "n2"]
+    n2 = status["nodes"][1]
+    assert set(n2) == {"node_id", "reachable", "last_seen", "boot", "engines"}
+    assert (n2["reachable"], n2["last_seen"], n2["boot"]) == (True, WALL0 + 2, "b7")
+    (e0,) = n2["engines"]
+    assert e0 == {**node_engine, "weight_version": None, "serving": True, "reachable": True}
+    assert status["nodes"][0]["engines"][0]["serving"] is False   # starting is not serving
+    assert view.status("n1")["nodes"] == [status["nodes"][0]]
+    assert view.status("n9") == {"nodes": []}
+
+
+# ---------------------------------------------------------------------- groups
+
+
+def group_fleet() -> FleetView:
+    """Group g1 spans n1/e0, n2/e0 (running) and n3/e0 (stopped); n1/e1 has no group."""
+    view = FleetView()
+    joined(view, "n1", engines=[engine("e0", group="g1"), engine("e1")])
+    joined(view, "n2", engines=[engine("e0", group="g1", state="suspect"), engine("e1")])
+    joined(view, "n3", engines=[engine("e0", group="g1", state="stopped")])
+    return view
+
+
+@pytest.mark.parametrize("cause", ["probe_failed", "exited", "stalled", "startup_timeout"])
+def test_a_failing_part_restarts_the_other_running_parts_of_its_group(cause: str) -> None:
+    view = group_fleet()
+    event = state_event("n1", 1, "e0", "healthy", "stopping", cause,
+                        status=engine("e0", state="stopping", group="g1"))
+    view.event(event, "n1", T0, WALL0)
+    assert view.group_restarts("n1", event.event) == [("n2", "e0")]
+
+
+def test_a_commanded_restart_of_a_part_does_not_cascade() -> None:
+    view = group_fleet()
+    event = state_event("n2", 1, "e0", "suspect", "stopping", "commanded",
+                        status=engine("e0", state="stopping", group="g1"))
+    view.event(event, "n2", T0, WALL0)
+    assert view.group_restarts("n2", event.event) == []
+
+
+def test_an_engine_without_a_group_restarts_nothing_else() -> None:
+    view = group_fleet()
+    event = state_event("n1", 1, "e1", "healthy", "stopping", "exited",
+                        status=engine("e1", state="stopping"))
+    view.event(event, "n1", T0, WALL0)
+    assert view.group_restarts("n1", event.event) == []
+
+
+def test_a_part_that_was_not_running_restarts_nothing() -> None:
+    view = group_fleet()
+    event = state_event("n3", 1, "e0", "backoff", "stopping", "exited",
+                        status=engine("e0", state="stopping", group="g1"))
+    view.event(event, "n3", T0, WALL0)
+    assert view.group_restarts("n3", event.event) == []
+
+
+def test_parts_on_unreachable_nodes_are_not_restarted() -> None:
+    view = group_fleet()
+    view.heard("n1", T0 + 6.0, WALL0 + 6.0)
+    view.tick(T0 + 6.0, WALL0 + 6.0)                     # n2 and n3 went silent
+    event = state_event("n1", 1, "e0", "healthy", "stopping", "probe_failed",
+                        status=engine("e0", state="stopping", group="g1"))
+    view.event(event, "n1", T0 + 6.0, WALL0 + 6.0)
+    assert view.group_restarts("n1", event.event) == []

@@ -1,0 +1,181 @@
+"""The coordinator's event relay, driven with plain frames and a recording `send` (no sockets):
+each subscriber gets the events in order, each once, at its own pace, and a resuming one gets
+exactly what it lacks (docs/protocol.md, "The coordinator's side")."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_watchdog.agent import relay as relay_module
+from rollout_watchdog.agent.protocol import ResumePoint, Subscribe
+from rollout_watchdog.agent.relay import Relay, Relayed
+
+T0 = 1000.0
+A, B = b"client-a", b"client-b"
+
+
+def item(node: str, seq: int, boot: str = "b1") -> Relayed:
+    return Relayed(node, boot, seq, f"{node}/{boot}/{seq}".encode())
+
+
+def frames(*items: Relayed) -> list[bytes]:
+    return [i.frame for i in items]
+
+
+class Clients:
+    """The other side of `send`: what each client got; a client can be made to block (its
+    queue is full) or to be gone."""
+
+    def __init__(self) -> None:
+        self.got: dict[bytes, list[bytes]] = {}
+        self.room: dict[bytes, int] = {}      # frames a client takes before blocking
+        self.gone: set[bytes] = set()
+
+    def send(self, client: bytes, frame: bytes) -> bool:
+        if client in self.gone:
+            raise LookupError(client)
+        if client in self.room:
+            if self.room[client] == 0:
+                return False
+            self.room[client] -= 1
+        self.got.setdefault(client, []).append(frame)
+        return True
+
+
+def filled(*items: Relayed, capacity: int = 100) -> Relay:
+    relay = Relay(capacity=capacity)
+    for i in items:
+        relay.add(i)
+    return relay
+
+
+def test_subscribers_get_every_event_in_order_each_once() -> None:
+    relay, clients = Relay(), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    relay.subscribe(B, Subscribe(), T0)
+    events = [item("n1", 1), item("n2", 1), item("n1", 2)]
+    for e in events[:2]:
+        relay.add(e)
+    assert relay.pump(clients.send) is False
+    relay.add(events[2])
+    relay.pump(clients.send)
+    relay.pump(clients.send)
+    assert clients.got == {A: frames(*events), B: frames(*events)}
+
+
+def test_a_subscriber_without_resume_gets_only_new_events() -> None:
+    relay, clients = filled(item("n1", 1), item("n1", 2)), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    relay.pump(clients.send)
+    assert clients.got == {}
+    relay.add(item("n1", 3))
+    relay.pump(clients.send)
+    assert clients.got == {A: frames(item("n1", 3))}
+
+
+def test_resume_skips_what_the_client_has_by_its_point_in_the_buffer() -> None:
+    """Everything of that node up to its point is had, even events of an earlier boot and the
+    coordinator's own events about it; other nodes' events are all sent."""
+    buffered = [item("n1", 7, boot="old"), item("n1", 1), item("n2", 1),
+                item("n1", 1, boot="coord"), item("n1", 2), item("n2", 2), item("n1", 3)]
+    relay, clients = filled(*buffered), Clients()
+    relay.subscribe(A, Subscribe({"n1": ResumePoint("b1", 2)}), T0)
+    relay.pump(clients.send)
+    relay.add(item("n1", 4))
+    relay.pump(clients.send)
+    assert clients.got[A] == frames(item("n2", 1), item("n2", 2), item("n1", 3), item("n1", 4))
+
+
+def test_resume_skips_by_seq_of_the_same_boot_when_its_point_is_not_buffered() -> None:
+    """A restarted coordinator holds only what nodes resent: the events of the point's boot up
+    to its seq are had; those of other boots (the client drops the ones it has seen) are sent."""
+    buffered = [item("n1", 2), item("n1", 3), item("n1", 1, boot="coord"), item("n1", 5),
+                item("n1", 6)]
+    relay, clients = filled(*buffered), Clients()
+    relay.subscribe(A, Subscribe({"n1": ResumePoint("b1", 4)}), T0)
+    relay.pump(clients.send)
+    assert clients.got[A] == frames(item("n1", 1, boot="coord"), item("n1", 5), item("n1", 6))
+
+
+def test_a_blocked_send_is_retried_from_the_same_place_nothing_lost_or_doubled() -> None:
+    events = [item("n1", s) for s in range(1, 8)]
+    relay, clients = Relay(), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    relay.subscribe(B, Subscribe(), T0)
+    for e in events[:5]:
+        relay.add(e)
+    clients.room[A] = 2
+    assert relay.pump(clients.send) is True               # A is behind: come back soon
+    assert clients.got[A] == frames(*events[:2])
+    assert clients.got[B] == frames(*events[:5])           # one slow client holds up no other
+    assert relay.pump(clients.send) is True                 # still blocked: nothing moves
+    assert clients.got[A] == frames(*events[:2])
+    clients.room[A] = 1
+    relay.pump(clients.send)
+    for e in events[5:]:
+        relay.add(e)
+    del clients.room[A]
+    assert relay.pump(clients.send) is False
+    assert clients.got[A] == frames(*events)
+    assert clients.got[B] == frames(*events)
+
+
+def test_a_catching_up_subscriber_gets_a_share_per_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_module, "SENDS_PER_TURN", 3)
+    events = [item("n1", s) for s in range(1, 8)]
+    relay, clients = filled(*events), Clients()
+    relay.subscribe(A, Subscribe({}), T0)                  # resume with no points: all of it
+    assert relay.pump(clients.send) is True
+    assert clients.got[A] == frames(*events[:3])
+    relay.pump(clients.send)
+    assert relay.pump(clients.send) is False
+    assert clients.got[A] == frames(*events)
+
+
+def test_a_gone_client_is_dropped() -> None:
+    relay, clients = filled(), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    relay.subscribe(B, Subscribe(), T0)
+    relay.add(item("n1", 1))
+    clients.gone.add(A)
+    assert relay.pump(clients.send) is False
+    assert list(relay.subscribers) == [B]
+    assert clients.got == {B: frames(item("n1", 1))}
+    assert relay.heard(A, T0) is False
+
+
+def test_a_subscriber_that_fell_out_of_the_buffer_is_counted_and_carries_on() -> None:
+    relay, clients = Relay(capacity=3), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    relay.subscribe(B, Subscribe(), T0)
+    clients.room[A] = 0
+    events = [item("n1", s) for s in range(1, 6)]
+    for e in events:
+        relay.add(e)
+        clients.room[B] = 1
+        relay.pump(clients.send)
+    assert clients.got[B] == frames(*events)                # a keeping-up client lost nothing
+    assert relay.skipped_behind == 2                        # A lost n1/1 and n1/2
+    del clients.room[A]
+    relay.pump(clients.send)
+    assert clients.got[A] == frames(*events[2:])
+
+
+def test_subscriptions_expire_after_the_timeout_unless_heard() -> None:
+    relay = Relay(subscriber_timeout_s=10.0)
+    relay.subscribe(A, Subscribe(), T0)
+    relay.subscribe(B, Subscribe(), T0)
+    assert relay.heard(B, T0 + 8.0) is True
+    assert relay.expire(T0 + 10.0) == []
+    assert relay.expire(T0 + 10.5) == [A]
+    assert list(relay.subscribers) == [B]
+    assert relay.expire(T0 + 18.5) == [B]
+
+
+def test_subscribing_again_replaces_the_subscription() -> None:
+    relay, clients = filled(item("n1", 1)), Clients()
+    relay.subscribe(A, Subscribe({}), T0)
+    relay.subscribe(A, Subscribe({"n1": ResumePoint("b1", 1)}), T0)
+    relay.add(item("n1", 2))
+    relay.pump(clients.send)
+    assert clients.got == {A: frames(item("n1", 2))}
