@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import requests
 import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 
@@ -231,6 +232,13 @@ def test_the_outbox_overflow_is_counted() -> None:
         h.close()
 
 
+def test_zmtp_heartbeats_are_set_on_purpose(harness: Harness) -> None:
+    sock = harness.link.socket
+    assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 1000
+    assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 3000
+    assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 3000
+
+
 class Relay:
     """A TCP relay between the node and the ROUTER; paused, it forwards nothing, not even a
     close, as a cut network would."""
@@ -316,22 +324,24 @@ def test_a_cut_link_is_noticed_and_the_node_reconnects_and_says_hello_again() ->
 
 
 @pytest.fixture
-def linked_node(make_node: Any) -> Iterator[tuple[Node, Router]]:
-    port = free_port()
+def linked_node(make_node: Any) -> Iterator[tuple[Node, Router, int]]:
+    """A real node daemon linked to a Router, and its metrics port."""
+    port, metrics_port = free_port(), free_port()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = Router(ctx, port)
-    node = make_node([EngineSpec("e0")], top={"coordinator": f"tcp://127.0.0.1:{port}"})
+    node = make_node([EngineSpec("e0")], top={"coordinator": f"tcp://127.0.0.1:{port}",
+                                              "metrics_port": metrics_port})
     node.start()
     try:
-        yield node, router
+        yield node, router, metrics_port
     finally:
         router.sock.close(0)
         ctx.term()
 
 
 def test_a_real_node_survives_garbage_and_a_flood_and_shows_its_link(
-        linked_node: tuple[Node, Router]) -> None:
-    node, router = linked_node
+        linked_node: tuple[Node, Router, int]) -> None:
+    node, router, metrics_port = linked_node
 
     def answered(request_id: str, cmd: str = "ping", args: dict[str, Any] | None = None
                  ) -> protocol.Reply:
@@ -355,10 +365,17 @@ def test_a_real_node_survives_garbage_and_a_flood_and_shows_its_link(
         unknown.reason or "")
     mistyped = answered("r-args", "restart", {"engine": 5})
     assert mistyped.status == "error" and "name an engine" in (mistyped.reason or "")
-    link = wait_for(lambda: (s := node.status()["link"])["connected"] and s, 10,
-                    "the link to show the coordinator connected")
+    def connected() -> dict[str, Any] | None:
+        router.send(protocol.Heartbeat(time.time()))
+        link: dict[str, Any] = node.status()["link"]
+        return link if link["connected"] else None
+
+    link = wait_for(connected, 10, "the link to show the coordinator connected")
     assert link["coordinator"] == router.endpoint
     assert link["bad_messages"] == len(bad) + 10_000
     assert link["dropped"] == 0
+    scrape = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    assert 'rollout_watchdog_link_bad_messages_total{reason="undecodable"} 10003.0' in scrape
+    assert "rollout_watchdog_coordinator_connected 1.0" in scrape
     again = node.engine("e0")  # supervised throughout: the same engine, healthy
     assert again["state"] == "healthy" and again["pid"] == first["pid"]
