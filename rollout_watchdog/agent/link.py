@@ -7,6 +7,15 @@ coordinator ACKs them; on overflow the oldest are dropped and counted (the next 
 supersedes them). Commands run through the node's one command table; a repeated request id gets
 the same reply. Heartbeats go out about once a second. The node supervises on its own whenever
 the coordinator is away: nothing here blocks, and nothing waits for it.
+
+Staying linked (part 6). ZMTP heartbeats (PING every `heartbeat_s`, the connection closed when
+nothing came back for `heartbeat_timeout_s`) find a half-open connection, such as a coordinator
+whose host vanished or a cut network, and libzmq dials again. libzmq does not dial again after a
+connection it dropped for a protocol error (a frame over MAX_MESSAGE_BYTES, garbage ZMTP): the
+link notices (a disconnect that no retry follows) and dials again itself, with backoff. So does
+it when a handshaken coordinator stays silent for `silent_redial_s` (a ROUTER that took the
+reconnected node for a duplicate of its stale connection never reads from it). Bad input is
+dropped and counted, never fatal; the counts are in the node's metrics and `status`.
 """
 
 from __future__ import annotations
@@ -16,10 +25,11 @@ import json
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from rollout_watchdog.agent import protocol
 from rollout_watchdog.watchdog.clock import Clock
@@ -28,11 +38,25 @@ from rollout_watchdog.watchdog.replies import CommandError, Deferred, PendingRep
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
+HEARTBEAT_TIMEOUT_S = 3.0      # no word from the coordinator for this long: it is gone
+SILENT_REDIAL_S = 10.0         # handshaken but silent this long: dial afresh
+REDIAL_GRACE_S = 0.5           # a disconnect with no retry from libzmq within this: dial again
+REDIAL_BACKOFF_S = (1.0, 30.0)  # first and longest wait between redials of our own
 OUTBOX_LIMIT = 10_000          # events kept for the coordinator (about 5 MB at most)
 REPLIES_KEPT = 1024            # replies remembered for repeated request ids
 MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves the engines
+_MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+              | zmq.EVENT_CONNECT_RETRIED)
 
 Dispatch = Callable[[str, dict[str, Any]], "dict[str, Any] | Deferred"]
+
+
+class LinkMetrics(Protocol):
+    """What the link reports to the node's metrics (watchdog.metrics.Metrics is one)."""
+
+    def link_bad_message(self, reason: str) -> None: ...
+    def link_events_dropped(self) -> None: ...
+    def set_link_state(self, outbox: int, connected: bool) -> None: ...
 
 
 class NodeLink:
@@ -41,16 +65,25 @@ class NodeLink:
                  clock: Clock, engine_status: Callable[[str], dict[str, Any] | None] = (
                      lambda engine_id: None),
                  key: str | None = None, coordinator_key: str | None = None,
-                 heartbeat_s: float = HEARTBEAT_S, outbox_limit: int = OUTBOX_LIMIT) -> None:
-        self.node_id, self.boot = node_id, boot
+                 heartbeat_s: float = HEARTBEAT_S,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 silent_redial_s: float = SILENT_REDIAL_S, outbox_limit: int = OUTBOX_LIMIT,
+                 metrics: LinkMetrics | None = None) -> None:
+        self.endpoint, self.node_id, self.boot = endpoint, node_id, boot
         self._snapshot, self._dispatch, self._clock = snapshot, dispatch, clock
         self._engine_status = engine_status
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
+        self.silent_redial_s = silent_redial_s
+        self._metrics = metrics
         self.outbox: deque[protocol.Event] = deque()
         self.outbox_limit = outbox_limit
         self.seq = 0
         self.dropped = 0              # events dropped from a full outbox
-        self.bad_messages = 0
+        self.bad_messages = 0         # frames dropped, and connections lost to bad frames
+        self.coordinator_seen: float | None = None   # monotonic time of its last message
+        self._handshake_at: float | None = None      # the current connection's handshake
+        self._redial_at: float | None = None
+        self._redial_wait = REDIAL_BACKOFF_S[0]
         self._replies: OrderedDict[str, protocol.Reply] = OrderedDict()
         self._pending = PendingReplies()
         self._to_send: list[protocol.Message] = []
@@ -62,14 +95,30 @@ class NodeLink:
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        # ZMTP PINGs find a half-open connection; TTL asks the coordinator to drop ours alike
+        sock.setsockopt(zmq.HEARTBEAT_IVL, round(heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(heartbeat_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, round(heartbeat_timeout_s * 1000))
         if key and coordinator_key:
             public, secret = zmq.auth.load_certificate(key)
             server, _ = zmq.auth.load_certificate(coordinator_key)
             sock.curve_publickey, sock.curve_secretkey = public, secret
             sock.curve_serverkey = server
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.monitor = sock.get_monitor_socket(_MONITORED)
         sock.connect(endpoint)
         self.socket = sock
+
+    @property
+    def connected(self) -> bool:
+        """A handshake succeeded and the coordinator spoke within the heartbeat timeout."""
+        return (self._handshake_at is not None and self.coordinator_seen is not None
+                and self._clock.monotonic() - self.coordinator_seen <= self.heartbeat_timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        """The `link` object of the node's `status`."""
+        return {"coordinator": self.endpoint, "connected": self.connected,
+                "outbox": len(self.outbox), "dropped": self.dropped,
+                "bad_messages": self.bad_messages}
 
     # ------------------------------------------------------------------ events (publisher)
 
@@ -82,6 +131,8 @@ class NodeLink:
         if len(self.outbox) > self.outbox_limit:
             self.outbox.popleft()
             self.dropped += 1
+            if self._metrics is not None:
+                self._metrics.link_events_dropped()
         self._to_send.append(message)
 
     # ------------------------------------------------------------------ the loop participant
@@ -92,8 +143,7 @@ class NodeLink:
     def handle(self, ready: Container[Any]) -> None:
         if self.monitor in ready:
             while self.monitor.poll(0):
-                self.monitor.recv_multipart()
-                self._hello()  # a (re)connected coordinator learns everything again
+                self._on_monitor_event(recv_monitor_message(self.monitor)["event"])
         if self.socket in ready:
             for _ in range(MAX_MESSAGES_PER_ROUND):
                 try:
@@ -101,20 +151,39 @@ class NodeLink:
                 except zmq.Again:
                     break
                 try:
-                    self._receive(protocol.decode(data))
+                    message = protocol.decode(data)
                 except protocol.ProtocolError as exc:
-                    self.bad_messages += 1
-                    log.warning("bad message from the coordinator: %s", exc)
+                    self._bad("undecodable", str(exc))
+                    continue
+                self.coordinator_seen = self._clock.monotonic()
+                self._redial_wait = REDIAL_BACKOFF_S[0]  # it speaks our protocol
+                self._receive(message)
 
     def tick(self, now: float) -> None:
         self._pending.answer(now)
+        if self._redial_at is not None and now >= self._redial_at:
+            self._bad("protocol_error", "libzmq dropped the connection for a protocol error "
+                      f"(a frame over {protocol.MAX_MESSAGE_BYTES} bytes, garbage, a failed "
+                      "handshake) and gave it up; dialing again")
+            self._redial()
+        elif (silent_since := self._silent_since()) is not None \
+                and now - silent_since >= self.silent_redial_s:
+            log.warning("the coordinator has been silent for %.0f s on an open connection; "
+                        "dialing it afresh", now - silent_since)
+            self._redial()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             self._to_send.append(protocol.Heartbeat(self._clock.wall()))
 
     def next_deadline(self) -> float | None:
-        parked = self._pending.next_deadline()
-        return self._next_heartbeat if parked is None else min(parked, self._next_heartbeat)
+        deadlines = [self._next_heartbeat]
+        if self._redial_at is not None:
+            deadlines.append(self._redial_at)
+        if (silent_since := self._silent_since()) is not None:
+            deadlines.append(silent_since + self.silent_redial_s)
+        if (parked := self._pending.next_deadline()) is not None:
+            deadlines.append(parked)
+        return min(deadlines)
 
     def after_save(self) -> None:
         """Send what this turn made: after the save, a reply or event survives a crash."""
@@ -123,11 +192,50 @@ class NodeLink:
             with contextlib.suppress(zmq.Again):
                 self.socket.send(protocol.encode(message), zmq.NOBLOCK)
         self._to_send.clear()
+        if self._metrics is not None:
+            self._metrics.set_link_state(len(self.outbox), self.connected)
 
     def close(self) -> None:
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
         self.socket.close(linger=0)
+
+    # ------------------------------------------------------------------ the connection
+
+    def _on_monitor_event(self, event: int) -> None:
+        now = self._clock.monotonic()
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._handshake_at, self._redial_at = now, None
+            self._hello()  # a (re)connected coordinator learns everything again
+        elif event == zmq.EVENT_DISCONNECTED:
+            # libzmq retries at once after a lost connection, never after a protocol error
+            self._handshake_at = None
+            self._redial_at = now + max(REDIAL_GRACE_S, self._redial_wait)
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self._redial_at = None
+
+    def _silent_since(self) -> float | None:
+        """Since when a handshaken coordinator has said nothing (None: not handshaken)."""
+        if self._handshake_at is None:
+            return None
+        return max(self._handshake_at, self.coordinator_seen or self._handshake_at)
+
+    def _redial(self) -> None:
+        """Drop the connection (if any) and dial again, backing off while it keeps failing."""
+        self._handshake_at, self._redial_at = None, None
+        self._redial_wait = min(self._redial_wait * 2, REDIAL_BACKOFF_S[1])
+        with contextlib.suppress(zmq.ZMQError):  # libzmq may have forgotten it already
+            self.socket.disconnect(self.endpoint)
+        self.socket.connect(self.endpoint)
+
+    def _bad(self, reason: str, why: str) -> None:
+        """Count a bad message; log the 1st, 2nd, 4th, 8th... so a flood cannot fill the log."""
+        self.bad_messages += 1
+        if self._metrics is not None:
+            self._metrics.link_bad_message(reason)
+        if self.bad_messages & (self.bad_messages - 1) == 0:
+            log.warning("bad message #%d from the coordinator (%s): %s", self.bad_messages,
+                        reason, why)
 
     # ------------------------------------------------------------------ messages
 
@@ -147,8 +255,8 @@ class NodeLink:
         elif isinstance(message, protocol.Command):
             self._command(message)
         elif not isinstance(message, protocol.Heartbeat):
-            self.bad_messages += 1
-            log.warning("unexpected %s from the coordinator", type(message).__name__)
+            self._bad("unexpected_kind", f"a {message.KIND!r} message, which only goes "
+                      "towards the coordinator")
 
     def _command(self, command: protocol.Command) -> None:
         known = self._replies.get(command.request_id)

@@ -105,6 +105,30 @@ class Metrics:
             "Control messages that were malformed, oversized or unknown, and were rejected.",
             registry=reg,
         )
+        self._link_bad = Counter(
+            "rollout_watchdog_link_bad_messages_total",
+            "Frames from the coordinator dropped by the node link, by reason: undecodable, "
+            "unexpected_kind, protocol_error (a connection ZMQ dropped, e.g. for an oversized "
+            "frame, dialed again).",
+            ["reason"], registry=reg,
+        )
+        self._link_dropped = Counter(
+            "rollout_watchdog_link_outbox_dropped_total",
+            "Events dropped from the node link's full outbox before the coordinator "
+            "acknowledged them (the next HELLO's snapshot supersedes them).",
+            registry=reg,
+        )
+        self._link_outbox = Gauge(
+            "rollout_watchdog_link_outbox_events",
+            "Events in the node link's outbox, waiting for the coordinator's acknowledgement.",
+            registry=reg,
+        )
+        self._coordinator_connected = Gauge(
+            "rollout_watchdog_coordinator_connected",
+            "1 while the node link is handshaken and the coordinator spoke within the "
+            "heartbeat timeout.",
+            registry=reg,
+        )
         # Label sets created per engine, so remove_engine can drop exactly those series.
         self._series: dict[str, set[tuple[MetricWrapperBase, tuple[str, ...]]]] = {}
         self._lock = threading.Lock()
@@ -186,6 +210,19 @@ class Metrics:
     def bad_control_message(self) -> None:
         """Count a rejected control message."""
         self._bad_control.inc()
+
+    def link_bad_message(self, reason: str) -> None:
+        """Count a frame (or connection) from the coordinator that the node link dropped."""
+        self._link_bad.labels(reason).inc()
+
+    def link_events_dropped(self) -> None:
+        """Count an event dropped from the node link's full outbox."""
+        self._link_dropped.inc()
+
+    def set_link_state(self, outbox: int, connected: bool) -> None:
+        """Record the node link's outbox length and whether the coordinator is there."""
+        self._link_outbox.set(outbox)
+        self._coordinator_connected.set(1 if connected else 0)
 
     def remove_engine(self, engine: str) -> None:
         """Drop every series of an engine that left the config, so no stale state lingers."""

@@ -21,7 +21,8 @@ def control_socket(daemon: Daemon) -> ControlServer:
 
 
 def fleet_link(daemon: Daemon) -> NodeLink:
-    """The link to the coordinator: it hears every event and runs the same commands."""
+    """The link to the coordinator: it hears every event, runs the same commands, and shows
+    itself in `status` ("link") and the metrics."""
     config = daemon.config
     assert config.coordinator is not None
     supervisor = daemon.supervisor
@@ -34,8 +35,10 @@ def fleet_link(daemon: Daemon) -> NodeLink:
                     node_id=config.node_id, boot=daemon.boot_id,
                     snapshot=lambda: list(daemon.status()["engines"]),
                     dispatch=dispatcher(supervisor), clock=daemon.clock,
-                    engine_status=engine_status, key=config.key, coordinator_key=config.coordinator_key)
+                    engine_status=engine_status, key=config.key,
+                    coordinator_key=config.coordinator_key, metrics=daemon.metrics)
     daemon.publisher.subscribe(link.on_event)
+    supervisor.status_parts["link"] = link.status
     return link
 
 

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,8 @@ class Supervisor:
         self.stopping = False          # the daemon is stopping: nothing is launched any more
         self.dirty = True              # the state file is behind
         self.save_now: Any = None      # set by the daemon: saves the state file at once
+        # More objects of `status`, by key, from the daemon's parts (the node link's "link")
+        self.status_parts: dict[str, Callable[[], Any]] = {}
         self._probe_ids = 0
         self._escapees_killed: set[ProcKey] = set()
         self.killing = kill.KillContext(ops, inspector, tracker.live_groups,
@@ -498,7 +501,8 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "boot_id": self.boot_id,
                 "containment": mode_of(self.cgroups),
-                "engines": [self.engine_status(e) for e in self.engines.values()]}
+                "engines": [self.engine_status(e) for e in self.engines.values()],
+                **{key: part() for key, part in self.status_parts.items()}}
 
     def engine_status(self, e: EngineRuntime) -> dict[str, Any]:
         running = (e.state.running or e.state == S.STOPPING) and e.main not in e.dead

@@ -1,0 +1,149 @@
+"""Property tests of the wire protocol: decode() refuses every bad frame with a ProtocolError
+and nothing else (arbitrary bytes, arbitrary JSON, valid messages with fields removed, mistyped
+or mutated), every valid message survives a round trip, unknown fields are ignored and an
+unknown MAJOR is refused by its number."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent.protocol import (
+    MAJOR,
+    Ack,
+    Command,
+    Event,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Reply,
+    ResumePoint,
+    Subscribe,
+    decode,
+    encode,
+)
+
+FAST = settings(max_examples=250, deadline=None)
+
+names = st.text(min_size=1, max_size=20)
+seqs = st.integers(min_value=0, max_value=(1 << 63) - 1)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+json_scalars = st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 63) - 1) | finite \
+    | st.text(max_size=20)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=5)
+engines = st.lists(json_objects.flatmap(lambda o: names.map(lambda i: {**o, "id": i})),
+                   max_size=4)
+positive = st.floats(min_value=1e-6, max_value=1e9, allow_nan=False)
+
+messages: st.SearchStrategy[Message] = st.one_of(
+    st.builds(Hello, node_id=names, boot=names, engines=engines, last_seq=seqs),
+    st.builds(Event, node_id=names, boot=names, seq=st.integers(1, (1 << 63) - 1),
+              event=json_objects),
+    st.builds(Ack, boot=names, seq=seqs),
+    st.builds(Heartbeat, sent_at=finite),
+    st.builds(lambda r, c, a, n, e, t: Command(r, c, a, n, e if n else None, t),
+              names, names, json_objects, st.none() | names, st.none() | names,
+              st.none() | positive),
+    st.builds(Reply, request_id=names, status=st.just("ok"), reason=st.none() | names,
+              result=json_values),
+    st.builds(Reply, request_id=names, status=st.just("error"), reason=names,
+              result=json_values),
+    st.builds(Subscribe, resume=st.none() | st.dictionaries(
+        names, st.builds(ResumePoint, boot=names, seq=seqs), max_size=3)),
+)
+
+
+def decodes_or_refuses(data: bytes) -> Message | None:
+    """decode()'s only two outcomes: a message, or a ProtocolError that says something."""
+    try:
+        return decode(data)
+    except ProtocolError as exc:
+        assert str(exc)
+        return None
+
+
+@FAST
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_never_raise_anything_else(data: bytes) -> None:
+    decodes_or_refuses(data)
+
+
+@FAST
+@given(json_values)
+def test_arbitrary_json_never_raises_anything_else(value: Any) -> None:
+    decodes_or_refuses(json.dumps(value).encode())
+
+
+@FAST
+@given(json_objects, st.sampled_from(sorted(protocol.KINDS)))
+def test_arbitrary_objects_of_every_kind_never_raise_anything_else(obj: dict[str, Any],
+                                                                   kind: str) -> None:
+    decodes_or_refuses(json.dumps({**obj, "v": [MAJOR, 0], "kind": kind}).encode())
+
+
+@FAST
+@given(messages)
+def test_every_valid_message_round_trips(msg: Message) -> None:
+    assert decode(encode(msg)) == msg
+
+
+@FAST
+@given(messages, st.data())
+def test_mutated_fields_are_refused_or_still_valid(msg: Message, data: st.DataObject) -> None:
+    obj = msg.to_json()
+    name = data.draw(st.sampled_from(sorted(obj)), label="field")
+    change = data.draw(st.sampled_from(["remove", "retype", "scramble"]), label="change")
+    if change == "remove":
+        del obj[name]
+    elif change == "retype":
+        obj[name] = data.draw(json_values.filter(lambda v: type(v) is not type(obj[name])),
+                              label="value")
+    else:  # the raw text of one field's value, cut short: often no JSON at all
+        raw = json.dumps(obj[name])
+        obj[name] = raw[: data.draw(st.integers(0, len(raw)), label="cut")]
+    decodes_or_refuses(json.dumps(obj).encode())
+
+
+@FAST
+@given(messages, st.data())
+def test_truncated_frames_are_refused(msg: Message, data: st.DataObject) -> None:
+    frame = encode(msg)
+    cut = data.draw(st.integers(0, len(frame) - 1), label="cut")
+    assert decodes_or_refuses(frame[:cut]) is None  # a prefix of an object is never one
+
+
+@FAST
+@given(messages, json_objects)
+def test_unknown_fields_are_ignored(msg: Message, extra: dict[str, Any]) -> None:
+    obj = msg.to_json()
+    unknown = {f"x-{k}": v for k, v in extra.items()}
+    assert decode(json.dumps({**unknown, **obj}).encode()) == msg
+
+
+@FAST
+@given(messages, st.integers(0, 1 << 40).filter(lambda n: n != MAJOR), st.integers(0, 1 << 40))
+def test_an_unknown_major_is_refused_by_its_number(msg: Message, major: int,
+                                                   minor: int) -> None:
+    obj = {**msg.to_json(), "v": [major, minor]}
+    try:
+        decode(json.dumps(obj).encode())
+    except ProtocolError as exc:
+        assert f"unsupported protocol version {major}.{minor}" in str(exc)
+    else:
+        raise AssertionError(f"major {major} was accepted")
+
+
+@FAST
+@given(messages, st.integers(0, 1 << 40))
+def test_any_minor_of_this_major_is_accepted(msg: Message, minor: int) -> None:
+    assert decode(json.dumps({**msg.to_json(), "v": [MAJOR, minor]}).encode()) == msg
