@@ -1,0 +1,190 @@
+"""FleetClient against a stand-in coordinator (a real ROUTER on a real port, tests/fleet_standin):
+the typed fleet view, commands with typed results and errors, bounded waits, pickling, and an
+event stream that follows the coordinator across restarts and never yields an event twice."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_harness import free_port
+from fleet_standin import StandIn, fan_out_ok
+
+from rollout_watchdog import (
+    CommandRefused,
+    CoordinatorUnavailable,
+    EngineView,
+    FleetClient,
+    FleetEvent,
+    FleetResult,
+)
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent.keys import keygen
+
+
+@pytest.fixture
+def standin() -> Iterator[StandIn]:
+    server = StandIn(free_port()).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_the_fleet_view_is_typed(standin: StandIn) -> None:
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    engines = client.engines()
+    assert [e.name for e in engines] == ["n1/e0", "n1/e1", "n2/e0"]
+    first = engines[0]
+    assert isinstance(first, EngineView)
+    assert (first.state, first.pid, first.incarnation, first.tp_size, first.weight_version,
+            first.serving, first.reachable) == ("healthy", 4242, 1, 2, "v1", True, True)
+    assert engines[1].pid is None and not engines[2].reachable
+    nodes = client.nodes()
+    assert [(n.node_id, n.reachable) for n in nodes] == [("n1", True), ("n2", False)]
+    client.engines(node="n2")
+    assert standin.commands[-1].cmd == "status" and standin.commands[-1].node == "n2"
+
+
+def test_pause_fans_out_with_a_deadline_inside_the_callers(standin: StandIn) -> None:
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    result = client.pause(all=True, deadline_s=30)
+    assert isinstance(result, FleetResult) and result.missing == []
+    assert sorted(result.nodes) == ["n1", "n2"] and result.nodes["n1"].status == "ok"
+    sent = standin.commands[-1]
+    assert (sent.cmd, sent.node, sent.engine) == ("pause", None, None)
+    assert sent.args["all"] is True and sent.args["deadline_s"] == 30
+    # the coordinator gathers, and the node waits for probes, for less than we wait for it
+    assert sent.timeout_s is not None and sent.args["wait_s"] < sent.timeout_s < 2.0
+    client.restart("n1/e0")
+    sent = standin.commands[-1]
+    assert (sent.cmd, sent.node, sent.engine, sent.args) == ("restart", "n1", "e0", {})
+    client.resume("e1", node="n1")
+    assert (standin.commands[-1].node, standin.commands[-1].engine) == ("n1", "e1")
+
+
+def test_bad_targets_are_refused_before_sending(standin: StandIn) -> None:
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(ValueError, match="NODE/ENGINE"):
+        client.restart("e0")
+    with pytest.raises(ValueError, match="not on node"):
+        client.stop("n1/e0", node="n2")
+    with pytest.raises(ValueError, match="all"):
+        client.pause()
+    with pytest.raises(ValueError, match="not both"):
+        client.pause("n1/e0", all=True)
+    assert standin.commands == []
+
+
+def test_an_error_reply_is_command_refused_with_its_reason(standin: StandIn) -> None:
+    standin.answer = lambda c: protocol.Reply(c.request_id, "error", "n2 did not answer", {
+        "nodes": {"n1": {"status": "ok", "reason": None, "result": {}}}, "missing": ["n2"]})
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(CommandRefused) as refused:
+        client.pause(all=True)
+    assert refused.value.reason == "n2 did not answer" and refused.value.missing == ["n2"]
+    assert refused.value.replies["n1"]["status"] == "ok"
+
+
+def test_nothing_listening_is_coordinator_unavailable_in_time() -> None:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    client = FleetClient(address, timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match=address):
+        client.engines()
+    with pytest.raises(CoordinatorUnavailable):
+        client.restart("n1/e0", timeout_s=0.3)
+    assert time.monotonic() - started < 0.5 + 0.3 + 0.5
+
+
+def test_a_call_outlives_a_coordinator_restart_with_its_request_id(standin: StandIn) -> None:
+    swallowed: list[protocol.Command] = []
+    standin.answer = lambda c: swallowed.append(c)  # type: ignore[func-returns-value]
+    client = FleetClient(standin.endpoint, timeout_s=5.0)
+
+    def restart_after_the_first() -> None:
+        while not swallowed:
+            time.sleep(0.01)
+        standin.answer = fan_out_ok
+        standin.restart("coordinator-boot-2")
+
+    helper = threading.Thread(target=restart_after_the_first, daemon=True)
+    helper.start()
+    result = client.restart("n1/e0")
+    helper.join(5)
+    assert [c.request_id for c in standin.commands] == [result.request_id] * 2
+
+
+def test_wait_until_polls_and_times_out_with_a_message(standin: StandIn) -> None:
+    client = FleetClient(standin.endpoint, timeout_s=1.0)
+    view = client.wait_until(lambda es: any(e.state == "healthy" for e in es), timeout_s=2.0)
+    assert len(view) == 3
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 0.5 s .*n1/e1=starting"):
+        client.wait_until(lambda es: all(e.state == "healthy" for e in es), timeout_s=0.5)
+    assert time.monotonic() - started < 1.5
+
+
+def test_pickles_to_address_and_key_paths_only(standin: StandIn, tmp_path: Path) -> None:
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    client.engines()  # used: it has had sockets, which must not travel
+    copy = pickle.loads(pickle.dumps(client))
+    assert copy.engines() == client.engines()
+    _, secret = keygen(tmp_path, "trainer")
+    public, _ = keygen(tmp_path, "coordinator")
+    keyed = FleetClient(standin.endpoint, key=str(secret), coordinator_key=str(public))
+    data = pickle.dumps(keyed)
+    assert keyed.__getstate__() == {"address": standin.endpoint, "key": str(secret),
+                                    "coordinator_key": str(public), "timeout_s": 5.0}
+    secret_z85 = secret.read_text().split('secret-key = "')[1].split('"')[0]
+    assert secret_z85.encode() not in data  # the secret stays in its 0600 file
+    assert pickle.loads(data).__getstate__() == keyed.__getstate__()
+    with pytest.raises(ValueError, match="both"):
+        FleetClient(standin.endpoint, key=str(secret))
+
+
+def _take(stream: Iterator[FleetEvent], count: int) -> list[FleetEvent]:
+    return [next(stream) for _ in range(count)]
+
+
+def test_events_follow_a_restart_resume_and_come_once(standin: StandIn) -> None:
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    with client.events(idle_s=10.0, silence_s=1.0) as stream:
+        first = iter(stream)
+        standin.publish("n1", "b1", 1)   # queued until the stream has subscribed
+        standin.publish("n1", "b1", 2, to="healthy", cause="launched")
+        standin.node_event("n1", "node_unreachable")
+        got = _take(first, 3)
+        assert [(e.node_id, e.boot, e.seq, e.kind) for e in got] == [
+            ("n1", "b1", 1, "state"), ("n1", "b1", 2, "state"),
+            ("n1", "coordinator-boot-1", 1, "node_unreachable")]
+        assert got[0].to_json()["boot"] == "b1" and got[0].to_json()["seq"] == 1
+        # the coordinator dies; what happened meanwhile is held by the new one, which resends
+        # everything (sloppy): the client asks from its last node event and drops the rest
+        standin.stop()
+        standin.publish("n1", "b1", 3)
+        standin.held.append(protocol.Event("n2", "b9", 1, {"kind": "adopted", "engine": "e0"}))
+        standin.sloppy = True
+        standin.restart("coordinator-boot-2")
+        standin.node_event("n1", "node_reachable")
+        got = _take(first, 3)
+        resume = standin.wait_subscribed(2).resume
+        assert resume == {"n1": protocol.ResumePoint("b1", 2)}  # node events are no resume point
+        assert sorted((e.node_id, e.boot, e.seq) for e in got) == [
+            ("n1", "b1", 3), ("n1", "coordinator-boot-2", 1), ("n2", "b9", 1)]
+        # dropped: seqs 1 and 2 resent, and 3 both resent and relayed
+        assert stream.duplicates == 3 and stream.subscriptions == 2
+        standin.publish("n1", "b1", 4)
+        assert next(first).seq == 4
+
+
+def test_an_idle_stream_ends_when_asked(standin: StandIn) -> None:
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    started = time.monotonic()
+    with client.events(idle_s=0.5) as stream:
+        assert list(stream) == []
+    assert 0.5 <= time.monotonic() - started < 2.0
