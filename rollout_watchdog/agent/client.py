@@ -105,14 +105,16 @@ class FleetClient:
 
     # ------------------------------------------------------------------ sockets
 
-    def socket(self) -> zmq.Socket[bytes]:
-        """A fresh DEALER connected to the coordinator (CURVE when keyed)."""
+    def socket(self, connect: bool = True) -> zmq.Socket[bytes]:
+        """A fresh DEALER for the coordinator (CURVE when keyed), connected unless told not
+        to (so that a monitor can be attached first and miss no handshake)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if self._curve is not None:
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
-        sock.connect(self.address)
+        if connect:
+            sock.connect(self.address)
         return sock
 
     def request(self, command: protocol.Command, wait_s: float | None = None
@@ -122,10 +124,11 @@ class FleetClient:
         wait = self.timeout_s if wait_s is None else wait_s
         data = protocol.encode(command)
         deadline = time.monotonic() + wait
-        sock = self.socket()
+        sock = self.socket(connect=False)
         monitor = sock.get_monitor_socket(_MONITORED)
         handshakes, refused = 0, False
         try:
+            sock.connect(self.address)
             sock.send(data, zmq.NOBLOCK)  # queued until the connection is made
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
