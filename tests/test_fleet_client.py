@@ -4,18 +4,21 @@ event stream that follows the coordinator across restarts and never yields an ev
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import free_port
+from daemon_harness import EngineSpec, Node, free_port, wait_for
 from fleet_standin import StandIn, fan_out_ok
 
 from rollout_watchdog import (
     CommandRefused,
+    Coordinator,
     CoordinatorUnavailable,
     EngineView,
     FleetClient,
@@ -188,3 +191,82 @@ def test_an_idle_stream_ends_when_asked(standin: StandIn) -> None:
     with client.events(idle_s=0.5) as stream:
         assert list(stream) == []
     assert 0.5 <= time.monotonic() - started < 2.0
+
+
+# -- against the real coordinator and real node daemons over emulator engines
+
+
+def _state(client: FleetClient, name: str, state: str, timeout_s: float = 60.0) -> EngineView:
+    view = client.wait_until(lambda es: any(e.name == name and e.state == state for e in es),
+                             timeout_s)
+    return next(e for e in view if e.name == name)
+
+
+def _next_matching(stream: Iterator[FleetEvent], what: str, **match: object) -> FleetEvent:
+    for event in stream:  # the stream's idle_s bounds this
+        if all(getattr(event, k) == v for k, v in match.items()):
+            return event
+    raise AssertionError(f"no {what} ({match}) before the stream went idle")
+
+
+def _until(stream: Iterator[FleetEvent], into: list[FleetEvent], **match: object) -> None:
+    """Collect events into `into` up to and with the first that matches `match`."""
+    for event in stream:  # the stream's idle_s bounds this
+        into.append(event)
+        if all(getattr(event, k) == v for k, v in match.items()):
+            return
+    raise AssertionError(f"no event with {match} before the stream went idle")
+
+
+def test_a_real_fleet_commands_and_events(make_node: Callable[..., Node]) -> None:
+    with Coordinator(bind="tcp://127.0.0.1:0") as coordinator:
+        node = make_node([EngineSpec("e0")], node_id="n1",
+                         top={"coordinator": coordinator.endpoint}).start()
+        client = FleetClient(coordinator.endpoint, timeout_s=5.0)
+        with client.events(idle_s=30.0) as stream:
+            healthy = _state(client, "n1/e0", "healthy")
+            assert healthy.reachable and healthy.pid == node.engine("e0")["pid"]
+            os.kill(healthy.pid or 0, signal.SIGKILL)
+            died = _next_matching(stream, "the failure", node_id="n1", to="stopping")
+            assert (died.engine, died.cause, died.incarnation) == ("e0", "exited",
+                                                                   healthy.incarnation)
+        back = _state(client, "n1/e0", "healthy")
+        assert back.incarnation == healthy.incarnation + 1
+        paused = client.pause(all=True, deadline_s=60)
+        assert paused.nodes["n1"].status == "ok" and paused.nodes["n1"].result["paused"] == ["e0"]
+        assert client.engines()[0].paused
+        client.resume("n1/e0")
+        with pytest.raises(CommandRefused, match="no engine 'nope'"):
+            client.restart("n1/nope")
+        with pytest.raises(CommandRefused, match="unknown node 'n9'"):
+            client.restart("n9/e0")
+
+
+def test_events_follow_a_real_coordinator_restart_once(make_node: Callable[..., Node]) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    coordinators = [Coordinator(bind=endpoint)]
+    coordinators[0].start()
+    try:
+        client = FleetClient(endpoint, timeout_s=5.0)
+        with client.events(idle_s=30.0) as stream:
+            wait_for(lambda: coordinators[0].relay.subscribers, 10, "the subscription")
+            node = make_node([EngineSpec("e0")], node_id="n1",
+                             top={"coordinator": endpoint}).start()
+            got: list[FleetEvent] = []
+            _until(stream, got, node_id="n1", to="healthy", incarnation=1)
+            coordinators[0].stop()       # gone while the engine dies and comes back
+            os.kill(node.engine("e0")["pid"], signal.SIGKILL)
+            node.wait_state("e0", "healthy", incarnation=2)
+            coordinators.append(Coordinator(bind=endpoint))
+            coordinators[1].start()
+            _until(stream, got, node_id="n1", to="healthy", incarnation=2)
+        from_node = [e for e in got if not e.is_node_event]
+        # every event of the node's boot, in order, once: nothing lost, nothing doubled
+        assert [e.seq for e in from_node] == list(range(1, len(from_node) + 1))
+        assert len({e.boot for e in from_node}) == 1
+        assert [e.to for e in from_node if e.kind == "state"] == [
+            e["to"] for e in node.events("e0") if e["kind"] == "state"]
+        assert stream.subscriptions >= 2
+    finally:
+        for coordinator in coordinators:
+            coordinator.stop()

@@ -31,7 +31,8 @@ HEARTBEAT_S = 1.0    # our heartbeat, which keeps the subscription
 
 
 class EventStream:
-    """An iterator of FleetEvent, each event once, in the order the coordinator relays them.
+    """An iterator of FleetEvent, each event once, in the order the coordinator relays them,
+    from the stream's creation on.
 
     With `resume` (the default) a re-subscription asks for what the client missed; without it,
     only for what comes next. With `idle_s`, the iteration ends after that long without an
@@ -54,6 +55,7 @@ class EventStream:
         self._last: dict[tuple[str, str], int] = {}
         self._sock: zmq.Socket[bytes] | None = None
         self._heard = self._next_heartbeat = 0.0
+        self._subscribe(time.monotonic())  # events from now on, not from the first next()
 
     def __iter__(self) -> EventStream:
         return self
