@@ -123,7 +123,7 @@ _FLEET: dict[str, FleetCommand] = {
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import zmq
 
-    from rollout_watchdog.agent.coordinator import Coordinator  # type: ignore[import-not-found]
+    from rollout_watchdog.agent.coordinator import Coordinator
     from rollout_watchdog.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
