@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from daemon_harness import EngineSpec, Node, free_port, wait_for
+from daemon_harness import EngineSpec, Node, wait_for
 from fleet_standin import StandIn, fan_out_ok
 
 from rollout_watchdog import (
@@ -27,6 +27,7 @@ from rollout_watchdog import (
 )
 from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.keys import keygen
+from rollout_watchdog.emulator.testing import free_port
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def test_nothing_listening_is_coordinator_unavailable_in_time() -> None:
 
 def test_a_call_outlives_a_coordinator_restart_with_its_request_id(standin: StandIn) -> None:
     swallowed: list[protocol.Command] = []
-    standin.answer = lambda c: swallowed.append(c)  # type: ignore[func-returns-value]
+    standin.answer = lambda c: swallowed.append(c)
     client = FleetClient(standin.endpoint, timeout_s=5.0)
 
     def restart_after_the_first() -> None:
@@ -270,3 +271,20 @@ def test_events_follow_a_real_coordinator_restart_once(make_node: Callable[..., 
     finally:
         for coordinator in coordinators:
             coordinator.stop()
+
+
+def test_curve_admits_the_listed_key_only(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keygen(keys, "coordinator")
+    _, trainer = keygen(keys, "trainer")
+    _, stranger = keygen(tmp_path / "other", "stranger")
+    (keys / "authorized").mkdir()
+    (keys / "authorized" / "trainer.key").write_text((keys / "trainer.key").read_text())
+    coordinator_key = str(keys / "coordinator.key")
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys)) as coordinator:
+        ep = coordinator.endpoint
+        assert FleetClient(ep, str(trainer), coordinator_key, timeout_s=5.0).engines() == []
+        with pytest.raises(CoordinatorUnavailable, match="CURVE handshake failed"):
+            FleetClient(ep, str(stranger), coordinator_key, timeout_s=1.0).engines()
+        with pytest.raises(CoordinatorUnavailable):
+            FleetClient(ep, timeout_s=1.0).engines()
