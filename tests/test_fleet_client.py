@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -288,3 +290,12 @@ def test_curve_admits_the_listed_key_only(tmp_path: Path) -> None:
             FleetClient(ep, str(stranger), coordinator_key, timeout_s=1.0).engines()
         with pytest.raises(CoordinatorUnavailable):
             FleetClient(ep, timeout_s=1.0).engines()
+
+
+def test_the_package_root_loads_the_fleet_api_on_first_use() -> None:
+    code = ("import sys, rollout_watchdog as rw; light = 'rollout_watchdog.agent.client' not in "
+            "sys.modules and 'zmq' not in sys.modules; rw.FleetClient; rw.CommandRefused; "
+            "print(light, 'rollout_watchdog.agent.client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["True", "True"], out.stderr
