@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_watchdog import __version__
+from rollout_watchdog.cli import fleet
 from rollout_watchdog.cli.client import ControlClient, ControlError
-from rollout_watchdog.cli.render import event_line, status_table
+from rollout_watchdog.cli.render import event_line, result_line, status_table
 from rollout_watchdog.config import ConfigError, load_config
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -135,16 +136,7 @@ def _simple(cmd: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _say(result: dict[str, Any]) -> None:
-    """One readable line for a command's result."""
-    if "action" in result:
-        print(f"{result['engine']}: {result['action']}")
-    elif "paused" in result:
-        until = time.strftime("%H:%M:%S", time.localtime(result["deadline"]))
-        print(f"deep probes paused until {until}: {', '.join(result['paused']) or 'no engine'}")
-    elif "resumed" in result:
-        print(f"deep probes resumed: {', '.join(result['resumed']) or 'none were paused'}")
-    else:
-        print(json.dumps(result))
+    print(result_line(result))
 
 
 def cmd_register(args: argparse.Namespace) -> int:
@@ -190,10 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                         ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text.splitlines()[0], description=help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--control", help="control endpoint (default: $ROLLOUT_WATCHDOG_CONTROL "
-                                         "or ipc:///run/rollout-watchdog/control)")
+        where = p.add_mutually_exclusive_group() if name in fleet.FLEET_COMMANDS else p
+        where.add_argument("--control", help="control endpoint (default: "
+                           "$ROLLOUT_WATCHDOG_CONTROL or ipc:///run/rollout-watchdog/control)")
+        if name in fleet.FLEET_COMMANDS:  # also on the fleet, through a coordinator
+            fleet.add_options(p, where)
+            func = fleet.either(name, func)
         p.add_argument("--timeout", type=_seconds, default=5.0,
-                       help="seconds to wait for the daemon's answer (default 5)")
+                       help="seconds to wait for the answer (default 5)")
         p.set_defaults(func=func)
         return p
 
@@ -220,20 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name in ("pause", "resume"):
         p = control_command(name, _doc(name), _simple(name))
-        p.add_argument("engine", nargs="?", help="engine id")
-        p.add_argument("--all", action="store_true", help="every engine of the node")
+        p.add_argument("engine", nargs="?", help="engine id (NODE/ENGINE with --coordinator)")
+        p.add_argument("--all", action="store_true", help="every engine of the node (with "
+                       "--coordinator: of every reachable node, or of --node)")
         if name == "pause":
             p.add_argument("--deadline", type=_seconds, default=600.0,
                            help="seconds after which probing resumes by itself (default 600)")
     for name in ("restart", "stop", "reset", "unregister"):
         p = control_command(name, _doc(name), _simple(name))
-        p.add_argument("engine", help="engine id")
+        p.add_argument("engine", help="engine id" + (
+            " (NODE/ENGINE with --coordinator)" if name in fleet.FLEET_COMMANDS else ""))
 
     p = control_command("register", _doc("register"), cmd_register)
     p.add_argument("engine", help="an id for the engine")
     p.add_argument("--url", required=True, help="the engine's HTTP address (probed)")
     p.add_argument("--pid", type=int, required=True,
                    help="the engine's main process (its tree is watched and killed)")
+
+    fleet.add_coordinator_parser(sub, _seconds)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair for the fleet link", description=(
         "Write DIR/NAME.key (the public key: give it to the other side, e.g. the coordinator's "

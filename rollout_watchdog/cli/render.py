@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -53,3 +54,28 @@ def event_line(event: dict[str, Any]) -> str:
     cause = f" [{event['cause']}]" if event.get("cause") else ""
     detail = f" {event['detail']}" if event.get("detail") else ""
     return f"{stamp} {event['node_id']} {who:<10} {what}{cause}{detail}"
+
+
+def result_line(result: Any) -> str:
+    """One readable line for a control command's result."""
+    if isinstance(result, dict) and "action" in result:
+        return f"{result['engine']}: {result['action']}"
+    if isinstance(result, dict) and "paused" in result:
+        until = time.strftime("%H:%M:%S", time.localtime(result["deadline"]))
+        return f"deep probes paused until {until}: {', '.join(result['paused']) or 'no engine'}"
+    if isinstance(result, dict) and "resumed" in result:
+        return f"deep probes resumed: {', '.join(result['resumed']) or 'none were paused'}"
+    return json.dumps(result)
+
+
+def fleet_table(fleet: dict[str, Any], now: float | None = None) -> str:
+    """The coordinator's fleet view: each node's engine table under a line on its link."""
+    now = time.time() if now is None else now
+    blocks = []
+    for node in fleet["nodes"]:
+        lines = status_table(node, now).splitlines()
+        seen = _ago(node.get("last_seen"), now)
+        lines[0] += (f", reachable (heard {seen})" if node["reachable"]
+                     else f", UNREACHABLE (last heard {seen}; states as last heard)")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) if blocks else "no nodes have joined the coordinator"

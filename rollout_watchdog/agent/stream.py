@@ -1,0 +1,126 @@
+"""Following the fleet's event stream across coordinator restarts (docs/protocol.md, "The
+coordinator's side", clients).
+
+The stream subscribes on its own DEALER and heartbeats to the coordinator about once a second
+(a subscription ends when the client is silent for 10 s). When it hears nothing for `silence_s`
+(3 s; the coordinator heartbeats every second) it takes the coordinator for gone and subscribes
+again on a fresh socket, with `resume` set to the last node event it got from each node, so the
+coordinator sends what it holds after those. Anything sent twice is dropped: per (node_id, boot)
+the highest seq seen is kept, and an event at or below it is a duplicate. The coordinator's own
+`node_reachable`/`node_unreachable` events (numbered by the coordinator's boot and count) are
+deduplicated the same way but are never resume points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import zmq
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent.views import FleetEvent
+
+if TYPE_CHECKING:
+    from rollout_watchdog.agent.client import FleetClient
+
+SILENCE_S = 3.0      # no word from the coordinator for this long: it is gone, subscribe again
+HEARTBEAT_S = 1.0    # our heartbeat, which keeps the subscription
+
+
+class EventStream:
+    """An iterator of FleetEvent, each event once, in the order the coordinator relays them,
+    from the stream's creation on.
+
+    With `resume` (the default) a re-subscription asks for what the client missed; without it,
+    only for what comes next. With `idle_s`, the iteration ends after that long without an
+    event (a later `next()` waits again); without, it follows for ever. Not for sharing between
+    threads: each follower makes its own with `FleetClient.events()`. `close()` (or `with`)
+    releases the socket.
+    """
+
+    def __init__(self, client: FleetClient, *, resume: bool = True, idle_s: float | None = None,
+                 silence_s: float = SILENCE_S, heartbeat_s: float = HEARTBEAT_S) -> None:
+        for name, value in (("idle_s", idle_s), ("silence_s", silence_s),
+                            ("heartbeat_s", heartbeat_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        self.client, self.resume = client, resume
+        self.idle_s, self.silence_s, self.heartbeat_s = idle_s, silence_s, heartbeat_s
+        self.positions: dict[str, protocol.ResumePoint] = {}  # last node event, per node
+        self.subscriptions = 0   # how often it subscribed: 1 + the coordinator's departures
+        self.duplicates = 0      # events dropped as already delivered
+        self._last: dict[tuple[str, str], int] = {}
+        self._sock: zmq.Socket[bytes] | None = None
+        self._heard = self._next_heartbeat = 0.0
+        self._subscribe(time.monotonic())  # events from now on, not from the first next()
+
+    def __iter__(self) -> EventStream:
+        return self
+
+    def __next__(self) -> FleetEvent:
+        idle_until = None if self.idle_s is None else time.monotonic() + self.idle_s
+        while True:
+            now = time.monotonic()
+            if idle_until is not None and now >= idle_until:
+                raise StopIteration
+            if self._sock is None or now - self._heard >= self.silence_s:
+                self._subscribe(now)
+            assert self._sock is not None
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.heartbeat_s
+                self._send(protocol.Heartbeat(time.time()))
+            wake = min(self._heard + self.silence_s, self._next_heartbeat,
+                       idle_until if idle_until is not None else float("inf"))
+            if self._sock.poll(max(1, int((wake - now) * 1000))):
+                data = self._sock.recv()
+                self._heard = time.monotonic()
+                event = self._accept(data)
+                if event is not None:
+                    return event
+
+    def _send(self, message: protocol.Message) -> None:
+        assert self._sock is not None
+        with contextlib.suppress(zmq.Again):  # no coordinator yet: the silence rule retries
+            self._sock.send(protocol.encode(message), zmq.NOBLOCK)
+
+    def _subscribe(self, now: float) -> None:
+        self.close()
+        self._sock = self.client.socket()
+        resume = dict(self.positions) if self.resume and self.subscriptions else None
+        self._send(protocol.Subscribe(resume))
+        self.subscriptions += 1
+        self._heard = now
+        self._next_heartbeat = now + self.heartbeat_s
+
+    def _accept(self, data: bytes) -> FleetEvent | None:
+        """The event in `data` if it is one not delivered yet; None for anything else."""
+        try:
+            message = protocol.decode(data)
+        except protocol.ProtocolError:
+            return None
+        if not isinstance(message, protocol.Event):
+            return None  # a heartbeat: the coordinator is there
+        key = (message.node_id, message.boot)
+        if message.seq <= self._last.get(key, 0):
+            self.duplicates += 1
+            return None
+        self._last[key] = message.seq
+        event = FleetEvent.from_json(message.node_id, message.boot, message.seq, message.event)
+        if not event.is_node_event:
+            self.positions[event.node_id] = protocol.ResumePoint(event.boot, event.seq)
+        return event
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

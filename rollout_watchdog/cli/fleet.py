@@ -1,0 +1,158 @@
+"""The fleet side of the command line: the control commands with `--coordinator` (DESIGN.md,
+"Fleet (driver side)"), through `FleetClient`, and the `coordinator` command itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from rollout_watchdog.cli.client import ControlError
+from rollout_watchdog.cli.render import event_line, fleet_table, result_line
+
+if TYPE_CHECKING:
+    from rollout_watchdog.agent.client import FleetClient
+    from rollout_watchdog.agent.views import FleetResult
+
+Command = Callable[[argparse.Namespace], int]
+FleetCommand = Callable[["FleetClient", argparse.Namespace], int]
+EXIT_OK, EXIT_ERROR = 0, 1
+FLEET_COMMANDS = ("status", "events", "pause", "resume", "restart", "stop", "reset")
+
+
+def add_options(parser: argparse.ArgumentParser, exclusive: argparse._ActionsContainer) -> None:
+    """--coordinator (in `exclusive`, beside --control) and the options that go with it."""
+    exclusive.add_argument("--coordinator", metavar="ENDPOINT",
+                           help="act on the fleet through this coordinator, not the local daemon")
+    parser.add_argument("--key", metavar="FILE",
+                        help="with --coordinator, for CURVE: this client's NAME.key_secret")
+    parser.add_argument("--coordinator-key", metavar="FILE",
+                        help="with --coordinator, for CURVE: the coordinator's public .key")
+    parser.add_argument("--node", help="with --coordinator: only this node's engines")
+
+
+def either(name: str, local: Command) -> Command:
+    """The command `name`: on the fleet with --coordinator, else `local` (the node daemon)."""
+    def run(args: argparse.Namespace) -> int:
+        if args.coordinator:
+            return _fleet_call(_FLEET[name], args)
+        strays = [o for o, v in (("--node", args.node), ("--key", args.key),
+                                 ("--coordinator-key", args.coordinator_key)) if v]
+        if strays:
+            raise ControlError(f"only with --coordinator: {', '.join(strays)}")
+        return local(args)
+    return run
+
+
+def _fleet_call(func: FleetCommand, args: argparse.Namespace
+                ) -> int:
+    """Run `func` with a FleetClient; every error of ours becomes one line (ControlError)."""
+    from rollout_watchdog.agent.client import FleetClient
+    from rollout_watchdog.errors import CommandRefused, RolloutWatchdogError
+
+    try:
+        client = FleetClient(args.coordinator, key=args.key,
+                             coordinator_key=args.coordinator_key, timeout_s=args.timeout)
+    except (OSError, ValueError) as exc:
+        raise ControlError(f"cannot use the keys: {exc}") from None
+    try:
+        return func(client, args)
+    except CommandRefused as exc:
+        silent = [n for n in exc.missing if n not in exc.reason]
+        raise ControlError(exc.reason + (f" (did not answer: {', '.join(silent)})"
+                                         if silent else "")) from None
+    except (RolloutWatchdogError, ValueError) as exc:
+        raise ControlError(str(exc)) from None
+
+
+def _status(client: FleetClient, args: argparse.Namespace) -> int:
+    result = client.status(node=args.node)
+    print(json.dumps(result) if args.json else fleet_table(result))
+    return EXIT_OK
+
+
+def _events(client: FleetClient, args: argparse.Namespace) -> int:
+    """Follow the fleet's events for ever, across coordinator restarts, each once."""
+    from rollout_watchdog.errors import CoordinatorUnavailable
+
+    if not args.follow:
+        raise ControlError("--no-follow is for the local daemon: the coordinator's stream has "
+                           "no history to print")
+    try:
+        client.call("ping")
+    except CoordinatorUnavailable as exc:  # said once; the stream keeps trying
+        print(f"waiting for the coordinator: {exc}", file=sys.stderr)
+    with client.events() as stream:
+        for event in stream:
+            if args.node is not None and event.node_id != args.node:
+                continue
+            data = event.to_json()
+            print(json.dumps(data) if args.json else event_line(data), flush=True)
+    return EXIT_OK
+
+
+def _report(result: FleetResult) -> int:
+    """One line per node that answered."""
+    for node, reply in sorted(result.nodes.items()):
+        print(f"{node}: {result_line(reply.result)}")
+    return EXIT_OK
+
+
+def _pause(client: FleetClient, args: argparse.Namespace) -> int:
+    return _report(client.pause(args.engine, node=args.node, all=args.all,
+                                deadline_s=args.deadline))
+
+
+def _resume(client: FleetClient, args: argparse.Namespace) -> int:
+    return _report(client.resume(args.engine, node=args.node, all=args.all))
+
+
+def _one(cmd: str) -> FleetCommand:
+    def run(client: FleetClient, args: argparse.Namespace) -> int:
+        return _report(getattr(client, cmd)(args.engine, node=args.node))
+    return run
+
+
+_FLEET: dict[str, FleetCommand] = {
+    "status": _status, "events": _events, "pause": _pause, "resume": _resume,
+    "restart": _one("restart"), "stop": _one("stop"), "reset": _one("reset")}
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    import zmq
+
+    from rollout_watchdog.agent.coordinator import Coordinator
+    from rollout_watchdog.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
+    try:
+        coordinator = Coordinator(bind=args.bind, keys=args.keys, insecure=args.insecure,
+                                  router_url=args.router_url, state_dir=args.state_dir,
+                                  node_timeout_s=args.node_timeout)
+        return int(coordinator.run())
+    except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
+        print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                           seconds: Callable[[str], float]) -> None:
+    p = sub.add_parser("coordinator", help="run the fleet's coordinator", description=(
+        "Run a standalone coordinator: nodes and clients connect to ENDPOINT. DIR holds "
+        "coordinator.key_secret and authorized/ (the public keys let in). A non-loopback bind "
+        "without --keys is refused unless --insecure."))
+    p.add_argument("--bind", required=True, metavar="ENDPOINT", help="e.g. tcp://0.0.0.0:5555")
+    p.add_argument("--keys", metavar="DIR", help="CURVE keys (see `keygen`)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback bind without keys (no authentication)")
+    p.add_argument("--router-url", metavar="URL", help="the SGLang router to keep in step")
+    p.add_argument("--state-dir", metavar="DIR", help="where the coordinator keeps its state")
+    p.add_argument("--node-timeout", type=seconds, default=5.0, metavar="S",
+                   help="seconds of silence after which a node is unreachable (default 5)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one JSON object a line (default: text)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   default="info", help="default: info")
+    p.set_defaults(func=cmd_coordinator)

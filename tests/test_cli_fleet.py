@@ -1,0 +1,153 @@
+"""The command line on the fleet (`--coordinator`), as a user runs it: exit codes, JSON shapes and
+messages, against a stand-in coordinator (tests/fleet_standin) and against the real
+`rollout-watchdog coordinator` with a node daemon over an emulator engine."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from daemon_harness import EngineSpec, Node, wait_for
+from fleet_standin import StandIn
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.emulator.testing import free_port
+
+
+def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rollout_watchdog", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def standin() -> Iterator[StandIn]:
+    server = StandIn(free_port()).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_status_json_and_table(standin: StandIn) -> None:
+    out = cli("status", "--coordinator", standin.endpoint, "--json")
+    assert out.returncode == 0, out.stderr
+    fleet = json.loads(out.stdout)
+    assert [n["node_id"] for n in fleet["nodes"]] == ["n1", "n2"]
+    assert {"node_id", "reachable", "last_seen", "engines"} <= set(fleet["nodes"][0])
+    assert {"weight_version", "serving", "state", "incarnation"} <= set(
+        fleet["nodes"][0]["engines"][0])
+    table = cli("status", "--coordinator", standin.endpoint, "--node", "n2")
+    assert table.returncode == 0, table.stderr
+    assert "UNREACHABLE" in table.stdout and standin.commands[-1].node == "n2"
+
+
+def test_commands_exit_codes_and_messages(standin: StandIn) -> None:
+    ep = standin.endpoint
+    out = cli("restart", "n1/e0", "--coordinator", ep)
+    assert out.returncode == 0 and out.stdout.strip() == "n1: e0: killing, then relaunching"
+    assert cli("stop", "e0", "--node", "n1", "--coordinator", ep).returncode == 0
+    assert (standin.commands[-1].cmd, standin.commands[-1].node) == ("stop", "n1")
+    out = cli("reset", "e0", "--coordinator", ep)
+    assert out.returncode == 1 and "NODE/ENGINE" in out.stderr
+    out = cli("pause", "--all", "--deadline", "30", "--coordinator", ep)
+    assert out.returncode == 0 and out.stdout.startswith("n1: deep probes paused until")
+    assert standin.commands[-1].args["deadline_s"] == 30
+    standin.answer = lambda c: protocol.Reply(c.request_id, "error", "node n2 did not answer "
+                                              "in time", {"nodes": {}, "missing": ["n2"]})
+    out = cli("pause", "--all", "--coordinator", ep)
+    assert out.returncode == 1 and "n2 did not answer" in out.stderr
+    out = cli("resume", "--all", "--node", "n1", "--coordinator", ep)
+    assert out.returncode == 1 and (standin.commands[-1].node, standin.commands[-1].args) == (
+        "n1", {"all": True})
+    out = cli("status", "--coordinator", ep, "--control", "ipc:///tmp/x")
+    assert out.returncode == 2 and "not allowed with" in out.stderr
+    out = cli("status", "--node", "n1")
+    assert out.returncode == 1 and "only with --coordinator: --node" in out.stderr
+
+
+def test_no_coordinator_answers_within_the_timeout() -> None:
+    started = time.monotonic()
+    out = cli("status", "--coordinator", f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5")
+    assert out.returncode == 1 and "no answer from the coordinator" in out.stderr
+    assert time.monotonic() - started < 10  # interpreter start-up included
+
+
+class Lines:
+    """The stdout of a running command, a line at a time, each wait bounded."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc, self.lines = proc, queue.Queue[str]()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def take(self, count: int, timeout: float = 15.0) -> list[dict[str, object]]:
+        deadline = time.monotonic() + timeout
+        return [json.loads(self.lines.get(timeout=max(0.01, deadline - time.monotonic())))
+                for _ in range(count)]
+
+
+def test_events_json_follow_a_restart_once(standin: StandIn) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "events", "--json",
+                             "--coordinator", standin.endpoint], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out = Lines(proc)
+        standin.wait_subscribed(1, timeout=15)
+        standin.publish("n1", "b1", 1)
+        standin.publish("n1", "b1", 2)
+        first = out.take(2)
+        assert [(e["node_id"], e["boot"], e["seq"], e["kind"]) for e in first] == [
+            ("n1", "b1", 1, "state"), ("n1", "b1", 2, "state")]
+        standin.stop()
+        standin.publish("n1", "b1", 3)
+        standin.sloppy = True   # resends all it holds: the CLI prints none twice
+        standin.restart("coordinator-boot-2")
+        assert standin.wait_subscribed(2, timeout=15).resume == {
+            "n1": protocol.ResumePoint("b1", 2)}
+        standin.node_event("n1", "node_reachable")
+        rest = out.take(2)
+        assert [(e["seq"], e["kind"]) for e in rest] == [(3, "state"), (1, "node_reachable")]
+        assert rest[1]["engine"] is None and rest[1]["boot"] == "coordinator-boot-2"
+        with pytest.raises(queue.Empty):
+            out.take(1, timeout=0.5)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_the_coordinator_command_with_a_node(make_node: Callable[..., Node]) -> None:
+    refused = cli("coordinator", "--bind", f"tcp://0.0.0.0:{free_port()}")
+    assert refused.returncode == 1 and "refusing to bind" in refused.stderr
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "coordinator", "--bind",
+                             endpoint], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        make_node([EngineSpec("e0")], node_id="n1", top={"coordinator": endpoint}).start()
+
+        def engine_healthy() -> dict[str, object] | None:
+            out = cli("status", "--coordinator", endpoint, "--json")
+            nodes = json.loads(out.stdout)["nodes"] if out.returncode == 0 else []
+            engines = [e for n in nodes for e in n["engines"] if e["state"] == "healthy"]
+            return engines[0] if engines else None
+
+        engine = wait_for(engine_healthy, 60, "n1/e0 healthy in the fleet view", interval=0.5)
+        assert {"weight_version", "serving", "reachable"} <= set(engine)
+        out = cli("pause", "--all", "--coordinator", endpoint)
+        assert out.returncode == 0 and out.stdout.startswith("n1: deep probes paused"), out
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
