@@ -75,8 +75,9 @@ class Node:
 
     def __init__(self, tmp: Path, engines: list[EngineSpec], *, probe: dict[str, Any] | None = None,
                  restart: dict[str, Any] | None = None, top: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, node_id: str = "test-node") -> None:
         self.tmp = tmp
+        self.node_id = node_id
         tmp.mkdir(parents=True, exist_ok=True)
         self.engines = {e.id: e for e in engines}
         self.control = f"ipc://{tmp}/control"
@@ -86,7 +87,7 @@ class Node:
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = ControlClient(self.control, timeout_s=5.0)
         self.seen: set[ProcKey] = set()
-        lines = ['node_id = "test-node"', f'control = "{self.control}"',
+        lines = [f"node_id = {toml_value(node_id)}", f'control = "{self.control}"',
                  f'state_dir = "{self.state_dir}"', 'gpu_check = "none"']
         lines += [f"{k} = {toml_value(v)}" for k, v in (top or {}).items()]
         lines += ["[probe]"] + [f"{k} = {toml_value(v)}" for k, v in
