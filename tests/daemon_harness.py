@@ -77,7 +77,6 @@ class Node:
                  restart: dict[str, Any] | None = None, top: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, node_id: str = "test-node") -> None:
         self.tmp = tmp
-        self.node_id = node_id
         tmp.mkdir(parents=True, exist_ok=True)
         self.engines = {e.id: e for e in engines}
         self.control = f"ipc://{tmp}/control"
@@ -87,7 +86,7 @@ class Node:
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = ControlClient(self.control, timeout_s=5.0)
         self.seen: set[ProcKey] = set()
-        lines = [f"node_id = {toml_value(node_id)}", f'control = "{self.control}"',
+        lines = [f'node_id = "{node_id}"', f'control = "{self.control}"',
                  f'state_dir = "{self.state_dir}"', 'gpu_check = "none"']
         lines += [f"{k} = {toml_value(v)}" for k, v in (top or {}).items()]
         lines += ["[probe]"] + [f"{k} = {toml_value(v)}" for k, v in

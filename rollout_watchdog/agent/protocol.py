@@ -16,7 +16,9 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                id), engines (the list `status --json` prints, each an object with a string
                "id"), last_seq (the highest seq issued in this boot, >= 0).
     event      node -> coordinator -> client: node_id, boot, seq (>= 1), event (the object
-               `events --json` prints). A node keeps it until acknowledged.
+               `events --json` prints), engine_status? (the engine's object of `status --json`
+               right after the event, so the fleet view needs no snapshot to stay exact). A
+               node keeps it until acknowledged.
     ack        coordinator -> node: boot, seq (>= 0): every event of that boot up to seq is
                received; the node may drop them from its outbox.
     heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
@@ -141,12 +143,16 @@ class Event(_Message):
     boot: str
     seq: int
     event: dict[str, Any]
+    engine_status: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_str(self.KIND, "node_id", self.node_id)
         _check_str(self.KIND, "boot", self.boot)
         _check_int(self.KIND, "seq", self.seq, 1)
         _check_object(self.KIND, "event", self.event)
+        if self.engine_status is not None:
+            _check_object(self.KIND, "engine_status", self.engine_status)
+            _check_str(self.KIND, "engine_status.id", self.engine_status.get("id"))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,391 @@
+"""The coordinator: one ROUTER that nodes and clients connect to (DESIGN.md, "Agent";
+docs/protocol.md, "The coordinator's side").
+
+It holds the fleet view (`fleet.FleetView`), relays events to subscribed clients
+(`relay.Relay`), fans commands out to nodes and gathers their replies (`fanout.Fanout`), and
+restarts every part of a multi-node group when one part fails. Embeddable in a driver
+(`with Coordinator(bind=...)`: a thread of its own) or standalone (`rollout-watchdog
+coordinator`: `run()` in the main thread). Its loop never blocks: every send is non-blocking,
+every wait is the poll's, bounded by the next deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from types import FrameType, TracebackType
+from typing import Any
+
+import zmq
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
+from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
+from rollout_watchdog.agent.relay import Relay, Relayed
+from rollout_watchdog.agent.security import check_bind, curve_server
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
+MAX_POLL_S = 0.1            # how soon stop() is noticed
+MESSAGES_PER_TURN = 5_000
+SEND_HWM = 100_000          # frames queued per peer before a send would block (then: later)
+RECV_HWM = 100_000
+ZMTP_HEARTBEAT_MS = 1_000   # libzmq's own heartbeats drop half-open connections ...
+ZMTP_TIMEOUT_MS = 3_000     # ... after this much silence
+START_TIMEOUT_S = 10.0
+LOCAL_COMMANDS = ("status", "ping")
+
+
+class Coordinator:
+    """The fleet's hub; see the module docstring. Not thread-safe: talk to it over ZMQ."""
+
+    def __init__(self, bind: str, keys: str | None = None, insecure: bool = False,
+                 router_url: str | None = None, state_dir: str | None = None,
+                 node_timeout_s: float = NODE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S
+                 ) -> None:
+        check_bind(bind, keys, insecure)
+        self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
+        self.endpoint = bind
+        self.heartbeat_s = heartbeat_s
+        self.boot = f"coordinator-{uuid.uuid4().hex[:12]}"
+        self.view = FleetView(node_timeout_s)
+        self.relay = Relay()
+        self.fanout = Fanout()
+        self.bad_messages: Counter[str] = Counter()
+        self.own_seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._next_heartbeat = 0.0
+        self._acks: set[str] = set()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self.sock: zmq.Socket[bytes] | None = None
+        self._auth: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Bind and serve in a thread of its own; raises what the bind raised."""
+        self._thread = threading.Thread(target=self._serve, name="rollout-watchdog-coordinator",
+                                        daemon=True)
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_S):
+            raise RuntimeError(f"the coordinator did not start within {START_TIMEOUT_S:g} s")
+        if self._start_error is not None:
+            self._thread.join(START_TIMEOUT_S)
+            raise self._start_error
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> Coordinator:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def run(self) -> int:
+        """Serve in this thread until SIGTERM or SIGINT (the standalone coordinator)."""
+        def stop(signum: int, frame: FrameType | None) -> None:
+            self._stop.set()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stop)
+        self._open()
+        log.info("coordinator %s serving on %s%s", self.boot, self.endpoint,
+                 " (CURVE)" if self.keys else "")
+        try:
+            self._loop()
+        finally:
+            self._close()
+        return 0
+
+    def _serve(self) -> None:
+        try:
+            self._open()
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop()
+        finally:
+            self._close()
+
+    def _open(self) -> None:
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails, never vanishes
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted node takes its id back at once
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # bigger: dropped by zmq
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_TIMEOUT_MS)
+        try:
+            if self.keys:
+                self._auth = curve_server(self._ctx, sock, self.keys)
+            sock.bind(self.bind)
+        except (zmq.ZMQError, ValueError) as exc:
+            sock.close(0)
+            self._stop_auth()
+            self._ctx.term()
+            raise ValueError(f"cannot bind {self.bind}: {exc}") from None
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock = sock
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        self._stop_auth()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        assert self.sock is not None
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        behind = False
+        while not self._stop.is_set():
+            timeout = 0.005 if behind else self._timeout(time.monotonic())
+            if poller.poll(int(timeout * 1000)):
+                self._receive_some()
+            self._tick(time.monotonic(), time.time())
+            behind = self.relay.pump(self._send_or_wait)
+
+    def _timeout(self, now: float) -> float:
+        deadlines = [self._next_heartbeat, self.view.next_deadline(),
+                     self.fanout.next_deadline()]
+        soonest = min(d for d in deadlines if d is not None)
+        return min(MAX_POLL_S, max(0.0, soonest - now))
+
+    def _receive_some(self) -> None:
+        assert self.sock is not None
+        for _ in range(MESSAGES_PER_TURN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                self._receive(frames)
+            except Exception:  # a bug on one message must not stop the fleet's hub
+                self.bad_messages["internal_error"] += 1
+                log.exception("coordinator: failed to handle a message")
+        for node_id in self._acks:
+            record = self.view.nodes[node_id]
+            self._send(node_id.encode(), protocol.encode(
+                protocol.Ack(record.boot, record.received_seq)))
+        self._acks.clear()
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            self._bad("framing", f"{len(frames) - 1} frames instead of one")
+            return
+        peer_id, frame = frames[0].bytes, frames[1]
+        try:
+            msg = protocol.decode(frame.bytes)
+        except protocol.ProtocolError as exc:
+            self._bad("undecodable", str(exc))
+            return
+        peer = peer_id.decode("utf-8", "replace")
+        now, wall = time.monotonic(), time.time()
+        from_node = isinstance(msg, (protocol.Hello, protocol.Event)) or (
+            isinstance(msg, protocol.Reply) and peer in self.view.nodes)
+        if from_node and self.keys and frame.get("User-Id") != peer:
+            self._bad("unknown_node", f"{msg.KIND} from {peer!r} under the key of "
+                                      f"{frame.get('User-Id')!r}")
+            return
+        try:
+            if isinstance(msg, protocol.Hello):
+                self._own_events(self.view.hello(msg, peer, now, wall))
+                self._acks.add(peer)
+            elif isinstance(msg, protocol.Event):
+                self._event(msg, frame.bytes, peer, now, wall)
+            elif isinstance(msg, protocol.Reply):
+                self._own_events(self.view.heard(peer, now, wall))
+                gathering = self.fanout.answered(msg)
+                if gathering is not None:
+                    self._answer(gathering)
+            elif isinstance(msg, protocol.Command):
+                self._command(peer_id, msg, now)
+            elif isinstance(msg, protocol.Subscribe):
+                self.relay.subscribe(peer_id, msg, now)
+            elif isinstance(msg, protocol.Heartbeat):
+                self._own_events(self.view.heard(peer, now, wall))
+                self.relay.heard(peer_id, now)
+            else:
+                self._bad("wrong_direction", f"{msg.KIND} from {peer!r}")
+        except Refused as exc:
+            self._bad(exc.reason, str(exc))
+
+    def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
+               ) -> None:
+        new, own = self.view.event(msg, peer, now, wall)
+        self._own_events(own)
+        self._acks.add(peer)
+        if not new:
+            return
+        self.relay.add(Relayed(msg.node_id, msg.boot, msg.seq, frame))
+        for node, engine in self.view.group_restarts(peer, msg.event):
+            self._group_restart(node, engine, msg)
+
+    def _tick(self, now: float, wall: float) -> None:
+        gone = self.view.tick(now, wall)
+        self._own_events(gone)
+        for event in gone:
+            for gathering in self.fanout.node_gone(event["node_id"]):
+                self._answer(gathering)
+        for gathering in self.fanout.expire(now):
+            self._answer(gathering)
+        for client in self.relay.expire(now):
+            log.info("subscriber %s silent for %g s: unsubscribed", client.hex(),
+                     self.relay.subscriber_timeout_s)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.heartbeat_s
+            beat = protocol.encode(protocol.Heartbeat(wall))
+            for node in self.view.reachable():
+                self._send(node.encode(), beat)
+            for client in list(self.relay.subscribers):
+                self._send(client, beat)
+
+    # ------------------------------------------------------------------ commands
+
+    def _command(self, client: bytes, cmd: protocol.Command, now: float) -> None:
+        known = self.fanout.known(cmd.request_id)
+        if isinstance(known, protocol.Reply):
+            self._send(client, protocol.encode(known))
+            return
+        if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
+            known.client = client
+            return
+        if cmd.cmd in LOCAL_COMMANDS:
+            self._reply(client, self._local(cmd))
+            return
+        if cmd.node is not None and cmd.node not in self.view.nodes:
+            self._reply(client, _error(cmd, f"unknown node {cmd.node!r} (known: "
+                                       f"{', '.join(sorted(self.view.nodes)) or 'none'})"))
+            return
+        if cmd.node is not None and not self.view.nodes[cmd.node].reachable:
+            last = time.strftime("%H:%M:%S", time.localtime(self.view.nodes[cmd.node].last_seen))
+            self._reply(client, _error(cmd, f"node {cmd.node!r} is unreachable (last seen "
+                                            f"{last})"))
+            return
+        targets = [cmd.node] if cmd.node is not None else self.view.reachable()
+        self._gather(client, _with_wait(cmd), targets, now)
+
+    def _gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
+                now: float) -> None:
+        timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
+        gathering = Gathering(client, cmd, targets, now + timeout)
+        for node, node_cmd in self.fanout.start(gathering):
+            if not self._send(node.encode(), protocol.encode(node_cmd)):
+                gathering.gone.add(node)
+        if self.fanout.settle(gathering):
+            self._answer(gathering)
+
+    def _local(self, cmd: protocol.Command) -> protocol.Reply:
+        if cmd.cmd == "status":
+            if cmd.node is not None and cmd.node not in self.view.nodes:
+                return _error(cmd, f"unknown node {cmd.node!r}")
+            return protocol.Reply(cmd.request_id, "ok", None, self.view.status(cmd.node))
+        return protocol.Reply(cmd.request_id, "ok", None, {
+            "coordinator": self.boot, "nodes": len(self.view.nodes),
+            "reachable": len(self.view.reachable()), "subscribers": len(self.relay.subscribers),
+            "bad_messages": {**self.bad_messages, **self.view.refused},
+            "relay_skipped": self.relay.skipped_behind})
+
+    def _reply(self, client: bytes, reply: protocol.Reply) -> None:
+        self.fanout.remember(reply)
+        self._send(client, protocol.encode(reply))
+
+    def _answer(self, gathering: Gathering) -> None:
+        reply = gathering.final
+        if reply is None:
+            return
+        if gathering.client is not None:
+            self._send(gathering.client, protocol.encode(reply))
+        elif reply.status == "error":
+            log.warning("%s %s: %s", gathering.command.cmd, gathering.command.engine,
+                        reply.reason)
+
+    def _group_restart(self, node: str, engine: str, cause: protocol.Event) -> None:
+        """Restart another part of a multi-node engine whose part failed."""
+        failed = f"{cause.node_id}/{cause.event.get('engine')}"
+        detail = (f"part {failed} failed ({cause.event.get('cause')}): restarting the whole "
+                  "group")
+        log.warning("group restart of %s/%s: %s", node, engine, detail)
+        event = node_event(node, "group_restart", detail, time.time())
+        event["engine"] = engine
+        self._own_events([event])
+        cmd = protocol.Command(f"group-{uuid.uuid4().hex}", "restart", {}, node, engine)
+        self._gather(None, cmd, [node], time.monotonic())
+
+    # ------------------------------------------------------------------ output
+
+    def _own_events(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            self.own_seq += 1
+            log.info("%s: %s (%s)", event["node_id"], event["kind"], event["detail"])
+            message = protocol.Event(event["node_id"], self.boot, self.own_seq, event)
+            self.relay.add(Relayed(event["node_id"], self.boot, self.own_seq,
+                                   protocol.encode(message)))
+
+    def _send(self, peer: bytes, frame: bytes) -> bool:
+        """Send without blocking; False if the peer is gone or its queue is full."""
+        with contextlib.suppress(LookupError):
+            return self._send_or_wait(peer, frame)
+        return False
+
+    def _send_or_wait(self, peer: bytes, frame: bytes) -> bool:
+        """False when the peer's queue is full (try later); LookupError when it is gone."""
+        assert self.sock is not None
+        try:
+            self.sock.send_multipart([peer, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise LookupError(peer) from None
+            raise
+        return True
+
+    def _bad(self, reason: str, detail: str) -> None:
+        self.bad_messages[reason] += 1
+        count = self.bad_messages[reason]
+        if count <= 10 or count % 1000 == 0:  # a flood must not flood the log too
+            log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
+
+
+def _error(cmd: protocol.Command, reason: str) -> protocol.Reply:
+    return protocol.Reply(cmd.request_id, "error", reason, None)
+
+
+def _with_wait(cmd: protocol.Command) -> protocol.Command:
+    """A pause waits on each node for its in-flight probes: ask the node to answer (done or
+    not) before the gathering's deadline, so a late node is named rather than missing."""
+    if cmd.cmd != "pause" or "wait_s" in cmd.args:
+        return cmd
+    timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
+    args = {**cmd.args, "wait_s": max(0.0, timeout - min(1.0, timeout / 5))}
+    return protocol.Command(cmd.request_id, cmd.cmd, args, cmd.node, cmd.engine, cmd.timeout_s)

@@ -1,0 +1,125 @@
+"""Commands fanned out to nodes and their replies gathered under a deadline (pure logic).
+
+A client's command becomes one command per target node, whose request id is the client's with
+the node appended, so a node that hears it twice (a retry, a coordinator restart) answers it
+once. The gathered reply is complete when every target answered or went unreachable, or when the
+deadline passes; then it names each node that answered an error or nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_watchdog.agent import protocol
+
+DEFAULT_TIMEOUT_S = 5.0
+REPLIES_KEPT = 1024
+
+
+def node_request_id(request_id: str, node_id: str) -> str:
+    return f"{request_id}/{node_id}"
+
+
+@dataclass
+class Gathering:
+    """One client command in flight."""
+
+    client: bytes | None              # None: the coordinator's own (a group restart)
+    command: protocol.Command
+    targets: list[str]
+    deadline: float                   # monotonic
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)
+    final: protocol.Reply | None = None   # set once complete or expired
+
+    def complete(self) -> bool:
+        return all(n in self.answers or n in self.gone for n in self.targets)
+
+    def reply(self) -> protocol.Reply:
+        missing = [n for n in self.targets if n not in self.answers]
+        failed = [n for n in self.targets if self.answers.get(n, {}).get("status") == "error"]
+        problems = [f"{n}: {self.answers[n].get('reason')}" for n in failed]
+        if missing:
+            timeout = self.command.timeout_s or DEFAULT_TIMEOUT_S
+            problems.append(f"no answer within {timeout:g} s from {', '.join(missing)}")
+        result = {"nodes": self.answers, "missing": missing}
+        if problems:
+            return protocol.Reply(self.command.request_id, "error", "; ".join(problems), result)
+        return protocol.Reply(self.command.request_id, "ok", None, result)
+
+
+class Fanout:
+    def __init__(self) -> None:
+        self.pending: dict[str, Gathering] = {}
+        self.by_node_request: dict[str, tuple[str, str]] = {}
+        self.done: OrderedDict[str, protocol.Reply] = OrderedDict()
+
+    def start(self, gathering: Gathering) -> list[tuple[str, protocol.Command]]:
+        """Register a command; the per-node commands to send."""
+        cmd = gathering.command
+        self.pending[cmd.request_id] = gathering
+        out = []
+        args = dict(cmd.args)
+        if cmd.engine is not None:
+            args["engine"] = cmd.engine
+        for node in gathering.targets:
+            rid = node_request_id(cmd.request_id, node)
+            self.by_node_request[rid] = (cmd.request_id, node)
+            out.append((node, protocol.Command(rid, cmd.cmd, args, node, cmd.engine,
+                                               cmd.timeout_s)))
+        return out
+
+    def answered(self, reply: protocol.Reply) -> Gathering | None:
+        """A node's reply; the gathering it completes, if any."""
+        key = self.by_node_request.get(reply.request_id)
+        if key is None:
+            return None
+        request_id, node = key
+        gathering = self.pending.get(request_id)
+        if gathering is None:
+            return None
+        gathering.answers[node] = {"status": reply.status, "reason": reply.reason,
+                                   "result": reply.result}
+        return self._finish(gathering) if gathering.complete() else None
+
+    def node_gone(self, node: str) -> list[Gathering]:
+        """A node became unreachable: the gatherings that no longer wait for it."""
+        out = []
+        for gathering in list(self.pending.values()):
+            if node in gathering.targets and node not in gathering.answers:
+                gathering.gone.add(node)
+                if gathering.complete():
+                    out.append(self._finish(gathering))
+        return out
+
+    def settle(self, gathering: Gathering) -> bool:
+        """Finish a gathering that is complete already (every target gone, or none at all)."""
+        if gathering.complete() and gathering.final is None:
+            self._finish(gathering)
+        return gathering.final is not None
+
+    def expire(self, now: float) -> list[Gathering]:
+        return [self._finish(g) for g in list(self.pending.values()) if now >= g.deadline]
+
+    def next_deadline(self) -> float | None:
+        return min((g.deadline for g in self.pending.values()), default=None)
+
+    def known(self, request_id: str) -> protocol.Reply | Gathering | None:
+        """A repeated request id: its reply if done, its gathering if still in flight."""
+        return self.done.get(request_id) or self.pending.get(request_id)
+
+    def _finish(self, gathering: Gathering) -> Gathering:
+        request_id = gathering.command.request_id
+        self.pending.pop(request_id, None)
+        for node in gathering.targets:
+            self.by_node_request.pop(node_request_id(request_id, node), None)
+        gathering.final = gathering.reply()
+        self.remember(gathering.final)
+        return gathering
+
+    def remember(self, reply: protocol.Reply) -> None:
+        self.done[reply.request_id] = reply
+        while len(self.done) > REPLIES_KEPT:
+            self.done.popitem(last=False)

@@ -1,0 +1,193 @@
+"""The coordinator's view of the fleet: pure decisions, no sockets (docs/protocol.md, "The
+coordinator's side").
+
+`FleetView` takes the nodes' messages (already decoded) and the time, and answers what to do:
+whether an event is new (relay and ACK it) or a replay (drop and count it), which nodes went
+silent, which parts of a multi-node group to restart. The coordinator does the I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_watchdog.agent import protocol
+
+NODE_TIMEOUT_S = 5.0
+OLD_BOOTS_KEPT = 8
+RUNNING_STATES = frozenset({"starting", "healthy", "suspect"})
+NODE_EVENT_KINDS = ("node_reachable", "node_unreachable")
+
+
+class Refused(Exception):
+    """A node message that is dropped and counted; `reason` is the counter's key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class NodeRecord:
+    """One node as the coordinator knows it; survives the node's silence and restarts."""
+
+    node_id: str
+    boot: str
+    engines: dict[str, dict[str, Any]]
+    last_heard: float                 # monotonic
+    last_seen: float                  # wall clock, for people
+    reachable: bool = True
+    received_seq: int = 0             # highest event seq of `boot` received
+    snapshot_seq: int = 0             # the HELLO's last_seq: older events are in its snapshot
+    old_boots: deque[str] = field(default_factory=lambda: deque(maxlen=OLD_BOOTS_KEPT))
+
+
+def node_event(node_id: str, kind: str, detail: str, ts: float) -> dict[str, Any]:
+    """An event of the coordinator's own about a node, shaped like the nodes' events."""
+    return {"ts": ts, "node_id": node_id, "engine": None, "incarnation": None, "kind": kind,
+            "from": None, "to": None, "cause": None, "detail": detail}
+
+
+class FleetView:
+    def __init__(self, node_timeout_s: float = NODE_TIMEOUT_S) -> None:
+        self.node_timeout_s = node_timeout_s
+        self.nodes: dict[str, NodeRecord] = {}
+        self.refused: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ node messages
+
+    def hello(self, msg: protocol.Hello, peer: str, now: float, wall: float
+              ) -> list[dict[str, Any]]:
+        """Take a node's snapshot; the coordinator's own events it causes (node_reachable).
+
+        `peer` is who sent it: the routing id, or the name of its CURVE key. Refused: a HELLO
+        for another node id, or for a boot of this node that was superseded already (two
+        daemons claim one node id)."""
+        if msg.node_id != peer:
+            raise Refused("unknown_node", f"HELLO for node {msg.node_id!r} from peer {peer!r}: "
+                                          "a node announces only itself")
+        record = self.nodes.get(msg.node_id)
+        engines = {e["id"]: dict(e) for e in msg.engines}
+        if record is None:
+            self.nodes[msg.node_id] = NodeRecord(msg.node_id, msg.boot, engines, now, wall,
+                                                 snapshot_seq=msg.last_seq)
+            return [node_event(msg.node_id, "node_reachable", f"hello, boot {msg.boot}", wall)]
+        if msg.boot in record.old_boots:
+            raise Refused("duplicate_node", (
+                f"HELLO for node {msg.node_id!r} with boot {msg.boot}, which boot "
+                f"{record.boot} replaced already: two daemons run with one node id?"))
+        if msg.boot != record.boot:
+            record.old_boots.append(record.boot)
+            record.boot, record.received_seq = msg.boot, 0
+        record.engines = engines
+        record.snapshot_seq = msg.last_seq
+        return self._heard(record, now, wall, f"hello, boot {msg.boot}")
+
+    def event(self, msg: protocol.Event, peer: str, now: float, wall: float
+              ) -> tuple[bool, list[dict[str, Any]]]:
+        """(is it new, the coordinator's own events it causes). A new event is relayed and
+        applied to the view, unless the node's last snapshot already holds it."""
+        record = self.nodes.get(peer)
+        if record is None or msg.node_id != peer:
+            raise Refused("no_hello", f"event from {peer!r} for node {msg.node_id!r} before "
+                                      "any HELLO of that node")
+        if msg.boot != record.boot:
+            raise Refused("stale_boot", f"event of node {peer!r} from boot {msg.boot}, not "
+                                        f"the current boot {record.boot}")
+        own = self._heard(record, now, wall, "event")
+        if msg.seq <= record.received_seq:
+            self.refused["replayed"] += 1
+            return False, own
+        record.received_seq = msg.seq
+        if msg.seq > record.snapshot_seq:
+            apply_event(record.engines, msg)
+        return True, own
+
+    def heard(self, peer: str, now: float, wall: float) -> list[dict[str, Any]]:
+        """Any other message from a node (a heartbeat, a reply) keeps it reachable."""
+        record = self.nodes.get(peer)
+        return [] if record is None else self._heard(record, now, wall, "heartbeat")
+
+    def _heard(self, record: NodeRecord, now: float, wall: float, what: str
+               ) -> list[dict[str, Any]]:
+        record.last_heard, record.last_seen = now, wall
+        if record.reachable:
+            return []
+        record.reachable = True
+        return [node_event(record.node_id, "node_reachable", f"{what} after silence", wall)]
+
+    def tick(self, now: float, wall: float) -> list[dict[str, Any]]:
+        """Nodes silent past the deadline become unreachable (their engines stay listed)."""
+        out = []
+        for record in self.nodes.values():
+            if record.reachable and now - record.last_heard > self.node_timeout_s:
+                record.reachable = False
+                out.append(node_event(record.node_id, "node_unreachable",
+                                      f"nothing heard for {now - record.last_heard:.1f} s "
+                                      f"(deadline {self.node_timeout_s:g} s)", wall))
+        return out
+
+    def next_deadline(self) -> float | None:
+        times = [r.last_heard for r in self.nodes.values() if r.reachable]
+        return min(times) + self.node_timeout_s if times else None
+
+    # ------------------------------------------------------------------ questions
+
+    def reachable(self) -> list[str]:
+        return [n for n, r in self.nodes.items() if r.reachable]
+
+    def status(self, node: str | None = None) -> dict[str, Any]:
+        """The fleet view as `status --coordinator --json` prints it."""
+        records = [self.nodes[node]] if node in self.nodes else (
+            [] if node is not None else list(self.nodes.values()))
+        return {"nodes": [{
+            "node_id": r.node_id, "reachable": r.reachable, "last_seen": r.last_seen,
+            "boot": r.boot,
+            "engines": [engine_view(e, r.reachable) for e in r.engines.values()],
+        } for r in sorted(records, key=lambda r: r.node_id)]}
+
+    def group_restarts(self, node_id: str, event: dict[str, Any]) -> list[tuple[str, str]]:
+        """The other parts of a multi-node engine to restart because this event says one
+        part failed: a running part going to `stopping` for any cause but `commanded`."""
+        if (event.get("kind") != "state" or event.get("to") != "stopping"
+                or event.get("cause") in (None, "commanded")
+                or event.get("from") not in RUNNING_STATES):
+            return []
+        engine_id = str(event.get("engine"))
+        engine = self.nodes[node_id].engines.get(engine_id)
+        group = engine.get("group") if engine else None
+        if not group:
+            return []
+        return [(r.node_id, e["id"]) for r in self.nodes.values() if r.reachable
+                for e in r.engines.values()
+                if e.get("group") == group and (r.node_id, e["id"]) != (node_id, engine_id)
+                and e.get("state") in RUNNING_STATES]
+
+
+def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None:
+    """Bring one engine's entry up to date: the status the node sent along replaces it; an
+    event without one (an older node) updates what the event itself says."""
+    if msg.engine_status is not None:
+        engines[msg.engine_status["id"]] = dict(msg.engine_status)
+        return
+    event = msg.event
+    engine = engines.get(str(event.get("engine")))
+    if engine is None:
+        return
+    if event.get("incarnation") is not None:
+        engine["incarnation"] = event["incarnation"]
+    kind = event.get("kind")
+    if kind == "state" and isinstance(event.get("to"), str):
+        engine["state"] = event["to"]
+    elif kind in ("paused", "resumed", "pause_expired"):
+        engine["paused"] = kind == "paused"
+
+
+def engine_view(engine: dict[str, Any], reachable: bool) -> dict[str, Any]:
+    """An engine as the fleet shows it: its node's status object plus the fleet's fields.
+    Until the refit bridge records weights, `serving` means healthy and `weight_version` is
+    unknown (null)."""
+    return {**engine, "weight_version": engine.get("weight_version"),
+            "serving": engine.get("state") == "healthy", "reachable": reachable}
+

@@ -1,0 +1,120 @@
+"""Relaying events to subscribed clients, in order, each once, at each client's own pace.
+
+Every event the coordinator relays goes into one bounded buffer, numbered by the coordinator.
+A subscriber is a cursor into that buffer: the coordinator sends from its cursor until the
+socket would block (the client's high-water mark) and carries on at the next turn, so one slow
+client neither blocks the loop nor loses events, as long as it stays within the buffer. A
+resuming subscriber starts at the oldest buffered event and skips what its resume points say it
+has (docs/protocol.md, "The coordinator's side").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollout_watchdog.agent import protocol
+
+BUFFER_EVENTS = 50_000
+SUBSCRIBER_TIMEOUT_S = 10.0
+SENDS_PER_TURN = 2_000   # per subscriber, so one catching-up client never starves the loop
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """One buffered event: its frame, encoded once for every subscriber."""
+
+    node_id: str
+    boot: str
+    seq: int
+    frame: bytes
+
+
+@dataclass
+class Subscriber:
+    client: bytes
+    cursor: int                     # index (in relay numbering) of the next event to send
+    last_heard: float
+    skip_until: dict[str, int] = field(default_factory=dict)   # node -> index of its point
+    resume: dict[str, protocol.ResumePoint] = field(default_factory=dict)
+
+    def has(self, item: Relayed, index: int) -> bool:
+        """Whether this client has the event already (by its resume points)."""
+        if index <= self.skip_until.get(item.node_id, -1):
+            return True
+        point = self.resume.get(item.node_id)
+        return point is not None and item.boot == point.boot and item.seq <= point.seq
+
+
+# Sends one frame to one client; False when it would block (come back later). Raises
+# LookupError when the client is gone.
+Send = Callable[[bytes, bytes], bool]
+
+
+class Relay:
+    def __init__(self, capacity: int = BUFFER_EVENTS,
+                 subscriber_timeout_s: float = SUBSCRIBER_TIMEOUT_S) -> None:
+        self.buffer: deque[Relayed] = deque(maxlen=capacity)
+        self.first = 0                # relay index of buffer[0]
+        self.subscribers: dict[bytes, Subscriber] = {}
+        self.subscriber_timeout_s = subscriber_timeout_s
+        self.skipped_behind = 0       # events a subscriber missed by falling out of the buffer
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.buffer)
+
+    def add(self, item: Relayed) -> None:
+        if len(self.buffer) == self.buffer.maxlen:
+            self.first += 1
+        self.buffer.append(item)
+
+    def subscribe(self, client: bytes, msg: protocol.Subscribe, now: float) -> None:
+        """(Re)subscribe: from now on, or from the buffer's start minus what it has."""
+        if msg.resume is None:
+            self.subscribers[client] = Subscriber(client, self.end, now)
+            return
+        sub = Subscriber(client, self.first, now, resume=dict(msg.resume))
+        for index, item in enumerate(self.buffer, self.first):
+            point = sub.resume.get(item.node_id)
+            if point is not None and (item.boot, item.seq) == (point.boot, point.seq):
+                sub.skip_until[item.node_id] = index
+        self.subscribers[client] = sub
+
+    def heard(self, client: bytes, now: float) -> bool:
+        """A message from a client keeps its subscription; False if it has none."""
+        sub = self.subscribers.get(client)
+        if sub is not None:
+            sub.last_heard = now
+        return sub is not None
+
+    def expire(self, now: float) -> list[bytes]:
+        gone = [c for c, s in self.subscribers.items()
+                if now - s.last_heard > self.subscriber_timeout_s]
+        for client in gone:
+            del self.subscribers[client]
+        return gone
+
+    def pump(self, send: Send) -> bool:
+        """Send every subscriber what it lacks, up to a share per turn; True if any is still
+        behind (the loop should come back soon)."""
+        behind = False
+        for client, sub in list(self.subscribers.items()):
+            if sub.cursor < self.first:
+                self.skipped_behind += self.first - sub.cursor
+                sub.cursor = self.first
+            sent = 0
+            while sub.cursor < self.end and sent < SENDS_PER_TURN:
+                item = self.buffer[sub.cursor - self.first]
+                if not sub.has(item, sub.cursor):
+                    try:
+                        if not send(client, item.frame):
+                            break
+                    except LookupError:
+                        del self.subscribers[client]
+                        break
+                    sent += 1
+                sub.cursor += 1
+            behind = behind or (client in self.subscribers and sub.cursor < self.end)
+        return behind
