@@ -180,12 +180,13 @@ def poller_main(pipe: Connection, endpoints: list[tuple[str, str]], engines: int
     last: dict[tuple[str, str], str] = {}
     changes: list[tuple[float, str, str, str]] = []
     sweeps: list[float] = []
-    pipe.send("ready")
     stopping = False
     while True:  # asked to stop: one more full sweep, so every change made before is seen
         stopping, last_sweep = pipe.poll(0), stopping
         if last_sweep:
             break
+        if sweeps and len(sweeps) == 1:
+            pipe.send("ready")  # one sweep done: it knows every engine's state
         started = time.monotonic()
         for (node_id, _), sock in zip(endpoints, socks, strict=True):
             result = control_call(sock, "status", {})
@@ -244,6 +245,7 @@ def fleet_ready(coord: CoordinatorProcess, nodes: int, engines: int, timeout: fl
                 ) -> tuple[float, float]:
     """When (wall clock) `ping` showed every node reachable, then `status` every engine."""
     conn = coord.connect()
+    per_node: list[bool] = []
     try:
         wait_for(lambda: (r := conn.call("ping", timeout_s=2)).status == "ok"
                  and r.result["reachable"] == nodes, timeout, f"{nodes} nodes reachable",
@@ -251,10 +253,20 @@ def fleet_ready(coord: CoordinatorProcess, nodes: int, engines: int, timeout: fl
         reachable = time.time()
 
         def listed() -> bool:
-            reply = conn.call("status", timeout_s=5)
-            assert reply.status == "ok", f"status: {reply.reason}"
-            return sum(len(n["engines"]) for n in reply.result["nodes"]
-                       if n["reachable"]) == nodes * engines
+            if not per_node:
+                try:
+                    reply = conn.call("status", timeout_s=5)
+                except TimeoutError:
+                    print("\n  NOTE: no answer to a fleet-wide `status` (its reply is over the "
+                          "protocol's 1 MiB frame limit?): counting engines node by node",
+                          flush=True)
+                    per_node.append(True)
+                    return False
+                assert reply.status == "ok", f"status: {reply.reason}"
+                return sum(len(n["engines"]) for n in reply.result["nodes"]
+                           if n["reachable"]) == nodes * engines
+            return sum(len(n["engines"]) for i in range(nodes) for n in conn.result(
+                "status", node=f"sim-{i:04d}")["nodes"] if n["reachable"]) == nodes * engines
         wait_for(listed, timeout, f"{nodes * engines} engines listed", interval=0.05)
         return reachable, time.time()
     finally:
@@ -325,11 +337,10 @@ def side_by_side(workers: Workers, sub: Subscriber, nodes: int, engines: int,
     mine, theirs = ctx.Pipe()
     poller = ctx.Process(target=poller_main, args=(theirs, endpoints, engines), daemon=True)
     poller.start()
-    if not mine.poll(60) or mine.recv() != "ready":
+    if not mine.poll(120) or mine.recv() != "ready":
         raise RuntimeError("the polling driver did not start")
     rng = random.Random(7)
     targets = rng.sample([(n, f"e{e}") for n in range(nodes) for e in range(engines)], flips)
-    time.sleep(0.5)  # the poller's first sweep: it learns every engine's state
     injected = []
     for node, engine in targets:
         ts = workers.ask_one(node, "flip", (engine, "suspect"))
@@ -428,10 +439,15 @@ def throughput(workers: Workers, sub: Subscriber, cpu: CpuMeter, rate: float,
         workers.ask("emit", (rate / len(workers.pipes), seconds))
         acked_at = workers.wait_acked(120)
         emitted = int(rate / len(workers.pipes) * seconds) * len(workers.pipes)
-        wait_for(lambda: sub.count - before >= emitted, 120, "the subscriber to get them all",
-                 interval=0.01)
+        last, still = -1, time.monotonic()
+        while sub.count - before < emitted and time.monotonic() - still < 3.0:
+            if sub.count != last:  # until all arrived, or none for 3 s (the relay skipped some)
+                last, still = sub.count, time.monotonic()
+            time.sleep(0.01)
+        got = sub.count - before
+        print(f"  the subscriber received {got} of {emitted}")
         received_at = sub.received[-1][0]
-        return emitted / (acked_at - started), emitted / (received_at - started), emitted
+        return emitted / (acked_at - started), got / (received_at - started), emitted
     into, out, emitted = cpu.measure("the throughput phase", run)
     print(f"event throughput, {emitted} events offered at {rate:g}/s:")
     print(f"  into the coordinator (all acknowledged)      {into:10.0f} events/s")
