@@ -232,11 +232,11 @@ class Fleet:
 
     def __init__(self, name: str, specs: list[EngineSpec], *, probe: dict[str, Any],
                  restart: dict[str, Any], env: dict[str, str] | None = None,
-                 keep: bool = False) -> None:
+                 top: dict[str, Any] | None = None, keep: bool = False) -> None:
         self.token = uuid.uuid4().hex
         self.tmp = Path(tempfile.mkdtemp(prefix=f"rwbench-{name}-"))
         self.keep = keep
-        self.node = Node(self.tmp, specs, probe=probe, restart=restart,
+        self.node = Node(self.tmp, specs, probe=probe, restart=restart, top=top,
                          env={**(env or {}), MARKER_ENV: self.token})
         self.ids = [s.id for s in specs]
         self.events = EventStream(self.node)

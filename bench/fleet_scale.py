@@ -1,0 +1,496 @@
+"""Fleet at scale: 1,000 simulated nodes x 8 engines against one coordinator (issue 6).
+
+The coordinator is a real `rollout-watchdog coordinator` process. The nodes are real `NodeLink`s
+over fake engine state (bench/_fleet_sim.py), spread over --workers processes, each one
+`zmq.Poller` loop. One subscribed client (a thread of this process) follows every event.
+
+Figures, each with its goal:
+- convergence: the coordinator SIGKILLed and started again on the same port; from the new
+  process's start until `ping` shows every node reachable, and until `status` lists every
+  engine (<= 5 s);
+- fleet-wide pause round trip (client -> coordinator -> every node -> back), a quarter of the
+  nodes finishing a simulated in-flight probe (<= 20 ms) first: median and p99 (p99 <= 250 ms);
+- sustained event throughput: --event-rate offered for --event-seconds, into the coordinator
+  (all acknowledged) and out to the subscriber (all received) (>= 20,000 events/s);
+- the coordinator's CPU (% of one core, per phase) and peak RSS (<= 300 MB);
+- end to end on real processes: a node daemon over an emulator engine, linked to the same
+  coordinator; SIGKILL of the engine to the subscriber receiving `state -> stopping`: median
+  and max (median <= 50 ms).
+Side by side, the simplest alternative a user would write: the driver polling every node's
+`status` in turn over TCP (the daemon's own control protocol and server, one kept-open DEALER
+per node). State changes are injected on random engines while both watch; the figure is how
+long each takes to see them, and the ratio. Also a sequential pause loop against the fan-out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+from _common import (
+    MARKER_ENV,
+    Fleet,
+    bench_main,
+    engines,
+    goal,
+    kill_marked,
+    parse_args,
+    step,
+    summary,
+    wait_for,
+)
+from _fleet_sim import worker_main
+from fleet_harness import CoordinatorConnection, CoordinatorProcess, start_coordinator_process
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.emulator.testing import free_port
+
+PROBE = {"liveness_interval_s": 1.0, "health_interval_s": 0.5, "health_timeout_s": 5.0,
+         "failure_threshold": 3, "startup_timeout_s": 120.0}
+RESTART = {"grace_s": 5.0, "backoff_initial_s": 0.0, "backoff_max_s": 0.0, "max_restarts": 1000,
+           "window_s": 600.0, "kill_timeout_s": 10.0, "release_timeout_s": 30.0}
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=None, help="simulated nodes (1000)")
+    parser.add_argument("--engines", type=int, default=8, help="engines per node (8)")
+    parser.add_argument("--workers", type=int, default=None, help="node processes (4)")
+    parser.add_argument("--event-rate", type=float, default=None,
+                        help="offered events/s in the throughput phase (30000)")
+    parser.add_argument("--event-seconds", type=float, default=None, help="its length (5)")
+    parser.add_argument("--flips", type=int, default=None,
+                        help="state changes watched by push and by polling (30)")
+    parser.add_argument("--kills", type=int, default=None, help="real engine kills (10)")
+
+
+class Subscriber(threading.Thread):
+    """The client: subscribes, heartbeats, and notes when each event arrived (wall clock)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True, name="subscriber")
+        self.conn = CoordinatorConnection(endpoint)
+        self.received: deque[tuple[float, protocol.Event]] = deque(maxlen=1_000_000)
+        self.count = 0
+        self.stopping = threading.Event()
+        self.conn.send(protocol.Subscribe())
+
+    def run(self) -> None:
+        next_beat = 0.0
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self.conn.send(protocol.Heartbeat(time.time()))
+                next_beat = now + 1.0
+            message = self.conn.recv(0.2)
+            if isinstance(message, protocol.Event):
+                self.received.append((time.time(), message))
+                self.count += 1
+        self.conn.close()
+
+    def find(self, after: float, **match: Any) -> tuple[float, protocol.Event] | None:
+        for seen, message in reversed(self.received):
+            if seen < after:
+                return None
+            if all(message.event.get(k) == v for k, v in match.items()):
+                return seen, message
+        return None
+
+
+class Workers:
+    """The simulated nodes' processes and their pipes."""
+
+    def __init__(self, endpoint: str, nodes: int, engines: int, processes: int) -> None:
+        ctx = mp.get_context("spawn")
+        share = -(-nodes // processes)
+        self.pipes: list[Connection] = []
+        self.procs = []
+        self.spans: list[tuple[int, int]] = []
+        for w in range(processes):
+            first, count = w * share, min(share, nodes - w * share)
+            if count <= 0:
+                break
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(theirs, endpoint, first, count,
+                                                         engines, 1000 + w, True), daemon=True)
+            proc.start()
+            self.pipes.append(mine)
+            self.procs.append(proc)
+            self.spans.append((first, count))
+        for pipe in self.pipes:
+            if not pipe.poll(120) or pipe.recv() != "ready":
+                raise RuntimeError("a worker did not start")
+
+    def ask(self, verb: str, args: Any = None) -> list[Any]:
+        for pipe in self.pipes:
+            pipe.send((verb, args))
+        return [pipe.recv() if pipe.poll(30) else _no_answer(verb) for pipe in self.pipes]
+
+    def ask_one(self, node: int, verb: str, args: Any) -> Any:
+        for pipe, (first, count) in zip(self.pipes, self.spans, strict=True):
+            if first <= node < first + count:
+                pipe.send((verb, (node - first, *args)))
+                return pipe.recv() if pipe.poll(30) else _no_answer(verb)
+        raise IndexError(node)
+
+    def wait_acked(self, timeout: float) -> float:
+        """Until every event is acknowledged and emission is over; the time it happened."""
+        def acked() -> bool:
+            return all(left == 0 and done for left, done in self.ask("outbox"))
+        wait_for(acked, timeout, "every simulated node's outbox to empty", interval=0.01)
+        return time.time()
+
+    def stop(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(("stop", None))
+        for proc in self.procs:
+            proc.join(10)
+
+
+def _no_answer(verb: str) -> Any:
+    raise RuntimeError(f"a worker did not answer {verb!r} within 30 s")
+
+
+def poller_main(pipe: Connection, endpoints: list[tuple[str, str]], engines: int) -> None:
+    """The alternative: the driver asks every node's `status` in turn, forever, and notes when
+    it first sees each engine's new state. One kept-open DEALER per node."""
+    ctx = zmq.Context()
+    ctx.max_sockets = len(endpoints) + 64
+    socks = []
+    for _, endpoint in endpoints:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(endpoint)
+        socks.append(sock)
+    last: dict[tuple[str, str], str] = {}
+    changes: list[tuple[float, str, str, str]] = []
+    sweeps: list[float] = []
+    stopping = False
+    while True:  # asked to stop: one more full sweep, so every change made before is seen
+        stopping, last_sweep = pipe.poll(0), stopping
+        if last_sweep:
+            break
+        if sweeps and len(sweeps) == 1:
+            pipe.send("ready")  # one sweep done: it knows every engine's state
+        started = time.monotonic()
+        for (node_id, _), sock in zip(endpoints, socks, strict=True):
+            result = control_call(sock, "status", {})
+            seen = time.time()
+            for e in result["engines"]:
+                key = (node_id, e["id"])
+                if key in last and last[key] != e["state"]:
+                    changes.append((seen, node_id, e["id"], e["state"]))
+                last[key] = e["state"]
+        sweeps.append(time.monotonic() - started)
+    pipe.recv()
+    pipe.send((changes, sweeps))
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def control_call(sock: zmq.Socket[bytes], cmd: str, args: dict[str, Any]) -> Any:
+    """One request on the daemon's control protocol (cli/client.py), on a kept-open socket."""
+    sock.send(json.dumps({"v": 1, "id": uuid.uuid4().hex, "cmd": cmd, "args": args}).encode())
+    if not sock.poll(5000):
+        raise RuntimeError(f"no answer to {cmd} within 5 s")
+    reply = json.loads(sock.recv())
+    if reply["status"] != "ok":
+        raise RuntimeError(f"{cmd}: {reply['reason']}")
+    return reply["result"]
+
+
+class CpuMeter:
+    """CPU seconds and peak RSS of the coordinator, by phase."""
+
+    def __init__(self) -> None:
+        self.proc: psutil.Process | None = None
+        self.peak_rss = 0
+        self.phases: list[tuple[str, float]] = []
+
+    def attach(self, pid: int) -> None:
+        self.proc = psutil.Process(pid)
+
+    def measure(self, name: str, fn: Any, *fargs: Any) -> Any:
+        assert self.proc is not None
+        before, started = self.proc.cpu_times(), time.monotonic()
+        result = fn(*fargs)
+        after, elapsed = self.proc.cpu_times(), time.monotonic() - started
+        used = (after.user + after.system) - (before.user + before.system)
+        self.phases.append((name, 100 * used / max(elapsed, 1e-9)))
+        self.sample()
+        return result
+
+    def sample(self) -> None:
+        if self.proc is not None:
+            self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+
+
+def fleet_ready(coord: CoordinatorProcess, nodes: int, engines: int, timeout: float
+                ) -> tuple[float, float]:
+    """When (wall clock) `ping` showed every node reachable, then `status` every engine."""
+    conn = coord.connect()
+    per_node: list[bool] = []
+    try:
+        wait_for(lambda: (r := conn.call("ping", timeout_s=2)).status == "ok"
+                 and r.result["reachable"] == nodes, timeout, f"{nodes} nodes reachable",
+                 interval=0.02)
+        reachable = time.time()
+
+        def listed() -> bool:
+            if not per_node:
+                try:
+                    reply = conn.call("status", timeout_s=5)
+                except TimeoutError:
+                    print("\n  NOTE: no answer to a fleet-wide `status` (its reply is over the "
+                          "protocol's 1 MiB frame limit?): counting engines node by node",
+                          flush=True)
+                    per_node.append(True)
+                    return False
+                assert reply.status == "ok", f"status: {reply.reason}"
+                return sum(len(n["engines"]) for n in reply.result["nodes"]
+                           if n["reachable"]) == nodes * engines
+            return sum(len(n["engines"]) for i in range(nodes) for n in conn.result(
+                "status", node=f"sim-{i:04d}")["nodes"] if n["reachable"]) == nodes * engines
+        wait_for(listed, timeout, f"{nodes * engines} engines listed", interval=0.05)
+        return reachable, time.time()
+    finally:
+        conn.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    quick = args.quick
+    nodes = args.nodes or (40 if quick else 1000)
+    n_workers = args.workers or (2 if quick else 4)
+    rate = args.event_rate or (2000.0 if quick else 30000.0)
+    seconds = args.event_seconds or (1.0 if quick else 5.0)
+    flips = args.flips or (4 if quick else 30)
+    kills = args.kills or (1 if quick else 10)
+    token = uuid.uuid4().hex
+    os.environ[MARKER_ENV] = token
+    tmp = Path(tempfile.mkdtemp(prefix="rwbench-fleet-"))
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    print(f"setup: {nodes} simulated nodes x {args.engines} engines in {n_workers} processes, "
+          f"coordinator {bind}; {args.repeat} pause(s), {rate:g} events/s offered for "
+          f"{seconds:g} s, {flips} watched changes, {kills} real kill(s); files in {tmp}")
+    cpu = CpuMeter()
+    coord = start_coordinator_process(bind, log_path=tmp / "coordinator.log")
+    workers: Workers | None = None
+    ok = True
+    try:
+        cpu.attach(coord.proc.pid)
+        with step(f"{nodes} simulated nodes start and say HELLO"):
+            workers = Workers(coord.endpoint, nodes, args.engines, n_workers)
+            fleet_ready(coord, nodes, args.engines, 300)
+        sub = Subscriber(coord.endpoint)
+        sub.start()
+        cpu.measure("idle fleet (heartbeats), 5 s" if not quick else "idle fleet, 1 s",
+                    time.sleep, 1.0 if quick else 5.0)
+        ok &= side_by_side(workers, sub, nodes, args.engines, flips)
+        ok &= pauses(coord, workers, sub, cpu, args.repeat)
+        ok &= throughput(workers, sub, cpu, rate, seconds)
+        ok &= end_to_end(coord, sub, kills, args.keep)
+        sub.stopping.set()
+        sub.join(5)
+        converged, coord = restart(coord, bind, tmp, cpu, nodes, args.engines)
+        ok &= converged
+        print("coordinator:")
+        for name, percent in cpu.phases:
+            print(f"  CPU during {name:<40} {percent:6.1f} % of one core")
+        rss = cpu.peak_rss / 2**20
+        print(f"  peak RSS (sampled at the end of each phase) {rss:.1f} MB")
+        ok &= goal("coordinator RSS <= 300 MB", rss <= 300)
+        stats = workers.ask("stats")
+        print(f"nodes: {sum(s['emitted'] for s in stats)} events emitted, "
+              f"{sum(s['dropped'] for s in stats)} dropped from outboxes, "
+              f"{sum(s['bad_messages'] for s in stats)} bad messages")
+    finally:
+        if workers is not None:
+            workers.stop()
+        coord.cleanup()
+        left = kill_marked(token)
+        if left:
+            print(f"  (cleanup: SIGKILLed {left} leftover process(es))")
+    return 0 if ok else 2
+
+
+def side_by_side(workers: Workers, sub: Subscriber, nodes: int, engines: int,
+                 flips: int) -> bool:
+    """Random engines change state; how soon the subscriber and the polling driver see it."""
+    endpoints = [e for part in workers.ask("endpoints") for e in part]
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    poller = ctx.Process(target=poller_main, args=(theirs, endpoints, engines), daemon=True)
+    poller.start()
+    if not mine.poll(120) or mine.recv() != "ready":
+        raise RuntimeError("the polling driver did not start")
+    rng = random.Random(7)
+    targets = rng.sample([(n, f"e{e}") for n in range(nodes) for e in range(engines)], flips)
+    injected = []
+    for node, engine in targets:
+        ts = workers.ask_one(node, "flip", (engine, "suspect"))
+        injected.append((ts, f"sim-{node:04d}", engine))
+        time.sleep(rng.uniform(0.05, 0.3))
+    pushed = []
+    for ts, node_id, engine in injected:
+        seen = wait_for(partial(sub.find, ts, node_id=node_id, engine=engine, to="suspect"),
+                        10, f"{node_id}/{engine} at the subscriber")
+        pushed.append(1000 * (seen[0] - ts))
+    mine.send("stop")
+    if not mine.poll(120):
+        raise RuntimeError("the polling driver did not finish its sweep within 120 s")
+    changes, sweeps = mine.recv()
+    polled_at = {(n, e): t for t, n, e, s in changes if s == "suspect"}
+    poller.join(10)
+    polled = [1000 * (polled_at[(n, e)] - ts) for ts, n, e in injected if (n, e) in polled_at]
+    print("a state change on one engine, seen by the driver:")
+    push = summary("pushed (node -> coordinator -> subscriber)", pushed, "ms", 2)
+    poll = summary("polling every node's status in turn", polled, "ms", 1)
+    summary("  one polling sweep over all nodes", [1000 * s for s in sweeps], "ms", 1)
+    if poll.values and push.values:
+        print(f"  ratio polling / pushed: {poll.median / push.median:.0f}x median, "
+              f"{poll.max / push.max:.0f}x max")
+    ok = goal("every change seen by polling too", len(polled) == len(injected))
+    for _, node_id, engine in injected:  # back to healthy, for the phases that follow
+        workers.ask_one(int(node_id[4:]), "flip", (engine, "healthy"))
+    _sequential_pause(endpoints)
+    return ok
+
+
+def _sequential_pause(endpoints: list[tuple[str, str]]) -> None:
+    """The alternative's fleet-wide pause: each node in turn, then resume likewise."""
+    ctx = zmq.Context()
+    ctx.max_sockets = len(endpoints) + 64
+    socks = [ctx.socket(zmq.DEALER) for _ in endpoints]
+    for sock, (_, endpoint) in zip(socks, endpoints, strict=True):
+        sock.linger = 0
+        sock.connect(endpoint)
+    times = []
+    for _ in range(3):
+        started = time.monotonic()
+        for sock in socks:
+            control_call(sock, "pause", {"all": True, "deadline_s": 60})
+        times.append(1000 * (time.monotonic() - started))
+        for sock in socks:
+            control_call(sock, "resume", {"all": True})
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+    summary("sequential pause over every node's control socket", times, "ms", 1)
+    _sequential_ms.extend(times)
+
+
+_sequential_ms: list[float] = []
+
+
+def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: CpuMeter,
+           repeat: int) -> bool:
+    conn = coord.connect()
+    rtts, resumes = [], []
+    try:
+        def one() -> None:
+            for _ in range(repeat):
+                workers.wait_acked(60)
+                started = time.monotonic()
+                reply = conn.call("pause", {"deadline_s": 60, "all": True}, timeout_s=30,
+                                  gather_s=10)
+                rtts.append(1000 * (time.monotonic() - started))
+                assert reply.status == "ok" and not reply.result["missing"], reply
+                workers.wait_acked(60)
+                started = time.monotonic()
+                reply = conn.call("resume", {"all": True}, timeout_s=30, gather_s=10)
+                resumes.append(1000 * (time.monotonic() - started))
+                assert reply.status == "ok", reply
+        cpu.measure(f"{repeat} fleet-wide pause + resume", one)
+    finally:
+        conn.close()
+    print("fleet-wide pause round trip (through the coordinator):")
+    s = summary("pause, every node acknowledged", rtts, "ms", 1)
+    summary("resume", resumes, "ms", 1)
+    p99 = sorted(rtts)[min(len(rtts) - 1, int(0.99 * len(rtts)))]
+    print(f"  pause p99 {p99:.1f} ms")
+    if _sequential_ms:
+        ratio = statistics.median(_sequential_ms) / s.median
+        print(f"  ratio sequential loop / fan-out: {ratio:.1f}x median")
+    return goal("pause p99 <= 250 ms", p99 <= 250)
+
+
+def throughput(workers: Workers, sub: Subscriber, cpu: CpuMeter, rate: float,
+               seconds: float) -> bool:
+    def run() -> tuple[float, float, int]:
+        workers.wait_acked(60)
+        before = sub.count
+        started = time.time()
+        workers.ask("emit", (rate / len(workers.pipes), seconds))
+        acked_at = workers.wait_acked(120)
+        emitted = int(rate / len(workers.pipes) * seconds) * len(workers.pipes)
+        last, still = -1, time.monotonic()
+        while sub.count - before < emitted and time.monotonic() - still < 3.0:
+            if sub.count != last:  # until all arrived, or none for 3 s (the relay skipped some)
+                last, still = sub.count, time.monotonic()
+            time.sleep(0.01)
+        got = sub.count - before
+        print(f"  the subscriber received {got} of {emitted}")
+        received_at = sub.received[-1][0]
+        return emitted / (acked_at - started), got / (received_at - started), emitted
+    into, out, emitted = cpu.measure("the throughput phase", run)
+    print(f"event throughput, {emitted} events offered at {rate:g}/s:")
+    print(f"  into the coordinator (all acknowledged)      {into:10.0f} events/s")
+    print(f"  out to one subscriber (all received)         {out:10.0f} events/s")
+    return goal(">= 20,000 events/s in and out", min(into, out) >= 20_000)
+
+
+def end_to_end(coord: CoordinatorProcess, sub: Subscriber, kills: int, keep: bool) -> bool:
+    lat = []
+    with Fleet("fleet-e2e", engines(1), probe=PROBE, restart=RESTART,
+               top={"coordinator": coord.endpoint}, keep=keep) as fleet:
+        with step("a real node daemon, its engine healthy"):
+            fleet.wait_all_healthy(120)
+        for _ in range(kills):
+            engine = fleet.wait_all_healthy(120)["e0"]
+            killed_at = time.time()
+            os.kill(engine["pid"], signal.SIGKILL)
+            match = {"node_id": "test-node", "engine": "e0", "to": "stopping",
+                     "incarnation": engine["incarnation"]}
+            seen = wait_for(partial(sub.find, killed_at, **match), 10,
+                            "the kill at the subscriber")
+            lat.append(1000 * (seen[0] - killed_at))
+    print("end to end, SIGKILL of a real engine -> the subscriber has the event:")
+    s = summary("kill -> client", lat, "ms", 2)
+    return goal("median <= 50 ms", s.median <= 50)
+
+
+def restart(coord: CoordinatorProcess, bind: str, tmp: Path, cpu: CpuMeter, nodes: int,
+            engines: int) -> tuple[bool, CoordinatorProcess]:
+    """SIGKILL, a new process on the same port; from its start (Python start-up included)
+    until the fleet view is whole again."""
+    coord.kill()
+    new = start_coordinator_process(bind, log_path=tmp / "coordinator.log", ready_timeout_s=30)
+    cpu.attach(new.proc.pid)
+    started = psutil.Process(new.proc.pid).create_time()
+    reach, listed = fleet_ready(new, nodes, engines, 60)
+    cpu.sample()
+    print("convergence after a coordinator restart (SIGKILL, new process, same port):")
+    print(f"  from the new process's start: every node reachable {reach - started:.2f} s, "
+          f"every engine listed {listed - started:.2f} s")
+    return goal("every engine listed <= 5 s", listed - started <= 5), new
+
+
+if __name__ == "__main__":
+    bench_main(main, parse_args(__doc__ or "", repeat=40, quick_repeat=3, time_limit=1800,
+                                extra=options))

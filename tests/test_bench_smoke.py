@@ -1,0 +1,27 @@
+"""The fleet benchmark runs end to end at a small scale: every phase prints its figure and the
+run cleans up. Its goals are not asserted here (throughput at a few thousand events offered
+says nothing); exit status 2 means a goal was missed, 1 an error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fleet_scale_quick_runs_every_phase() -> None:
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "fleet_scale.py"), "--quick", "--nodes", "12",
+         "--engines", "2", "--workers", "2", "--time-limit", "120"],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = run.stdout + run.stderr
+    assert run.returncode in (0, 2), out
+    for figure in ("pushed (node -> coordinator -> subscriber)", "polling every node's status",
+                   "pause, every node acknowledged", "into the coordinator",
+                   "out to one subscriber", "kill -> client", "every engine listed",
+                   "peak RSS", "0 dropped from outboxes, 0 bad messages"):
+        assert figure in out, f"{figure!r} missing:\n{out}"
