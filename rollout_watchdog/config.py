@@ -391,15 +391,19 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     all_ports = sorted({url_port(url) or 0, *command_ports(tuple(command)), *ports} - {0})
     return EngineConfig(id=engine_id, url=url.rstrip("/"), command=tuple(command), gpus=gpus,
                         env=dict(env), ports=tuple(all_ports), restart_policy=policy,
-                        group=group, tp_size=tp_size, cwd=cwd, probe=engine_probe, restart=engine_restart)
+                        group=group, tp_size=tp_size, cwd=cwd, probe=engine_probe,
+                        restart=engine_restart)
 
 
 def _node_id(c: _Checker) -> str:
-    """The node id: also the ZMQ routing id towards the coordinator (at most 255 bytes)."""
+    """The node id: also the ZMQ routing id towards the coordinator (at most 255 bytes), and
+    the NODE of the fleet's NODE/ENGINE names (so no '/')."""
     default = socket.gethostname()
     node_id = c.name("node_id", default)
-    if any(ch.isspace() for ch in node_id) or len(node_id.encode()) > 255:
-        c.problem("node_id", f"must be at most 255 bytes without spaces, got {shown(node_id)}")
+    if (any(ch.isspace() for ch in node_id) or "/" in node_id
+            or len(node_id.encode()) > 255):
+        c.problem("node_id", "must be at most 255 bytes without spaces or '/', got "
+                             f"{shown(node_id)}")
         return default
     return node_id
 

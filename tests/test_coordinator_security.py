@@ -53,9 +53,6 @@ def test_a_bind_that_is_not_an_endpoint_is_named(bind: str) -> None:
         check_bind(bind, None, insecure=True)
 
 
-@pytest.mark.xfail(strict=True, reason="is_local_endpoint lets urlsplit's ValueError('Invalid "
-                   "IPv6 URL') out for an unbalanced bracket, so check_bind's error does not "
-                   "name the endpoint")
 def test_a_malformed_ipv6_bind_is_named_in_the_error() -> None:
     with pytest.raises(ValueError, match=r"tcp://\[::1:5555"):
         check_bind("tcp://[::1:5555", None, insecure=False)

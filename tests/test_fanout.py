@@ -35,21 +35,21 @@ def test_each_node_gets_its_own_request_id_with_the_engine_in_its_args() -> None
 def test_the_gathering_completes_when_every_node_answered() -> None:
     fanout = Fanout()
     fanout.start(gathering("r1", ["n1", "n2"]))
-    assert fanout.answered(Reply("r1/n2", "ok", None, {"restarted": ["e0"]})) is None
-    done = fanout.answered(Reply("r1/n1", "ok", None, {"restarted": ["e1"]}))
+    assert fanout.answered(Reply("r1/n2", "ok", None, {"restarted": ["e0"]}), "n2") is None
+    done = fanout.answered(Reply("r1/n1", "ok", None, {"restarted": ["e1"]}), "n1")
     assert done is not None and done.final is not None
     assert done.final == Reply("r1", "ok", None, {
         "nodes": {"n1": {"status": "ok", "reason": None, "result": {"restarted": ["e1"]}},
                   "n2": {"status": "ok", "reason": None, "result": {"restarted": ["e0"]}}},
         "missing": []})
     assert fanout.pending == {} and fanout.next_deadline() is None
-    assert fanout.answered(Reply("r1/n1", "ok")) is None        # a late duplicate: ignored
+    assert fanout.answered(Reply("r1/n1", "ok"), "n1") is None        # a late duplicate: ignored
 
 
 def test_the_gathering_completes_when_the_rest_went_unreachable() -> None:
     fanout = Fanout()
     fanout.start(gathering("r1", ["n1", "n2", "n3"]))
-    fanout.answered(Reply("r1/n1", "ok"))
+    fanout.answered(Reply("r1/n1", "ok"), "n1")
     assert fanout.node_gone("n2") == []
     assert fanout.node_gone("n1") == []                  # it answered already: not waited for
     (done,) = fanout.node_gone("n3")
@@ -74,7 +74,7 @@ def test_expire_names_the_nodes_that_did_not_answer() -> None:
     fanout = Fanout()
     fanout.start(gathering("r1", ["n1", "n2", "n3"], timeout_s=2.0))
     fanout.start(gathering("r2", ["n1"], timeout_s=9.0))
-    fanout.answered(Reply("r1/n2", "ok"))
+    fanout.answered(Reply("r1/n2", "ok"), "n2")
     assert fanout.next_deadline() == T0 + 2.0
     assert fanout.expire(T0 + 1.9) == []
     (expired,) = fanout.expire(T0 + 2.0)
@@ -83,16 +83,16 @@ def test_expire_names_the_nodes_that_did_not_answer() -> None:
     assert reply.result["missing"] == ["n1", "n3"]
     assert "n1, n3" in str(reply.reason) and "2 s" in str(reply.reason)
     assert "n2" not in str(reply.reason)
-    assert fanout.answered(Reply("r1/n1", "ok")) is None        # too late
+    assert fanout.answered(Reply("r1/n1", "ok"), "n1") is None        # too late
     assert list(fanout.pending) == ["r2"]
 
 
 def test_error_replies_are_named_in_the_reason() -> None:
     fanout = Fanout()
     fanout.start(gathering("r1", ["n1", "n2", "n3"]))
-    fanout.answered(Reply("r1/n1", "error", "no engine e9"))
-    fanout.answered(Reply("r1/n2", "ok"))
-    done = fanout.answered(Reply("r1/n3", "error", "engine e0 is external"))
+    fanout.answered(Reply("r1/n1", "error", "no engine e9"), "n1")
+    fanout.answered(Reply("r1/n2", "ok"), "n2")
+    done = fanout.answered(Reply("r1/n3", "error", "engine e0 is external"), "n3")
     assert done is not None and done.final is not None
     assert done.final.status == "error"
     assert done.final.reason == "n1: no engine e9; n3: engine e0 is external"
@@ -106,7 +106,7 @@ def test_a_repeated_request_id_gets_the_same_reply() -> None:
     fanout.start(g)
     assert fanout.known("r1") is g                              # in flight: the same gathering
     assert fanout.known("r2") is None
-    fanout.answered(Reply("r1/n1", "ok", None, 7))
+    fanout.answered(Reply("r1/n1", "ok", None, 7), "n1")
     assert fanout.known("r1") == g.final and g.final is not None
     assert g.final.result == {"nodes": {"n1": {"status": "ok", "reason": None, "result": 7}},
                               "missing": []}
@@ -125,17 +125,25 @@ def test_remembered_replies_are_bounded_oldest_forgotten_first(
     assert len(fanout.done) == 3
 
 
-@pytest.mark.xfail(strict=True, reason="per-node request ids are REQUEST/NODE and node ids may "
-                   "contain '/': request 'a/b' to node 'c' and request 'a' to node 'b/c' share "
-                   "'a/b/c', so one node's reply is taken as the other's")
 def test_per_node_request_ids_never_collide() -> None:
+    """'a/b' to node 'c' and 'a' to node 'b/c' share the per-node id 'a/b/c'; the replying
+    node tells them apart (and config forbids '/' in node ids anyway)."""
     fanout = Fanout()
     first = gathering("a/b", ["c"])
     second = gathering("a", ["b/c"])
     fanout.start(first)
     fanout.start(second)
-    done = fanout.answered(Reply("a/b/c", "ok", None, "from c"))
+    done = fanout.answered(Reply("a/b/c", "ok", None, "from c"), "c")
     assert done is first
     assert first.final is not None and first.final.result["nodes"] == {
         "c": {"status": "ok", "reason": None, "result": "from c"}}
     assert second.final is None
+
+
+def test_a_reply_from_anyone_but_the_target_node_is_no_answer() -> None:
+    fanout = Fanout()
+    fanout.start(gathering("r1", ["n1"]))
+    assert fanout.answered(Reply("r1/n1", "ok"), "n2") is None
+    assert fanout.answered(Reply("r1/n1", "ok"), "\x00client") is None
+    assert "r1" in fanout.pending
+    assert fanout.answered(Reply("r1/n1", "ok"), "n1") is not None

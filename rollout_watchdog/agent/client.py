@@ -188,10 +188,25 @@ class FleetClient:
 
     def status(self, node: str | None = None, timeout_s: float | None = None
                ) -> dict[str, Any]:
-        """The coordinator's fleet view as JSON (what `status --coordinator --json` prints)."""
-        _, result = self.call("status", node=node, timeout_s=timeout_s)
-        nodes_of(result)  # checked: a view, or RolloutWatchdogError
-        return dict(result)
+        """The coordinator's fleet view as JSON (what `status --coordinator --json` prints),
+        fetched a page at a time (a big fleet's view exceeds one message), all within one
+        deadline."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait
+        nodes: list[Any] = []
+        after: str | None = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CoordinatorUnavailable(f"the fleet view from {self.address} did not "
+                                             f"arrive within {wait:g} s")
+            _, result = self.call("status", {} if after is None else {"after": after},
+                                  node=node, timeout_s=left)
+            nodes_of(result)  # checked: a view, or RolloutWatchdogError
+            nodes.extend(result["nodes"])
+            after = result.get("next")
+            if not isinstance(after, str):
+                return {"nodes": nodes}
 
     def nodes(self, node: str | None = None, timeout_s: float | None = None) -> list[NodeView]:
         return nodes_of(self.status(node, timeout_s))

@@ -224,7 +224,7 @@ class Coordinator:
                 self._event(msg, frame.bytes, peer, now, wall)
             elif isinstance(msg, protocol.Reply):
                 self._own_events(self.view.heard(peer, now, wall))
-                gathering = self.fanout.answered(msg)
+                gathering = self.fanout.answered(msg, peer)
                 if gathering is not None:
                     self._answer(gathering)
             elif isinstance(msg, protocol.Command):
@@ -247,6 +247,8 @@ class Coordinator:
         if not new:
             return
         self.relay.add(Relayed(msg.node_id, msg.boot, msg.seq, frame))
+        if msg.seq <= self.view.nodes[peer].snapshot_seq:
+            return  # older than the HELLO's snapshot: whoever heard it first acted on it
         for node, engine in self.view.group_restarts(peer, msg.event):
             self._group_restart(node, engine, msg)
 
@@ -308,7 +310,11 @@ class Coordinator:
         if cmd.cmd == "status":
             if cmd.node is not None and cmd.node not in self.view.nodes:
                 return _error(cmd, f"unknown node {cmd.node!r}")
-            return protocol.Reply(cmd.request_id, "ok", None, self.view.status(cmd.node))
+            after = cmd.args.get("after")
+            if after is not None and not isinstance(after, str):
+                return _error(cmd, f"'after' must be a node id, got {str(after)[:40]!r}")
+            return protocol.Reply(cmd.request_id, "ok", None,
+                                  self.view.status(cmd.node, after))
         return protocol.Reply(cmd.request_id, "ok", None, {
             "coordinator": self.boot, "nodes": len(self.view.nodes),
             "reachable": len(self.view.reachable()), "subscribers": len(self.relay.subscribers),

@@ -53,7 +53,8 @@ class Gathering:
 class Fanout:
     def __init__(self) -> None:
         self.pending: dict[str, Gathering] = {}
-        self.by_node_request: dict[str, tuple[str, str]] = {}
+        # (per-node request id, node) -> the client's request id
+        self.by_node_request: dict[tuple[str, str], str] = {}
         self.done: OrderedDict[str, protocol.Reply] = OrderedDict()
 
     def start(self, gathering: Gathering) -> list[tuple[str, protocol.Command]]:
@@ -66,17 +67,17 @@ class Fanout:
             args["engine"] = cmd.engine
         for node in gathering.targets:
             rid = node_request_id(cmd.request_id, node)
-            self.by_node_request[rid] = (cmd.request_id, node)
+            self.by_node_request[rid, node] = cmd.request_id
             out.append((node, protocol.Command(rid, cmd.cmd, args, node, cmd.engine,
                                                cmd.timeout_s)))
         return out
 
-    def answered(self, reply: protocol.Reply) -> Gathering | None:
-        """A node's reply; the gathering it completes, if any."""
-        key = self.by_node_request.get(reply.request_id)
-        if key is None:
+    def answered(self, reply: protocol.Reply, node: str) -> Gathering | None:
+        """A reply from `node` (its sender); the gathering it completes, if any. A reply from
+        anyone but the node the command went to is no answer."""
+        request_id = self.by_node_request.get((reply.request_id, node))
+        if request_id is None:
             return None
-        request_id, node = key
         gathering = self.pending.get(request_id)
         if gathering is None:
             return None
@@ -114,7 +115,7 @@ class Fanout:
         request_id = gathering.command.request_id
         self.pending.pop(request_id, None)
         for node in gathering.targets:
-            self.by_node_request.pop(node_request_id(request_id, node), None)
+            self.by_node_request.pop((node_request_id(request_id, node), node), None)
         gathering.final = gathering.reply()
         self.remember(gathering.final)
         return gathering

@@ -8,6 +8,7 @@ silent, which parts of a multi-node group to restart. The coordinator does the I
 
 from __future__ import annotations
 
+import json
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from rollout_watchdog.agent import protocol
 
 NODE_TIMEOUT_S = 5.0
+STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
 RUNNING_STATES = frozenset({"starting", "healthy", "suspect"})
 NODE_EVENT_KINDS = ("node_reachable", "node_unreachable")
@@ -137,15 +139,28 @@ class FleetView:
     def reachable(self) -> list[str]:
         return [n for n, r in self.nodes.items() if r.reachable]
 
-    def status(self, node: str | None = None) -> dict[str, Any]:
-        """The fleet view as `status --coordinator --json` prints it."""
-        records = [self.nodes[node]] if node in self.nodes else (
-            [] if node is not None else list(self.nodes.values()))
-        return {"nodes": [{
-            "node_id": r.node_id, "reachable": r.reachable, "last_seen": r.last_seen,
-            "boot": r.boot,
-            "engines": [engine_view(e, r.reachable) for e in r.engines.values()],
-        } for r in sorted(records, key=lambda r: r.node_id)]}
+    def status(self, node: str | None = None, after: str | None = None,
+               max_bytes: int = STATUS_PAGE_BYTES) -> dict[str, Any]:
+        """The fleet view as `status --coordinator --json` prints it, one page of it: the nodes
+        after node id `after`, in order, as many as fit in about `max_bytes` of JSON (at least
+        one). `next` is the `after` of the next page, or null on the last."""
+        if node is not None:
+            records = [self.nodes[node]] if node in self.nodes else []
+        else:
+            records = sorted((r for r in self.nodes.values()
+                              if after is None or r.node_id > after), key=lambda r: r.node_id)
+        page: list[dict[str, Any]] = []
+        size = 0
+        for record in records:
+            entry = {"node_id": record.node_id, "reachable": record.reachable,
+                     "last_seen": record.last_seen, "boot": record.boot,
+                     "engines": [engine_view(e, record.reachable)
+                                 for e in record.engines.values()]}
+            size += len(json.dumps(entry, separators=(",", ":")))
+            if page and size > max_bytes:
+                return {"nodes": page, "next": page[-1]["node_id"]}
+            page.append(entry)
+        return {"nodes": page, "next": None}
 
     def group_restarts(self, node_id: str, event: dict[str, Any]) -> list[tuple[str, str]]:
         """The other parts of a multi-node engine to restart because this event says one

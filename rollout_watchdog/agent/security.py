@@ -32,7 +32,10 @@ def is_local_endpoint(endpoint: str) -> bool:
         return True
     if scheme != "tcp":
         return False
-    host = urlsplit(f"//{rest}").hostname or ""
+    try:
+        host = urlsplit(f"//{rest}").hostname or ""
+    except ValueError:  # an unbalanced '[': check_bind names the endpoint
+        return False
     if host == "localhost":
         return True
     try:
@@ -44,13 +47,21 @@ def is_local_endpoint(endpoint: str) -> bool:
 def check_bind(bind: str, keys: str | None, insecure: bool) -> None:
     """ValueError naming the problem: the control plane can kill GPU jobs, so an open bind
     needs keys, or the operator's explicit `--insecure`."""
-    if "://" not in bind:
+    if "://" not in bind or (bind.startswith("tcp://") and _unparsable(bind)):
         raise ValueError(f"bind endpoint {bind!r} is not a ZMQ endpoint like tcp://0.0.0.0:5555")
     if keys is None and not insecure and not is_local_endpoint(bind):
         raise ValueError(
             f"refusing to bind {bind} without keys: anyone who reaches it could stop GPU jobs. "
             "Give --keys DIR (see `rollout-watchdog keygen`), bind a loopback address, or say "
             "--insecure")
+
+
+def _unparsable(endpoint: str) -> bool:
+    try:
+        urlsplit("//" + endpoint.partition("://")[2])
+    except ValueError:
+        return True
+    return False
 
 
 class NamedKeyAuthenticator(ThreadAuthenticator):
