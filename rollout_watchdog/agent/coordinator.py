@@ -184,11 +184,12 @@ class Coordinator:
         assert self.sock is not None
         for _ in range(MESSAGES_PER_TURN):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                received = self._recv()
             except zmq.Again:
                 break
             try:
-                self._receive(frames)
+                if received is not None:
+                    self._receive(*received)
             except Exception:  # a bug on one message must not stop the fleet's hub
                 self.bad_messages["internal_error"] += 1
                 log.exception("coordinator: failed to handle a message")
@@ -198,13 +199,26 @@ class Coordinator:
                 protocol.Ack(record.boot, record.received_seq)))
         self._acks.clear()
 
-    def _receive(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 2:
-            self._bad("framing", f"{len(frames) - 1} frames instead of one")
-            return
-        peer_id, frame = frames[0].bytes, frames[1]
+    def _recv(self) -> tuple[bytes, bytes, str | None] | None:
+        """(peer, message, name of its CURVE key); None for a bad frame count. Frame objects
+        (slower to get) only with CURVE, where the key's name (the User-Id) is needed."""
+        assert self.sock is not None
+        if not self.keys:
+            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) == 2:
+                return frames[0], frames[1], None
+        else:
+            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            if len(parts) == 2:
+                return parts[0].bytes, parts[1].bytes, str(parts[1].get("User-Id"))
+            frames = [p.bytes for p in parts]
+        self._bad("framing", f"{len(frames) - 1} frames instead of one")
+        return None
+
+    def _receive(self, peer_id: bytes, data: bytes, user: str | None) -> None:
+        """One message from `peer_id`; `user` is the name of its CURVE key (None without)."""
         try:
-            msg = protocol.decode(frame.bytes)
+            msg = protocol.decode(data)
         except protocol.ProtocolError as exc:
             self._bad("undecodable", str(exc))
             return
@@ -212,16 +226,15 @@ class Coordinator:
         now, wall = time.monotonic(), time.time()
         from_node = isinstance(msg, (protocol.Hello, protocol.Event)) or (
             isinstance(msg, protocol.Reply) and peer in self.view.nodes)
-        if from_node and self.keys and frame.get("User-Id") != peer:
-            self._bad("unknown_node", f"{msg.KIND} from {peer!r} under the key of "
-                                      f"{frame.get('User-Id')!r}")
+        if from_node and self.keys and user != peer:
+            self._bad("unknown_node", f"{msg.KIND} from {peer!r} under the key of {user!r}")
             return
         try:
             if isinstance(msg, protocol.Hello):
                 self._own_events(self.view.hello(msg, peer, now, wall))
                 self._acks.add(peer)
             elif isinstance(msg, protocol.Event):
-                self._event(msg, frame.bytes, peer, now, wall)
+                self._event(msg, data, peer, now, wall)
             elif isinstance(msg, protocol.Reply):
                 self._own_events(self.view.heard(peer, now, wall))
                 gathering = self.fanout.answered(msg, peer)

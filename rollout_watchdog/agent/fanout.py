@@ -35,7 +35,7 @@ class Gathering:
     final: protocol.Reply | None = None   # set once complete or expired
 
     def complete(self) -> bool:
-        return all(n in self.answers or n in self.gone for n in self.targets)
+        return len(self.answers) + len(self.gone - self.answers.keys()) >= len(self.targets)
 
     def reply(self) -> protocol.Reply:
         missing = [n for n in self.targets if n not in self.answers]

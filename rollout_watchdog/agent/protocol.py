@@ -8,8 +8,8 @@ Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX
     "kind": one of "hello", "event", "ack", "heartbeat", "command", "reply", "subscribe"
 and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR (a
 newer minor only adds optional fields) and ignores fields it does not know. Numbers are finite
-(no NaN/Infinity); integers fit in a signed 64-bit int. Sequence numbers count from 1 within one
-boot of a node daemon; 0 means "none yet".
+(no NaN/Infinity); the protocol's own integers (seq, last_seq) fit in a signed 64-bit int.
+Sequence numbers count from 1 within one boot of a node daemon; 0 means "none yet".
 
 Kinds (direction; fields, "?" = optional, may be null or absent):
     hello      node -> coordinator, on every (re)connect: node_id, boot (the node daemon's boot
@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
 MAJOR = 1
@@ -70,7 +70,9 @@ def _check_str(kind: str, name: str, value: object, *, optional: bool = False) -
 
 
 def _check_int(kind: str, name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < _INT_LIMIT:
+    if isinstance(value, int) and value >= _INT_LIMIT:
+        raise ProtocolError(f"{kind}: field {name!r}: integer does not fit in 64 bits")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value:
         raise _fail(kind, name, f"an integer >= {minimum}", value)
 
 
@@ -92,6 +94,17 @@ def _check_object(kind: str, name: str, value: object) -> None:
 _M = TypeVar("_M", bound="_Message")
 
 
+_FIELDS: dict[type, tuple[Field[Any], ...]] = {}
+
+
+def _fields_of(cls: type) -> tuple[Field[Any], ...]:
+    """A message class's fields (dataclasses.fields() costs a lookup on every message)."""
+    found = _FIELDS.get(cls)
+    if found is None:
+        found = _FIELDS[cls] = fields(cls)
+    return found
+
+
 @dataclass(frozen=True)
 class _Message:
     """Common JSON mapping: a message's fields are its JSON fields, plus "v" and "kind"."""
@@ -99,14 +112,14 @@ class _Message:
     KIND: ClassVar[str]
 
     def to_json(self) -> dict[str, Any]:
-        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body = {f.name: getattr(self, f.name) for f in _fields_of(type(self))}
         return {"v": list(VERSION), "kind": self.KIND, **body}
 
     @classmethod
     def from_json(cls: type[_M], obj: Mapping[str, Any]) -> _M:
         """The message in `obj` (its envelope already checked); unknown fields are ignored."""
         known: dict[str, Any] = {}
-        for f in fields(cls):
+        for f in _fields_of(cls):
             if f.name in obj:
                 known[f.name] = obj[f.name]
             elif f.default is MISSING and f.default_factory is MISSING:
@@ -296,14 +309,13 @@ def _parse_float(text: str) -> float:
     return number
 
 
-def _parse_int(text: str) -> int:
-    if len(text) > 20 or not -_INT_LIMIT <= (number := int(text)) < _INT_LIMIT:
-        raise ProtocolError(f"integer {text[:40]!r} does not fit in 64 bits")
-    return number
-
-
 def _parse_constant(text: str) -> Any:
     raise ProtocolError(f"non-finite number {text!r}")
+
+
+# One decoder, built once (json.loads with hooks builds one per call). Floats are checked as
+# they are parsed: 1e999 would otherwise become infinity, which JSON cannot carry onwards.
+_DECODER = json.JSONDecoder(parse_float=_parse_float, parse_constant=_parse_constant)
 
 
 def from_json(obj: object) -> Message:
@@ -337,13 +349,14 @@ def decode(data: bytes) -> Message:
     except UnicodeDecodeError as exc:
         raise ProtocolError(f"not UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        obj = json.loads(text, parse_float=_parse_float, parse_int=_parse_int,
-                         parse_constant=_parse_constant)
+        obj = _DECODER.decode(text)
     except ProtocolError:
         raise
     except RecursionError:
         raise ProtocolError("JSON nested too deeply") from None
     except ValueError as exc:
+        if "integer string conversion" in str(exc):  # Python's own limit, 4300 digits
+            raise ProtocolError("an integer does not fit in 64 bits") from None
         raise ProtocolError(f"not JSON: {exc}") from None
     try:
         return from_json(obj)
