@@ -10,6 +10,7 @@ and prints what the client saw. Everything is real: processes, signals, sockets,
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +45,17 @@ VICTIM = "node-b"          # the node whose engine, then whose daemon, is SIGKIL
 CLIENT = "driver"          # the client's key name
 NODE_TIMEOUT_S = 3.0       # silence after which the coordinator marks a node unreachable
 PUMP_S = 0.2               # how long one look at the event stream waits for events
+
+
+def log_to(path: Path) -> None:
+    """What the coordinator in this process logs goes to `path`, as a standalone one's would
+    go to its journal; the terminal shows the story."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("rollout_watchdog")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
 
 
 def make_keys(keys: Path) -> Path:
@@ -128,77 +140,93 @@ def _healthy(client: FleetClient, incarnations: dict[str, int]) -> bool:
                and view[name].incarnation == n for name, n in incarnations.items())
 
 
-def _script(timeline: FleetTimeline, client: FleetClient, daemons: Daemons, engines: int
-            ) -> list[str]:
-    """The demo's story; the summary lines a user would check."""
-    timeline.say(f"starting node daemons {' and '.join(NODES)}: each launches {engines} "
-                 "engines and dials the coordinator")
-    for node in NODES:
-        daemons.start(node)
-    timeline.until("every engine of the fleet healthy", lambda: _healthy(
-        client, {f"{node}/e{i}": 1 for node in NODES for i in range(engines)}))
+class Story:
+    """The demo's steps, each printing what it does and returning its summary line."""
 
-    timeline.say("fleet-wide pause of deep probes (what a trainer does around a refit)")
-    began = time.monotonic()
-    paused = client.pause(all=True)
-    took = time.monotonic() - began
-    for node, reply in sorted(paused.nodes.items()):
-        timeline.say(f"{node}: {result_line(reply.result)}")
-    timeline.pump()
-    timeline.say("fleet-wide resume")
-    client.resume(all=True)
-    timeline.pump()
+    def __init__(self, timeline: FleetTimeline, client: FleetClient, daemons: Daemons,
+                 engines: int) -> None:
+        self.timeline, self.client, self.daemons, self.engines = timeline, client, daemons, engines
 
-    name = f"{VICTIM}/e0"
-    victim = _engines(client)[name]
-    if victim.pid is None:
-        raise RuntimeError(f"{name} has no pid in the fleet view")
-    timeline.say(f"injecting a crash: SIGKILL to {name}'s main process (pid {victim.pid})")
-    mark = len(timeline.events)
-    killed_at = time.time()
-    os.kill(victim.pid, signal.SIGKILL)
+    def start(self) -> str:
+        self.timeline.say(f"starting node daemons {' and '.join(NODES)}: each launches "
+                          f"{self.engines} engines and dials the coordinator")
+        for node in NODES:
+            self.daemons.start(node)
+        self.timeline.until("every engine of the fleet healthy", lambda: _healthy(
+            self.client, {f"{node}/e{i}": 1 for node in NODES for i in range(self.engines)}))
+        return f"{len(NODES)} nodes joined, {len(NODES) * self.engines} engines healthy"
 
-    timeline.until(f"{name} detected, relaunched and healthy", lambda: _healthy(
-        client, {name: victim.incarnation + 1}) and timeline.find(
-        lambda e: _of(e, name) and e.to == "healthy", mark) is not None)
-    heard, detected = timeline.find(
-        lambda e: _of(e, name) and e.to == "stopping", mark) or (0.0, None)
-    if detected is None or detected.ts is None:
-        raise RuntimeError(f"the client heard no crash of {name}")
+    def pause(self) -> str:
+        self.timeline.say("fleet-wide pause of deep probes (what a trainer does around a refit)")
+        began = time.monotonic()
+        paused = self.client.pause(all=True)
+        took = time.monotonic() - began
+        for node, reply in sorted(paused.nodes.items()):
+            self.timeline.say(f"{node}: {result_line(reply.result)}")
+        self.timeline.pump()
+        self.timeline.say("fleet-wide resume")
+        self.client.resume(all=True)
+        self.timeline.pump()
+        return (f"fleet-wide pause acknowledged by {len(paused.nodes)} nodes in "
+                f"{1000 * took:.0f} ms (no deep probe in flight anywhere when it returned)")
 
-    before = {e.id: (e.incarnation, e.pid) for e in client.engines(node=VICTIM)}
-    boot = client.nodes(node=VICTIM)[0].boot
-    timeline.say(f"SIGKILL to {VICTIM}'s daemon: its engines run on, unsupervised, and the "
-                 "coordinator hears nothing from the node")
-    mark = len(timeline.events)
-    daemons.kill(VICTIM)
-    timeline.until(f"{VICTIM} unreachable", lambda: timeline.find(
-        lambda e: e.node_id == VICTIM and e.kind == "node_unreachable", mark) is not None)
-    print(fleet_table(client.status(node=VICTIM)), flush=True)
-    timeline.say(f"starting {VICTIM}'s daemon again: it adopts the engines it finds running")
-    daemons.start(VICTIM)
+    def crash(self) -> str:
+        name = f"{VICTIM}/e0"
+        victim = _engines(self.client)[name]
+        if victim.pid is None:
+            raise RuntimeError(f"{name} has no pid in the fleet view")
+        self.timeline.say(f"injecting a crash: SIGKILL to {name}'s main process "
+                          f"(pid {victim.pid})")
+        mark = len(self.timeline.events)
+        killed_at = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        self.timeline.until(f"{name} detected, relaunched and healthy", lambda: _healthy(
+            self.client, {name: victim.incarnation + 1}) and self.timeline.find(
+            lambda e: _of(e, name) and e.to == "healthy", mark) is not None)
+        heard, detected = self.timeline.find(
+            lambda e: _of(e, name) and e.to == "stopping", mark) or (0.0, None)
+        if detected is None or detected.ts is None:
+            raise RuntimeError(f"the client heard no crash of {name}")
+        return (f"crash of {name} detected {1000 * (detected.ts - killed_at):.1f} ms after the "
+                f"SIGKILL, heard by the client {1000 * (heard - killed_at):.1f} ms after; "
+                f"relaunched as incarnation {victim.incarnation + 1}")
 
-    def back() -> bool:
-        nodes = client.nodes(node=VICTIM)
-        adopted = {e.engine for _, e in timeline.events[mark:]
-                   if e.node_id == VICTIM and e.kind == "adopted"}
-        return (nodes[0].reachable and nodes[0].boot != boot and adopted >= set(before)
-                and timeline.find(lambda e: e.node_id == VICTIM and e.kind == "node_reachable",
-                                  mark) is not None)
-    timeline.until(f"{VICTIM} reachable again, its engines adopted", back)
-    after = {e.id: (e.incarnation, e.pid) for e in client.engines(node=VICTIM)}
-    if after != before:
-        raise RuntimeError(f"{VICTIM}'s engines were not adopted as they were: before "
-                           f"{before}, after {after}")
-    print("\nthe fleet, as the coordinator sees it:\n" + fleet_table(client.status()) + "\n")
-    kept = ", ".join(f"{e}#{inc} (pid {pid})" for e, (inc, pid) in sorted(after.items()))
-    return [f"fleet-wide pause acknowledged by {len(paused.nodes)} nodes in "
-            f"{1000 * took:.0f} ms (no deep probe in flight anywhere when it returned)",
-            f"crash of {name} detected {1000 * (detected.ts - killed_at):.1f} ms after the "
-            f"SIGKILL, heard by the client {1000 * (heard - killed_at):.1f} ms after; "
-            f"relaunched as incarnation {victim.incarnation + 1}",
-            f"{VICTIM}'s daemon SIGKILLed and started again: {VICTIM} unreachable, then "
-            f"reachable; engines adopted with the same incarnations: {kept}"]
+    def node_restart(self) -> str:
+        before = {e.id: (e.incarnation, e.pid) for e in self.client.engines(node=VICTIM)}
+        boot = self.client.nodes(node=VICTIM)[0].boot
+        self.timeline.say(f"SIGKILL to {VICTIM}'s daemon: its engines run on, unsupervised, "
+                          "and the coordinator hears nothing from the node")
+        mark = len(self.timeline.events)
+        self.daemons.kill(VICTIM)
+        self.timeline.until(f"{VICTIM} unreachable", lambda: self._node_event(
+            "node_unreachable", mark) is not None)
+        print(fleet_table(self.client.status(node=VICTIM)), flush=True)
+        self.timeline.say(f"starting {VICTIM}'s daemon again: it adopts the engines it finds "
+                          "running")
+        self.daemons.start(VICTIM)
+
+        def back() -> bool:
+            node = self.client.nodes(node=VICTIM)[0]
+            adopted = {e.engine for _, e in self.timeline.events[mark:]
+                       if e.node_id == VICTIM and e.kind == "adopted"}
+            return (node.reachable and node.boot != boot and adopted >= set(before)
+                    and self._node_event("node_reachable", mark) is not None)
+        self.timeline.until(f"{VICTIM} reachable again, its engines adopted", back)
+        after = {e.id: (e.incarnation, e.pid) for e in self.client.engines(node=VICTIM)}
+        if after != before:
+            raise RuntimeError(f"{VICTIM}'s engines were not adopted as they were: before "
+                               f"{before}, after {after}")
+        gone, came = self._node_event("node_unreachable", mark), \
+            self._node_event("node_reachable", mark)
+        away = (came.ts or 0.0) - (gone.ts or 0.0) if gone and came else 0.0
+        kept = ", ".join(f"{e}#{inc} (pid {pid})" for e, (inc, pid) in sorted(after.items()))
+        return (f"{VICTIM}'s daemon SIGKILLed and started again: {VICTIM} unreachable for "
+                f"{away:.1f} s, then reachable; engines adopted with the same incarnations: "
+                f"{kept}")
+
+    def _node_event(self, kind: str, start: int) -> FleetEvent | None:
+        found = self.timeline.find(lambda e: e.node_id == VICTIM and e.kind == kind, start)
+        return found[1] if found else None
 
 
 def _of(event: FleetEvent, name: str) -> bool:
@@ -214,6 +242,7 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
     stream: EventStream | None = None
     daemons: Daemons | None = None
     try:
+        log_to(workdir / "coordinator.log")
         keys = make_keys(workdir / "keys")
         coordinator = Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys),
                                   node_timeout_s=NODE_TIMEOUT_S)
@@ -224,14 +253,17 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
         timeline = FleetTimeline(stream)
         timeline.say(f"coordinator on {coordinator.endpoint}; keys in {keys}")
         daemons = Daemons(workdir, coordinator.endpoint, keys, args.engines)
-        summary = _script(timeline, client, daemons, args.engines)
+        story = Story(timeline, client, daemons, args.engines)
+        summary = [story.start(), story.pause(), story.crash(), story.node_restart()]
+        print("\nthe fleet, as the coordinator sees it:\n" + fleet_table(client.status()))
         timeline.say("stopping the node daemons (each stops its engines) and the coordinator")
         codes = daemons.stop()
         print("\n" + "\n".join(summary))
         print("node daemons' exit codes: " + ", ".join(f"{n} {c}" for n, c in codes.items()))
         return 0
     except (TimeoutError, RolloutWatchdogError, RuntimeError, OSError) as exc:
-        print(f"demo failed: {exc}; node logs: {workdir}/NODE/daemon.log", file=sys.stderr)
+        print(f"demo failed: {exc}; logs: {workdir}/coordinator.log and "
+              f"{workdir}/NODE/daemon.log", file=sys.stderr)
         args.keep = True
         return 1
     finally:
@@ -244,5 +276,7 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
             if coordinator is not None:
                 coordinator.stop()
             sweep(workdir)
-            if not args.keep:
+            if args.keep:
+                print(f"files kept in {workdir}")
+            else:
                 shutil.rmtree(workdir, ignore_errors=True)
