@@ -49,6 +49,11 @@ class SimNode:
             "pause_deadline": None, "gpus": [i], "ports": [], "group": None, "tp_size": 1,
             "kill": None} for i in range(engines)}
 
+    def engine_status(self, engine_id: str) -> dict[str, Any] | None:
+        """What a real node sends along with each event (the engine's status object)."""
+        engine = self.engines.get(engine_id)
+        return dict(engine) if engine is not None else None
+
     def snapshot(self) -> list[dict[str, Any]]:
         return [dict(e) for e in self.engines.values()]
 
@@ -121,7 +126,8 @@ class Worker:
         for node in self.nodes:
             node.link = NodeLink(self.ctx, endpoint=endpoint, node_id=node.node_id,
                                  boot=node.boot, snapshot=node.snapshot,
-                                 dispatch=node.dispatch, clock=self.clock)
+                                 dispatch=node.dispatch, clock=self.clock,
+                                 engine_status=node.engine_status)
             self.links.append(node.link)
             if control:
                 self.controls.append(ControlServer(self.ctx, "tcp://127.0.0.1:*",

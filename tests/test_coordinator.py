@@ -41,7 +41,11 @@ class Peer:
     def call(self, cmd: str, timeout: float = 10.0, **fields: Any) -> protocol.Reply | None:
         """The reply to one command, or None if none came in time."""
         request_id = uuid.uuid4().hex
-        self.sock.send(protocol.encode(protocol.Command(request_id, cmd, **fields)))
+        try:  # a refused peer has no connection: nothing can even be queued
+            self.sock.send(protocol.encode(protocol.Command(request_id, cmd, **fields)),
+                           zmq.NOBLOCK)
+        except zmq.Again:
+            return None
         found = None
 
         def reply() -> protocol.Reply | None:

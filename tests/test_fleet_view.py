@@ -5,6 +5,7 @@ coordinator's side")."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -65,7 +66,7 @@ def test_hello_for_another_node_is_refused_as_unknown_node() -> None:
         view.hello(hello("n2"), "n1", T0, WALL0)
     assert refused.value.reason == "unknown_node"
     assert "n2" in str(refused.value) and "n1" in str(refused.value)
-    assert view.status() == {"nodes": []}
+    assert view.status() == {"nodes": [], "next": None}
 
 
 def test_hello_for_a_superseded_boot_is_refused_as_duplicate_node() -> None:
@@ -202,7 +203,7 @@ def test_status_has_exactly_the_documented_shape() -> None:
     view.hello(hello("n1", boot="b3", engines=[engine("e1", state="starting")]), "n1",
                T0, WALL0 + 1)
     status = view.status()
-    assert list(status) == ["nodes"]
+    assert list(status) == ["nodes", "next"]
     assert [n["node_id"] for n in status["nodes"]] == ["n1", "n2"]
     n2 = status["nodes"][1]
     assert set(n2) == {"node_id", "reachable", "last_seen", "boot", "engines"}
@@ -211,7 +212,7 @@ def test_status_has_exactly_the_documented_shape() -> None:
     assert e0 == {**node_engine, "weight_version": None, "serving": True, "reachable": True}
     assert status["nodes"][0]["engines"][0]["serving"] is False   # starting is not serving
     assert view.status("n1")["nodes"] == [status["nodes"][0]]
-    assert view.status("n9") == {"nodes": []}
+    assert view.status("n9") == {"nodes": [], "next": None}
 
 
 # ---------------------------------------------------------------------- groups
@@ -267,3 +268,20 @@ def test_parts_on_unreachable_nodes_are_not_restarted() -> None:
                         status=engine("e0", state="stopping", group="g1"))
     view.event(event, "n1", T0 + 6.0, WALL0 + 6.0)
     assert view.group_restarts("n1", event.event) == []
+
+
+def test_a_big_fleet_view_comes_in_pages_that_each_fit_a_message() -> None:
+    view = FleetView()
+    engines = [{"id": f"e{i}", "state": "healthy", "detail": "x" * 400} for i in range(8)]
+    for n in range(300):
+        view.hello(Hello(f"n{n:03d}", "b", engines, 0), f"n{n:03d}", 0.0, 0.0)
+    pages, after = [], None
+    while True:
+        page = view.status(after=after, max_bytes=100_000)
+        assert len(json.dumps(page)) < 110_000
+        pages.append(page)
+        after = page["next"]
+        if after is None:
+            break
+    assert len(pages) > 1
+    assert [n["node_id"] for p in pages for n in p["nodes"]] == [f"n{n:03d}" for n in range(300)]
