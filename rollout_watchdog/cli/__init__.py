@@ -167,6 +167,10 @@ def cmd_emulator(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.fleet:
+        from rollout_watchdog.cli.demo_fleet import run_fleet_demo
+
+        return run_fleet_demo(args)
     from rollout_watchdog.cli.demo import run_demo
 
     return run_demo(args)
@@ -249,8 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_emulator)
 
     p = sub.add_parser("demo", help="a crash injected, detected and recovered, on this machine")
+    p.add_argument("--fleet", action="store_true", help="a two-node fleet instead: a "
+                   "coordinator, two node daemons and a client, over CURVE")
     p.add_argument("--engines", type=_at_least_two, default=2,
-                   help="emulated engines (at least 2: one crashes, one hangs; default 2)")
+                   help="emulated engines (per node with --fleet), at least 2: one crashes, "
+                   "one hangs; default 2")
     p.add_argument("--keep", action="store_true", help="keep the demo's directory")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -3,11 +3,14 @@
 One engine is SIGKILLed and another one's generation is stalled (its HTTP stays up); the demo
 prints the timeline of what the daemon saw and did, then stops the daemon, which stops every
 engine. Everything is real: processes, signals, HTTP probes, the control socket.
+
+The helpers above `run_demo` are shared with the fleet demo (`demo_fleet.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -16,20 +19,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
 from rollout_watchdog.emulator.testing import free_port, inject_fault
 
-STEP_TIMEOUT_S = 60.0
+STEP_TIMEOUT_S = 60.0   # the bound on every step of a demo
+STOP_TIMEOUT_S = 30.0   # the bound on a daemon's orderly stop (then SIGKILL)
+# Set in the environment of every process a demo starts (engines inherit it from their
+# daemon): the demo's directory, so that its teardown finds whatever is left, wherever it went.
+DEMO_TAG_ENV = "ROLLOUT_WATCHDOG_DEMO"
 
 
-def _config(workdir: Path, ports: list[int]) -> str:
+def node_config(node_dir: Path, node_id: str, ports: list[int], top: Sequence[str] = ()
+                ) -> str:
+    """A node config for emulated engines e0, e1, ... on `ports`, with fast probes and
+    backoff so that a fault plays out in seconds; `top` adds top-level TOML lines."""
     lines = [
-        'node_id = "demo-node"', f'control = "ipc://{workdir}/control"',
-        f'state_dir = "{workdir}/state"', 'gpu_check = "none"',
+        f'node_id = "{node_id}"', f'control = "ipc://{node_dir}/control"',
+        f'state_dir = "{node_dir}/state"', 'gpu_check = "none"', *top,
         "[probe]", "liveness_interval_s = 0.5", "health_interval_s = 0.5",
         "health_timeout_s = 2.0", "failure_threshold = 2", "startup_timeout_s = 120.0",
         "[restart]", "grace_s = 3.0", "backoff_initial_s = 0.5", "backoff_max_s = 5.0",
@@ -41,17 +52,115 @@ def _config(workdir: Path, ports: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class Timeline:
-    """Prints each event once, with the time since the demo started."""
+def start_daemon(config: Path, workdir: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """`rollout-watchdog run --config CONFIG`, its output appended to `log_path`. In a session
+    of its own: a Ctrl-C at the terminal reaches the demo, whose teardown stops the daemons."""
+    env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1.5", "OMP_NUM_THREADS": "1",
+           DEMO_TAG_ENV: str(workdir)}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "run", "--config",
+                                 str(config)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
 
-    def __init__(self, client: ControlClient) -> None:
-        self.client = client
+
+def stop_daemon(daemon: subprocess.Popen[bytes]) -> int:
+    """SIGTERM (the daemon stops its engines), then SIGKILL after STOP_TIMEOUT_S; its exit
+    code."""
+    if daemon.poll() is None:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            return daemon.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+    return daemon.wait(timeout=STOP_TIMEOUT_S)
+
+
+def sweep(workdir: Path) -> list[int]:
+    """SIGKILL every process still tagged with this demo's directory (an engine orphaned by a
+    killed daemon, a daemon that would not stop); the pids killed."""
+    needle = f"{DEMO_TAG_ENV}={workdir}".encode()
+    killed = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                tagged = needle in f.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if tagged:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(name), signal.SIGKILL)
+                killed.append(int(name))
+    return killed
+
+
+def interrupt_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM interrupt the demo as Ctrl-C does (so its teardown runs); the function
+    that puts the previous handler back."""
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+    return restore
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored meanwhile: a second Ctrl-C must not cut a teardown short."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def describe(event: dict[str, Any]) -> str:
+    """What an event says, after who it is about: `from -> to [cause]  detail`."""
+    what = f"{event['from']} -> {event['to']}" if event["kind"] == "state" else event["kind"]
+    cause = f" [{event['cause']}]" if event.get("cause") else ""
+    detail = f"  {event['detail']}" if event.get("detail") else ""
+    return what + cause + detail
+
+
+class Narrator:
+    """The demo's voice: its own lines and events, stamped with the time since it started, and
+    its steps, each waited on with a deadline while `pump` shows what happens meanwhile."""
+
+    def __init__(self) -> None:
         self.t0 = time.time()
-        self.since = 0
-        self.events: list[dict[str, Any]] = []
+
+    def stamp(self, ts: float) -> str:
+        return f"  +{ts - self.t0:7.3f}s"
 
     def say(self, text: str) -> None:
-        print(f"  +{time.time() - self.t0:7.3f}s  ---- {text}", flush=True)
+        print(f"{self.stamp(time.time())}  ---- {text}", flush=True)
+
+    def pump(self) -> None:
+        """Show what happened since the last call, waiting a little for it."""
+        raise NotImplementedError
+
+    def until(self, what: str, predicate: Callable[[], bool],
+              timeout_s: float = STEP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"demo step timed out after {timeout_s:g} s: {what}")
+            self.pump()
+        self.pump()
+
+
+class Timeline(Narrator):
+    """Prints each event of the local daemon once."""
+
+    def __init__(self, client: ControlClient) -> None:
+        super().__init__()
+        self.client = client
+        self.since = 0
+        self.events: list[dict[str, Any]] = []
 
     def pump(self) -> None:
         try:
@@ -65,10 +174,7 @@ class Timeline:
     def _show(self, e: dict[str, Any]) -> None:
         self.events.append(e)
         who = f"{e['engine']}#{e['incarnation']}" if e["engine"] else "daemon"
-        what = f"{e['from']} -> {e['to']}" if e["kind"] == "state" else e["kind"]
-        cause = f" [{e['cause']}]" if e.get("cause") else ""
-        detail = f"  {e['detail']}" if e.get("detail") else ""
-        print(f"  +{e['ts'] - self.t0:7.3f}s  {who:<8} {what}{cause}{detail}", flush=True)
+        print(f"{self.stamp(e['ts'])}  {who:<8} {describe(e)}", flush=True)
 
     def replay(self, path: Path) -> None:
         """Print the events of the daemon's event log not shown yet (it has exited)."""
@@ -79,25 +185,15 @@ class Timeline:
                 if event["ts"] > last:
                     self._show(event)
 
-    def until(self, what: str, predicate: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"demo step timed out: {what}")
-            self.pump()
-        self.pump()
-
 
 def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rollout-watchdog-demo-"))
     ports = [free_port() for _ in range(args.engines)]
     config = workdir / "node.toml"
-    config.write_text(_config(workdir, ports))
-    env = {**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": "1.5", "OMP_NUM_THREADS": "1"}
+    config.write_text(node_config(workdir, "demo-node", ports))
     print(f"demo: node daemon + {len(ports)} emulated SGLang engines, files in {workdir}")
-    with open(workdir / "daemon.log", "ab") as log:
-        daemon = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "run", "--config",
-                                   str(config)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    restore = interrupt_on_sigterm()
+    daemon = start_daemon(config, workdir, workdir / "daemon.log")
     client = ControlClient(f"ipc://{workdir}/control", timeout_s=5.0)
     timeline = Timeline(client)
 
@@ -130,11 +226,10 @@ def run_demo(args: argparse.Namespace) -> int:
         timeline.until("e1 recovered", lambda: all_healthy({"e1": 2}))
 
         timeline.say("stopping the daemon (what `systemctl stop` does): it stops every engine")
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=STEP_TIMEOUT_S)
+        code = stop_daemon(daemon)
         timeline.replay(workdir / "state" / "events.jsonl")  # its last words, from its log
         print(f"\ncrash detected {1000 * (detected['ts'] - killed_at):.1f} ms after the SIGKILL;"
-              f" daemon exit code {daemon.returncode}.")
+              f" daemon exit code {code}.")
         print("A real node runs the same daemon under systemd: see systemd/ and README.md.")
         return 0
     except (TimeoutError, ControlError, RuntimeError) as exc:
@@ -142,11 +237,9 @@ def run_demo(args: argparse.Namespace) -> int:
         args.keep = True
         return 1
     finally:
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(timeout=STEP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        restore()
+        with shielded():
+            stop_daemon(daemon)
+            sweep(workdir)
+            if not args.keep:
+                shutil.rmtree(workdir, ignore_errors=True)
