@@ -186,7 +186,12 @@ class NodeLink:
         return min(deadlines)
 
     def after_save(self) -> None:
-        """Send what this turn made: after the save, a reply or event survives a crash."""
+        """Send what this turn made: after the save, a reply or event survives a crash.
+        Nothing goes out before this connection's HELLO: a message libzmq took ahead of it
+        would reach a coordinator that does not know this boot yet (events wait in the
+        outbox, and the HELLO resends them)."""
+        if self._handshake_at is None:
+            self._to_send.clear()
         for message in self._to_send:
             # no coordinator now (zmq.Again): events stay in the outbox, the HELLO resends them
             with contextlib.suppress(zmq.Again):
