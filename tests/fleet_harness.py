@@ -7,7 +7,6 @@ duplicates it."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import queue
@@ -291,35 +290,10 @@ class CoordinatorConnection:
 
 # ---------------------------------------------------------------------- processes
 
-# Used only while `rollout-watchdog coordinator` is missing from the CLI: the same options.
-_COORDINATOR_FALLBACK = """
-import argparse, sys
-from rollout_watchdog.agent.coordinator import Coordinator
-p = argparse.ArgumentParser(prog="coordinator")
-p.add_argument("--bind", required=True)
-p.add_argument("--keys")
-p.add_argument("--insecure", action="store_true")
-p.add_argument("--router-url")
-p.add_argument("--state-dir")
-a = p.parse_args()
-sys.exit(Coordinator(bind=a.bind, keys=a.keys, insecure=a.insecure, router_url=a.router_url,
-                     state_dir=a.state_dir).run())
-"""
-
-
-def _cli_has_coordinator() -> bool:
-    from rollout_watchdog.cli import build_parser
-
-    return any(isinstance(action, argparse._SubParsersAction) and "coordinator" in action.choices
-               for action in build_parser()._actions)
-
-
 def coordinator_command(bind: str, extra_args: Sequence[str] = ()) -> list[str]:
     """argv of a standalone coordinator: `python -m rollout_watchdog coordinator`."""
-    if _cli_has_coordinator():
-        return [sys.executable, "-m", "rollout_watchdog", "coordinator", "--bind", bind,
-                *extra_args]
-    return [sys.executable, "-c", _COORDINATOR_FALLBACK, "--bind", bind, *extra_args]
+    return [sys.executable, "-m", "rollout_watchdog", "coordinator", "--bind", bind,
+            *extra_args]
 
 
 class CoordinatorProcess:
