@@ -56,6 +56,7 @@ class Follower:
 
     def __init__(self, client: FleetClient) -> None:
         self.events: list[FleetEvent] = []
+        self.error: BaseException | None = None   # what ended the stream, shown by the waits
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(client,), daemon=True,
@@ -63,13 +64,19 @@ class Follower:
         self._thread.start()
 
     def _run(self, client: FleetClient) -> None:
-        with client.events(idle_s=0.2) as stream:   # idle_s: the stop flag is seen in time
-            while not self._stop.is_set():
-                for event in stream:
-                    with self._lock:
-                        self.events.append(event)
+        try:
+            with client.events(idle_s=0.2) as stream:   # idle_s: the stop flag is seen in time
+                while not self._stop.is_set():
+                    for event in stream:
+                        with self._lock:
+                            self.events.append(event)
+        except BaseException as exc:
+            self.error = exc
+            raise
 
     def snapshot(self, start: int = 0) -> list[FleetEvent]:
+        if self.error is not None:
+            raise AssertionError(f"the follower's stream failed: {self.error!r}")
         with self._lock:
             return self.events[start:]
 
