@@ -9,12 +9,14 @@ silent, which parts of a multi-node group to restart. The coordinator does the I
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_watchdog.agent import protocol
 
+log = logging.getLogger(__name__)
 NODE_TIMEOUT_S = 5.0
 STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
@@ -76,9 +78,13 @@ class FleetView:
                                                  snapshot_seq=msg.last_seq)
             return [node_event(msg.node_id, "node_reachable", f"hello, boot {msg.boot}", wall)]
         if msg.boot in record.old_boots:
-            raise Refused("duplicate_node", (
-                f"HELLO for node {msg.node_id!r} with boot {msg.boot}, which boot "
-                f"{record.boot} replaced already: two daemons run with one node id?"))
+            # Two daemons claim one node id (or someone posed as it without CURVE). The
+            # latest HELLO wins, so that a locked-out real node comes back by reconnecting;
+            # the flapping is counted and logged for the operator.
+            self.refused["duplicate_node"] += 1
+            log.warning("node %r: boot %s is back after boot %s replaced it: two daemons "
+                        "with one node id?", msg.node_id, msg.boot, record.boot)
+            record.old_boots.remove(msg.boot)
         if msg.boot != record.boot:
             record.old_boots.append(record.boot)
             record.boot, record.received_seq = msg.boot, 0
