@@ -245,7 +245,6 @@ def fleet_ready(coord: CoordinatorProcess, nodes: int, engines: int, timeout: fl
                 ) -> tuple[float, float]:
     """When (wall clock) `ping` showed every node reachable, then `status` every engine."""
     conn = coord.connect()
-    per_node: list[bool] = []
     try:
         wait_for(lambda: (r := conn.call("ping", timeout_s=2)).status == "ok"
                  and r.result["reachable"] == nodes, timeout, f"{nodes} nodes reachable",
@@ -253,20 +252,15 @@ def fleet_ready(coord: CoordinatorProcess, nodes: int, engines: int, timeout: fl
         reachable = time.time()
 
         def listed() -> bool:
-            if not per_node:
-                try:
-                    reply = conn.call("status", timeout_s=5)
-                except TimeoutError:
-                    print("\n  NOTE: no answer to a fleet-wide `status` (its reply is over the "
-                          "protocol's 1 MiB frame limit?): counting engines node by node",
-                          flush=True)
-                    per_node.append(True)
-                    return False
-                assert reply.status == "ok", f"status: {reply.reason}"
-                return sum(len(n["engines"]) for n in reply.result["nodes"]
-                           if n["reachable"]) == nodes * engines
-            return sum(len(n["engines"]) for i in range(nodes) for n in conn.result(
-                "status", node=f"sim-{i:04d}")["nodes"] if n["reachable"]) == nodes * engines
+            """The whole fleet view, page by page (as FleetClient.status reads it)."""
+            count, after = 0, None
+            while True:
+                result = conn.result("status", {} if after is None else {"after": after},
+                                     timeout_s=5)
+                count += sum(len(n["engines"]) for n in result["nodes"] if n["reachable"])
+                after = result.get("next")
+                if after is None:
+                    return count == nodes * engines
         wait_for(listed, timeout, f"{nodes * engines} engines listed", interval=0.05)
         return reachable, time.time()
     finally:

@@ -9,7 +9,7 @@ import pytest
 
 from rollout_watchdog.agent import fanout as fanout_module
 from rollout_watchdog.agent.fanout import Fanout, Gathering
-from rollout_watchdog.agent.protocol import Command, Reply
+from rollout_watchdog.agent.protocol import Command, Reply, decode, encode
 
 T0 = 1000.0
 CLIENT = b"client"
@@ -67,7 +67,7 @@ def test_a_gathering_with_every_target_gone_settles_at_once() -> None:
     g.gone.add("n1")                                     # its send failed
     assert fanout.settle(g) is True
     assert g.final is not None and g.final.result == {"nodes": {}, "missing": ["n1"]}
-    assert fanout.known("r1") == g.final
+    assert fanout.known("r1") == encode(g.final)
 
 
 def test_expire_names_the_nodes_that_did_not_answer() -> None:
@@ -107,12 +107,12 @@ def test_a_repeated_request_id_gets_the_same_reply() -> None:
     assert fanout.known("r1") is g                              # in flight: the same gathering
     assert fanout.known("r2") is None
     fanout.answered(Reply("r1/n1", "ok", None, 7), "n1")
-    assert fanout.known("r1") == g.final and g.final is not None
+    assert g.final is not None and fanout.known("r1") == encode(g.final)
     assert g.final.result == {"nodes": {"n1": {"status": "ok", "reason": None, "result": 7}},
                               "missing": []}
     local = Reply("s1", "ok", None, {"nodes": []})              # the coordinator's own answer
     fanout.remember(local)
-    assert fanout.known("s1") == local
+    assert fanout.known("s1") == encode(local)
 
 
 def test_remembered_replies_are_bounded_oldest_forgotten_first(
@@ -147,3 +147,24 @@ def test_a_reply_from_anyone_but_the_target_node_is_no_answer() -> None:
     assert fanout.answered(Reply("r1/n1", "ok"), "\x00client") is None
     assert "r1" in fanout.pending
     assert fanout.answered(Reply("r1/n1", "ok"), "n1") is not None
+
+
+def test_remembered_replies_are_bounded_in_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fanout_module, "REPLIES_BYTES", 10_000)
+    fanout = Fanout()
+    for i in range(10):
+        fanout.remember(Reply(f"r{i}", "ok", None, "x" * 3_000))
+    assert sum(len(frame) for frame in fanout.done.values()) <= 10_000
+    assert fanout.known("r9") is not None and fanout.known("r0") is None
+
+
+def test_a_reply_too_big_for_one_message_keeps_its_errors_and_counts() -> None:
+    answers = {f"n{i:05d}": {"status": "ok", "reason": None, "result": {"paused": ["e" * 50]}}
+               for i in range(20_000)}
+    answers["n99999"] = {"status": "error", "reason": "no engine e9", "result": None}
+    reply = Reply("r1", "error", "n99999: no engine e9", {"nodes": answers, "missing": ["nX"]})
+    frame = fanout_module.encode_reply(reply)
+    result = decode(frame).result
+    assert result["ok"] == 20_000 and result["missing"] == ["nX"]
+    assert result["nodes"] == {"n99999": {"status": "error", "reason": "no engine e9",
+                                          "result": None}}

@@ -1,4 +1,5 @@
-"""Import rules: the node daemon and the CLI's control commands stay light.
+"""Import rules: the node daemon, the fleet's agent side (link, coordinator, FleetClient) and the
+CLI's control commands stay light.
 
 A daemon on every GPU node must not pay for torch, ray or sglang (seconds of start-up, GiBs of
 memory), and the CLI's control commands must not load the emulator (tens of ms on every call).
@@ -19,9 +20,12 @@ FORBIDDEN = ("torch", "ray", "sglang", "rollout_watchdog.emulator")
 # daemon there. Prints the loaded modules as JSON on the last line.
 LIGHT_PATHS = """
 import contextlib, importlib, io, pkgutil
-import rollout_watchdog.watchdog as pkg
-for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
-    importlib.import_module(info.name)
+import rollout_watchdog.agent
+import rollout_watchdog.watchdog
+for pkg in (rollout_watchdog.watchdog, rollout_watchdog.agent):
+    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        importlib.import_module(info.name)
+from rollout_watchdog import Coordinator, FleetClient
 import rollout_watchdog.watchdog.daemon
 from rollout_watchdog import cli
 cli.build_parser()
@@ -32,6 +36,7 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
         pass
     cli.main(["status", "--control", "ipc:///nonexistent/rollout-watchdog-test", "--timeout",
               "0.5"])
+    cli.main(["status", "--coordinator", "tcp://127.0.0.1:9", "--timeout", "0.5"])
 """
 
 REPORT = """
@@ -55,7 +60,8 @@ def _forbidden(modules: set[str]) -> list[str]:
 def test_daemon_and_control_commands_load_no_heavy_module() -> None:
     loaded = _loaded_after(LIGHT_PATHS)
     daemon_modules = {m for m in loaded if m.startswith("rollout_watchdog.watchdog.")}
-    assert {"rollout_watchdog.watchdog.daemon", "rollout_watchdog.cli.client"} <= loaded
+    assert {"rollout_watchdog.watchdog.daemon", "rollout_watchdog.cli.client",
+            "rollout_watchdog.agent.coordinator", "rollout_watchdog.agent.client"} <= loaded
     assert len(daemon_modules) >= 5, daemon_modules  # the walk found the package's modules
     assert _forbidden(loaded) == []
 

@@ -24,9 +24,10 @@ from typing import Any
 import zmq
 
 from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
+from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, encode_reply
 from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
-from rollout_watchdog.agent.relay import Relay, Relayed
+from rollout_watchdog.agent.journal import Journal
+from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import check_bind, curve_server
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ RECV_HWM = 100_000
 ZMTP_HEARTBEAT_MS = 1_000   # libzmq's own heartbeats drop half-open connections ...
 ZMTP_TIMEOUT_MS = 3_000     # ... after this much silence
 START_TIMEOUT_S = 10.0
+BOOT_PREFIX = "coordinator-"
 LOCAL_COMMANDS = ("status", "ping")
 
 
@@ -52,9 +54,11 @@ class Coordinator:
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
         self.heartbeat_s = heartbeat_s
-        self.boot = f"coordinator-{uuid.uuid4().hex[:12]}"
+        self.boot = f"{BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.view = FleetView(node_timeout_s)
         self.relay = Relay()
+        self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
+        self._unjournaled: list[Relayed] = []
         self.fanout = Fanout()
         self.bad_messages: Counter[str] = Counter()
         self.own_seq = 0
@@ -124,6 +128,17 @@ class Coordinator:
             self._close()
 
     def _open(self) -> None:
+        if self.journal is not None:
+            try:
+                for item in self.journal.load():
+                    self.relay.add(item)
+                    if not item.boot.startswith(BOOT_PREFIX):
+                        self.view.journaled[item.node_id] = (item.boot, item.seq)
+            except OSError as exc:
+                raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from None
+        if self.router_url:
+            log.warning("--router-url %s is not used yet: router membership comes with the "
+                        "refit bridge", self.router_url)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -147,6 +162,8 @@ class Coordinator:
         self.sock = sock
 
     def _close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
@@ -193,6 +210,9 @@ class Coordinator:
             except Exception:  # a bug on one message must not stop the fleet's hub
                 self.bad_messages["internal_error"] += 1
                 log.exception("coordinator: failed to handle a message")
+        if self.journal is not None and self._unjournaled:
+            self.journal.append(self._unjournaled, self.relay.buffer)  # before the ACKs
+        self._unjournaled.clear()
         for node_id in self._acks:
             record = self.view.nodes[node_id]
             self._send(node_id.encode(), protocol.encode(
@@ -259,7 +279,7 @@ class Coordinator:
         self._acks.add(peer)
         if not new:
             return
-        self.relay.add(Relayed(msg.node_id, msg.boot, msg.seq, frame))
+        self._relay(Relayed(msg.node_id, msg.boot, msg.seq, frame))
         if msg.seq <= self.view.nodes[peer].snapshot_seq:
             return  # older than the HELLO's snapshot: whoever heard it first acted on it
         for node, engine in self.view.group_restarts(peer, msg.event):
@@ -288,14 +308,14 @@ class Coordinator:
 
     def _command(self, client: bytes, cmd: protocol.Command, now: float) -> None:
         known = self.fanout.known(cmd.request_id)
-        if isinstance(known, protocol.Reply):
-            self._send(client, protocol.encode(known))
+        if isinstance(known, bytes):
+            self._send(client, known)
             return
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
             return
-        if cmd.cmd in LOCAL_COMMANDS:
-            self._reply(client, self._local(cmd))
+        if cmd.cmd in LOCAL_COMMANDS:  # read-only: nothing to remember for a repeat
+            self._send(client, protocol.encode(self._local(cmd)))
             return
         if cmd.node is not None and cmd.node not in self.view.nodes:
             self._reply(client, _error(cmd, f"unknown node {cmd.node!r} (known: "
@@ -335,15 +355,16 @@ class Coordinator:
             "relay_skipped": self.relay.skipped_behind})
 
     def _reply(self, client: bytes, reply: protocol.Reply) -> None:
-        self.fanout.remember(reply)
-        self._send(client, protocol.encode(reply))
+        self._send(client, self.fanout.remember(reply))
 
     def _answer(self, gathering: Gathering) -> None:
         reply = gathering.final
         if reply is None:
             return
         if gathering.client is not None:
-            self._send(gathering.client, protocol.encode(reply))
+            frame = self.fanout.known(reply.request_id)
+            self._send(gathering.client, frame if isinstance(frame, bytes)
+                       else encode_reply(reply))
         elif reply.status == "error":
             log.warning("%s %s: %s", gathering.command.cmd, gathering.command.engine,
                         reply.reason)
@@ -367,8 +388,13 @@ class Coordinator:
             self.own_seq += 1
             log.info("%s: %s (%s)", event["node_id"], event["kind"], event["detail"])
             message = protocol.Event(event["node_id"], self.boot, self.own_seq, event)
-            self.relay.add(Relayed(event["node_id"], self.boot, self.own_seq,
-                                   protocol.encode(message)))
+            self._relay(Relayed(event["node_id"], self.boot, self.own_seq,
+                                protocol.encode(message)))
+
+    def _relay(self, item: Relayed) -> None:
+        self.relay.add(item)
+        if self.journal is not None:
+            self._unjournaled.append(item)
 
     def _send(self, peer: bytes, frame: bytes) -> bool:
         """Send without blocking; False if the peer is gone or its queue is full."""

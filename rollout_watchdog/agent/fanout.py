@@ -16,6 +16,7 @@ from rollout_watchdog.agent import protocol
 
 DEFAULT_TIMEOUT_S = 5.0
 REPLIES_KEPT = 1024
+REPLIES_BYTES = 16 << 20        # a fleet-wide reply holds one answer per node
 
 
 def node_request_id(request_id: str, node_id: str) -> str:
@@ -55,7 +56,8 @@ class Fanout:
         self.pending: dict[str, Gathering] = {}
         # (per-node request id, node) -> the client's request id
         self.by_node_request: dict[tuple[str, str], str] = {}
-        self.done: OrderedDict[str, protocol.Reply] = OrderedDict()
+        self.done: OrderedDict[str, bytes] = OrderedDict()   # request id -> encoded reply
+        self._done_bytes = 0
 
     def start(self, gathering: Gathering) -> list[tuple[str, protocol.Command]]:
         """Register a command; the per-node commands to send."""
@@ -107,8 +109,8 @@ class Fanout:
     def next_deadline(self) -> float | None:
         return min((g.deadline for g in self.pending.values()), default=None)
 
-    def known(self, request_id: str) -> protocol.Reply | Gathering | None:
-        """A repeated request id: its reply if done, its gathering if still in flight."""
+    def known(self, request_id: str) -> bytes | Gathering | None:
+        """A repeated request id: its (encoded) reply if done, its gathering if in flight."""
         return self.done.get(request_id) or self.pending.get(request_id)
 
     def _finish(self, gathering: Gathering) -> Gathering:
@@ -120,7 +122,31 @@ class Fanout:
         self.remember(gathering.final)
         return gathering
 
-    def remember(self, reply: protocol.Reply) -> None:
-        self.done[reply.request_id] = reply
-        while len(self.done) > REPLIES_KEPT:
-            self.done.popitem(last=False)
+    def remember(self, reply: protocol.Reply) -> bytes:
+        """Keep a reply for repeats of its request id (the newest ones, bounded in number and
+        in bytes); its frame."""
+        frame = encode_reply(reply)
+        old = self.done.pop(reply.request_id, None)
+        self._done_bytes += len(frame) - (len(old) if old else 0)
+        self.done[reply.request_id] = frame
+        while len(self.done) > REPLIES_KEPT or self._done_bytes > REPLIES_BYTES:
+            _, dropped = self.done.popitem(last=False)
+            self._done_bytes -= len(dropped)
+        return frame
+
+
+def encode_reply(reply: protocol.Reply) -> bytes:
+    """The reply's frame. A fan-out's answers can outgrow one message on a big fleet: then the
+    results of the nodes that answered "ok" are left out (their count stays), errors kept."""
+    try:
+        return protocol.encode(reply)
+    except protocol.ProtocolError:
+        result = reply.result if isinstance(reply.result, dict) else {}
+        nodes = result.get("nodes")
+        answers: dict[str, Any] = nodes if isinstance(nodes, dict) else {}
+        slim = {n: {"status": a.get("status"), "reason": a.get("reason"), "result": None}
+                for n, a in answers.items() if a.get("status") != "ok"}
+        trimmed = {"nodes": slim, "missing": result.get("missing", []),
+                   "ok": len(answers) - len(slim), "results_left_out": True}
+        return protocol.encode(protocol.Reply(reply.request_id, reply.status, reply.reason,
+                                              trimmed))

@@ -58,6 +58,9 @@ class FleetView:
         self.node_timeout_s = node_timeout_s
         self.nodes: dict[str, NodeRecord] = {}
         self.refused: Counter[str] = Counter()
+        # node -> (boot, seq) of the last event relayed before a coordinator restart (the
+        # journal): what the node resends of it is not new
+        self.journaled: dict[str, tuple[str, int]] = {}
 
     # ------------------------------------------------------------------ node messages
 
@@ -74,7 +77,9 @@ class FleetView:
         record = self.nodes.get(msg.node_id)
         engines = {e["id"]: dict(e) for e in msg.engines}
         if record is None:
+            boot, seq = self.journaled.pop(msg.node_id, (msg.boot, 0))
             self.nodes[msg.node_id] = NodeRecord(msg.node_id, msg.boot, engines, now, wall,
+                                                 received_seq=seq if boot == msg.boot else 0,
                                                  snapshot_seq=msg.last_seq)
             return [node_event(msg.node_id, "node_reachable", f"hello, boot {msg.boot}", wall)]
         if msg.boot in record.old_boots:

@@ -1,0 +1,105 @@
+"""The coordinator's journal (`--state-dir`): an event the coordinator acknowledged to its node
+but had not delivered to a client when it was SIGKILLed is still delivered after its restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+from daemon_harness import EngineSpec, Node, wait_for
+from fleet_harness import start_coordinator_process
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent.journal import Journal
+from rollout_watchdog.agent.relay import Relayed
+from rollout_watchdog.emulator.testing import free_port
+
+
+def relayed(node: str, boot: str, seq: int) -> Relayed:
+    frame = protocol.encode(protocol.Event(node, boot, seq, {"kind": "state", "seq": seq}))
+    return Relayed(node, boot, seq, frame)
+
+
+def test_the_journal_keeps_the_newest_events_across_a_restart(tmp_path: Path) -> None:
+    journal = Journal(str(tmp_path / "state"), keep=5, max_bytes=2_000)
+    assert journal.load() == []
+    items = [relayed("n1", "b1", seq) for seq in range(1, 21)]
+    for item in items:
+        journal.append([item], items[:item.seq][-5:])
+    assert journal.path.stat().st_size < 2_000 + 200           # compacted, not grown
+    journal.close()
+    with open(journal.path, "ab") as file:
+        file.write(b'{"v":[1,0],"kind":"ev')                   # cut short by a crash
+    again = Journal(str(tmp_path / "state"), keep=5)
+    assert [i.seq for i in again.load()] == [16, 17, 18, 19, 20]
+    again.close()
+
+
+def test_a_failing_disk_turns_the_journal_off_without_stopping(tmp_path: Path) -> None:
+    journal = Journal(str(tmp_path), keep=5)
+    journal.load()
+    os.chmod(tmp_path, 0o500)  # compaction cannot write its temporary file
+    try:
+        journal.max_bytes = 0
+        journal.append([relayed("n1", "b1", 1)], [relayed("n1", "b1", 1)])
+        if os.geteuid() != 0:   # root writes anyway: then nothing failed
+            assert journal.failed is not None and "relay" in journal.failed
+        journal.append([relayed("n1", "b1", 2)], [])              # never raises
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+def test_an_acknowledged_undelivered_event_survives_a_coordinator_sigkill(
+        make_node: Callable[..., Node], tmp_path: Path) -> None:
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    state = ["--state-dir", str(tmp_path / "coordinator")]
+    coordinator = start_coordinator_process(bind, state, log_path=tmp_path / "c1.log")
+    node = make_node([EngineSpec("e0")], node_id="n1", top={"coordinator": bind}).start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.DEALER)
+    sub.linger = 0
+    got: list[protocol.Event] = []
+
+    def until(pred: Callable[[protocol.Event], bool], what: str) -> protocol.Event:
+        def found() -> protocol.Event | None:
+            while sub.poll(50):
+                message = protocol.decode(sub.recv())
+                if isinstance(message, protocol.Event) and message.node_id == "n1":
+                    got.append(message)
+            return next((e for e in got if pred(e)), None)
+        return wait_for(found, 30, what)
+
+    try:
+        sub.connect(bind)
+        sub.send(protocol.encode(protocol.Subscribe()))
+        wait_for(lambda: coordinator.call("ping").result["subscribers"] == 1, 10,
+                 "the subscription")
+        node = make_node([EngineSpec("e0")], node_id="n1", top={"coordinator": bind}).start()
+        point = until(lambda e: e.event.get("to") == "healthy", "e0 healthy, on the stream")
+        sub.close()                                   # the client goes away for a while
+        os.kill(node.engine("e0")["pid"], signal.SIGKILL)
+        node.wait_state("e0", "healthy", timeout=60, incarnation=2)
+        # relayed to nobody, acknowledged: the node has forgotten them
+        wait_for(lambda: node.status()["link"]["outbox"] == 0, 20, "the node's outbox empty")
+        coordinator.kill()
+        coordinator = start_coordinator_process(bind, state, log_path=tmp_path / "c2.log")
+
+        sub = ctx.socket(zmq.DEALER)
+        sub.linger = 0
+        sub.connect(bind)
+        got.clear()
+        sub.send(protocol.encode(protocol.Subscribe(
+            {"n1": protocol.ResumePoint(point.boot, point.seq)})))
+        until(lambda e: e.event.get("to") == "healthy" and e.event.get("incarnation") == 2,
+              "the events after the client's point")
+        mine = [e for e in got if e.boot == point.boot]
+        seqs = [e.seq for e in mine]
+        assert seqs == list(range(point.seq + 1, point.seq + 1 + len(seqs))), seqs
+        assert mine[0].event["to"] == "stopping" and mine[0].event["cause"] == "exited"
+        sub.close()
+    finally:
+        ctx.destroy(linger=0)   # closes whatever a failure left open
+        coordinator.cleanup()
