@@ -206,12 +206,10 @@ def test_commands_fan_out_and_name_what_failed(make_node: Callable[..., Node],
 
     # A repeated request id gets the same reply, and nothing is done twice.
     command = protocol.Command("same-id", "restart", {}, "node1", "e0")
+    incarnation = engines_of(client.fleet())["node1/e0"]["incarnation"] + 1
     client.sock.send(protocol.encode(command))
-    first = client.call("ping")  # let the first one be handled
-    assert first is not None
-    incarnation = engines_of(client.fleet())["node1/e0"]["incarnation"]
-    wait_for(lambda: engines_of(client.fleet())["node1/e0"]["state"] == "healthy", 30,
-             "node1/e0 back")
+    wait_for(lambda: (e := engines_of(client.fleet())["node1/e0"])["state"] == "healthy"
+             and e["incarnation"] == incarnation, 30, "node1/e0 restarted once")
     client.sock.send(protocol.encode(command))
     client.pump(1.0)
     assert engines_of(client.fleet())["node1/e0"]["incarnation"] == incarnation

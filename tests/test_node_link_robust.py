@@ -379,3 +379,27 @@ def test_a_real_node_survives_garbage_and_a_flood_and_shows_its_link(
     assert "rollout_watchdog_coordinator_connected 1.0" in scrape
     again = node.engine("e0")  # supervised throughout: the same engine, healthy
     assert again["state"] == "healthy" and again["pid"] == first["pid"]
+
+
+def test_a_full_send_queue_holds_events_back_in_order_and_loses_none(harness: Harness) -> None:
+    """Far more events than libzmq queues (SNDHWM 1000) while the coordinator does not read:
+    each arrives once, in order, once it reads again, though a later ACK covers them all."""
+    harness.hello()
+    harness.link.socket.setsockopt(zmq.SNDHWM, 50)
+    harness.router.sock.setsockopt(zmq.RCVHWM, 50)
+    for i in range(3000):   # 30 MB: more than libzmq's and the kernel's buffers hold
+        harness.link.on_event(Event(ts=float(i), node_id="test-node", engine="e0",
+                                    incarnation=1, kind="x", detail="x" * 10_000))
+        if i % 100 == 0:
+            harness.link.after_save()   # the daemon's turns go on; nothing is read
+    harness.link.after_save()
+    assert harness.link.status()["unsent"] > 0          # held back, not dropped
+
+    def all_in() -> bool:
+        seqs = [m.seq for m in harness.router.got(protocol.Event)]
+        if seqs:
+            harness.router.send(protocol.Ack("boot-1", seqs[-1]))
+        return len(seqs) >= 3000
+    harness.until("every event at the coordinator", all_in, timeout=30)
+    assert [m.seq for m in harness.router.got(protocol.Event)] == list(range(1, 3001))
+    harness.until("the outbox acknowledged", lambda: not harness.link.outbox)

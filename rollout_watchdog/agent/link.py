@@ -44,6 +44,7 @@ REDIAL_GRACE_S = 0.5           # a disconnect with no retry from libzmq within t
 REDIAL_BACKOFF_S = (1.0, 30.0)  # first and longest wait between redials of our own
 OUTBOX_LIMIT = 10_000          # events kept for the coordinator (about 5 MB at most)
 REPLIES_KEPT = 1024            # replies remembered for repeated request ids
+SEND_RETRY_S = 0.01          # how soon sends held back by a full queue are tried again
 MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves the engines
 _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
               | zmq.EVENT_CONNECT_RETRIED)
@@ -87,6 +88,8 @@ class NodeLink:
         self._replies: OrderedDict[str, protocol.Reply] = OrderedDict()
         self._pending = PendingReplies()
         self._to_send: list[protocol.Message] = []
+        self._retry_at: float | None = None          # sends held back by a full queue
+        self._sent_seq = 0       # the outbox's events up to this seq went out on this connection
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, node_id.encode())
@@ -117,8 +120,14 @@ class NodeLink:
     def status(self) -> dict[str, Any]:
         """The `link` object of the node's `status`."""
         return {"coordinator": self.endpoint, "connected": self.connected,
-                "outbox": len(self.outbox), "dropped": self.dropped,
+                "outbox": len(self.outbox), "unsent": self.unsent, "dropped": self.dropped,
                 "bad_messages": self.bad_messages}
+
+    @property
+    def unsent(self) -> int:
+        """Events of the outbox not sent on this connection yet (held back by a full queue,
+        or no connection)."""
+        return sum(1 for event in self.outbox if event.seq > self._sent_seq)
 
     # ------------------------------------------------------------------ events (publisher)
 
@@ -133,7 +142,6 @@ class NodeLink:
             self.dropped += 1
             if self._metrics is not None:
                 self._metrics.link_events_dropped()
-        self._to_send.append(message)
 
     # ------------------------------------------------------------------ the loop participant
 
@@ -177,6 +185,8 @@ class NodeLink:
 
     def next_deadline(self) -> float | None:
         deadlines = [self._next_heartbeat]
+        if self._retry_at is not None:
+            deadlines.append(self._retry_at)
         if self._redial_at is not None:
             deadlines.append(self._redial_at)
         if (silent_since := self._silent_since()) is not None:
@@ -192,13 +202,45 @@ class NodeLink:
         outbox, and the HELLO resends them)."""
         if self._handshake_at is None:
             self._to_send.clear()
-        for message in self._to_send:
-            # no coordinator now (zmq.Again): events stay in the outbox, the HELLO resends them
-            with contextlib.suppress(zmq.Again):
-                self.socket.send(protocol.encode(message), zmq.NOBLOCK)
-        self._to_send.clear()
+        elif self._send_all():
+            self._retry_at = None
+        else:
+            # The coordinator's queue is full (it is slow, or gone and libzmq does not know
+            # yet): the rest waits, in order, for the next turn. Dropping an event here would
+            # lose it for good, as a later ACK covers every seq below it.
+            self._retry_at = self._clock.monotonic() + SEND_RETRY_S
         if self._metrics is not None:
             self._metrics.set_link_state(len(self.outbox), self.connected)
+
+    def _send_all(self) -> bool:
+        """Send a pending HELLO, then the outbox's events not sent yet on this connection, then
+        this turn's other messages (a command's reply after the events it caused); False if
+        the queue filled up first (what is left stays, in order)."""
+        if self._to_send and isinstance(self._to_send[0], protocol.Hello):
+            if not self._send(self._to_send[0]):
+                return False
+            del self._to_send[0]
+        if self.outbox:
+            first = self.outbox[0].seq   # the outbox holds consecutive seqs
+            for index in range(max(0, self._sent_seq - first + 1), len(self.outbox)):
+                event = self.outbox[index]
+                if not self._send(event):
+                    return False
+                self._sent_seq = event.seq
+        for i, message in enumerate(self._to_send):
+            if not self._send(message):
+                self._to_send = [m for m in self._to_send[i:]
+                                 if not isinstance(m, protocol.Heartbeat)]
+                return False
+        self._to_send.clear()
+        return True
+
+    def _send(self, message: protocol.Message) -> bool:
+        try:
+            self.socket.send(protocol.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def close(self) -> None:
         self.socket.disable_monitor()
@@ -245,12 +287,10 @@ class NodeLink:
     # ------------------------------------------------------------------ messages
 
     def _hello(self) -> None:
-        """The snapshot, then every event not acknowledged (in order, once: events this turn
-        made are in the outbox too)."""
-        self._to_send = [m for m in self._to_send if not isinstance(m, protocol.Event)]
-        self._to_send.append(protocol.Hello(self.node_id, self.boot, self._snapshot(),
-                                            self.seq))
-        self._to_send.extend(self.outbox)
+        """The snapshot first, then every event not acknowledged (in order, once)."""
+        self._to_send = [protocol.Hello(self.node_id, self.boot, self._snapshot(), self.seq),
+                         *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
+        self._sent_seq = 0
 
     def _receive(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Ack):

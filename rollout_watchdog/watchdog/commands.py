@@ -127,7 +127,7 @@ def status(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     args: {}. result: {"node_id", "boot_id", "engines": [{"id", "state", "paused", "pid",
     "incarnation", "restarts", "url", "last_failure": {"cause", "detail", "ts"} | null, ...}]},
     plus, with a coordinator configured, "link": {"coordinator", "connected", "outbox",
-    "dropped", "bad_messages"}
+    "unsent", "dropped", "bad_messages"}
     """
     return node.status()
 
