@@ -33,9 +33,11 @@ from rollout_watchdog.agent.security import check_bind, curve_server
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 MAX_POLL_S = 0.1            # how soon stop() is noticed
-MESSAGES_PER_TURN = 5_000
-SEND_HWM = 100_000          # frames queued per peer before a send would block (then: later)
-RECV_HWM = 100_000
+MESSAGES_PER_TURN = 1_000   # then the relay sends, so subscribers keep pace with the nodes
+# Per peer. A subscriber behind by more waits in the relay buffer (its cursor), not in
+# libzmq's memory; a node whose frames pile up keeps them in its own outbox (backpressure).
+SEND_HWM = 10_000
+RECV_HWM = 1_000
 ZMTP_HEARTBEAT_MS = 1_000   # libzmq's own heartbeats drop half-open connections ...
 ZMTP_TIMEOUT_MS = 3_000     # ... after this much silence
 START_TIMEOUT_S = 10.0
