@@ -141,10 +141,6 @@ class FleetView:
                                       f"(deadline {self.node_timeout_s:g} s)", wall))
         return out
 
-    def next_deadline(self) -> float | None:
-        times = [r.last_heard for r in self.nodes.values() if r.reachable]
-        return min(times) + self.node_timeout_s if times else None
-
     # ------------------------------------------------------------------ questions
 
     def reachable(self) -> list[str]:
