@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_harness import EngineSpec, Node  # noqa: E402
 
-from rollout_watchdog.emulator.testing import wait_until  # noqa: E402
+from rollout_watchdog.emulator.testing import free_port, wait_until  # noqa: E402
 from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     CgroupManager,
     cgroup2_mount,
@@ -65,3 +65,15 @@ def test_cgroup() -> Iterator[Path]:
         CgroupManager.kill(path)
         wait_until(lambda: not CgroupManager.populated(path), 10, what="the test cgroup to empty")
         assert CgroupManager.remove(path)
+
+
+@pytest.fixture
+def standin() -> Iterator[Any]:
+    """A stand-in coordinator (tests/fleet_standin.py) for the fleet client and CLI tests."""
+    from fleet_standin import StandIn
+
+    server = StandIn(free_port()).start()
+    try:
+        yield server
+    finally:
+        server.close()

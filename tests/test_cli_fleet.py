@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from daemon_harness import EngineSpec, Node, wait_for
@@ -24,15 +24,6 @@ from rollout_watchdog.emulator.testing import free_port
 def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rollout_watchdog", *args],
                           capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def standin() -> Iterator[StandIn]:
-    server = StandIn(free_port()).start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def test_status_json_and_table(standin: StandIn) -> None:

@@ -32,15 +32,6 @@ from rollout_watchdog.agent.keys import keygen
 from rollout_watchdog.emulator.testing import free_port
 
 
-@pytest.fixture
-def standin() -> Iterator[StandIn]:
-    server = StandIn(free_port()).start()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 def test_the_fleet_view_is_typed(standin: StandIn) -> None:
     client = FleetClient(standin.endpoint, timeout_s=2.0)
     engines = client.engines()

@@ -237,28 +237,18 @@ def test_a_failing_part_restarts_the_other_running_parts_of_its_group(cause: str
     assert view.group_restarts("n1", event.event) == [("n2", "e0")]
 
 
-def test_a_commanded_restart_of_a_part_does_not_cascade() -> None:
+@pytest.mark.parametrize(("node", "engine_id", "was", "cause", "group"), [
+    ("n2", "e0", "suspect", "commanded", "g1"),   # a commanded restart does not cascade
+    ("n1", "e1", "healthy", "exited", None),      # an engine without a group
+    ("n3", "e0", "backoff", "exited", "g1"),      # a part that was not running
+])
+def test_no_group_restart(node: str, engine_id: str, was: str, cause: str,
+                          group: str | None) -> None:
     view = group_fleet()
-    event = state_event("n2", 1, "e0", "suspect", "stopping", "commanded",
-                        status=engine("e0", state="stopping", group="g1"))
-    view.event(event, "n2", T0, WALL0)
-    assert view.group_restarts("n2", event.event) == []
-
-
-def test_an_engine_without_a_group_restarts_nothing_else() -> None:
-    view = group_fleet()
-    event = state_event("n1", 1, "e1", "healthy", "stopping", "exited",
-                        status=engine("e1", state="stopping"))
-    view.event(event, "n1", T0, WALL0)
-    assert view.group_restarts("n1", event.event) == []
-
-
-def test_a_part_that_was_not_running_restarts_nothing() -> None:
-    view = group_fleet()
-    event = state_event("n3", 1, "e0", "backoff", "stopping", "exited",
-                        status=engine("e0", state="stopping", group="g1"))
-    view.event(event, "n3", T0, WALL0)
-    assert view.group_restarts("n3", event.event) == []
+    status = engine(engine_id, state="stopping", **({"group": group} if group else {}))
+    event = state_event(node, 1, engine_id, was, "stopping", cause, status=status)
+    view.event(event, node, T0, WALL0)
+    assert view.group_restarts(node, event.event) == []
 
 
 def test_parts_on_unreachable_nodes_are_not_restarted() -> None:

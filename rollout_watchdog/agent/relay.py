@@ -48,7 +48,7 @@ class Subscriber:
 
 
 # Sends one frame to one client; False when it would block (come back later). Raises
-# LookupError when the client is gone.
+# LookupError when the socket cannot reach the client (treated alike: see pump).
 Send = Callable[[bytes, bytes], bool]
 
 
@@ -111,10 +111,9 @@ class Relay:
                     try:
                         if not send(client, item.frame):
                             break
-                    except LookupError:
-                        del self.subscribers[client]
-                        break
+                    except LookupError:  # gone, or (libzmq) full and not writable yet:
+                        break            # tried again; a gone client expires when silent
                     sent += 1
                 sub.cursor += 1
-            behind = behind or (client in self.subscribers and sub.cursor < self.end)
+            behind = behind or sub.cursor < self.end
         return behind
