@@ -56,20 +56,20 @@ def test_subscribers_get_every_event_in_order_each_once() -> None:
     events = [item("n1", 1), item("n2", 1), item("n1", 2)]
     for e in events[:2]:
         relay.add(e)
-    assert relay.pump(clients.send) is False
+    assert relay.pump(clients.send, T0) is False
     relay.add(events[2])
-    relay.pump(clients.send)
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
+    relay.pump(clients.send, T0)
     assert clients.got == {A: frames(*events), B: frames(*events)}
 
 
 def test_a_subscriber_without_resume_gets_only_new_events() -> None:
     relay, clients = filled(item("n1", 1), item("n1", 2)), Clients()
     relay.subscribe(A, Subscribe(), T0)
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     assert clients.got == {}
     relay.add(item("n1", 3))
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     assert clients.got == {A: frames(item("n1", 3))}
 
 
@@ -80,9 +80,9 @@ def test_resume_skips_what_the_client_has_by_its_point_in_the_buffer() -> None:
                 item("n1", 1, boot="coord"), item("n1", 2), item("n2", 2), item("n1", 3)]
     relay, clients = filled(*buffered), Clients()
     relay.subscribe(A, Subscribe({"n1": ResumePoint("b1", 2)}), T0)
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     relay.add(item("n1", 4))
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     assert clients.got[A] == frames(item("n2", 1), item("n2", 2), item("n1", 3), item("n1", 4))
 
 
@@ -93,7 +93,7 @@ def test_resume_skips_by_seq_of_the_same_boot_when_its_point_is_not_buffered() -
                 item("n1", 6)]
     relay, clients = filled(*buffered), Clients()
     relay.subscribe(A, Subscribe({"n1": ResumePoint("b1", 4)}), T0)
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     assert clients.got[A] == frames(item("n1", 1, boot="coord"), item("n1", 5), item("n1", 6))
 
 
@@ -105,17 +105,17 @@ def test_a_blocked_send_is_retried_from_the_same_place_nothing_lost_or_doubled()
     for e in events[:5]:
         relay.add(e)
     clients.room[A] = 2
-    assert relay.pump(clients.send) is True               # A is behind: come back soon
+    assert relay.pump(clients.send, T0) is True               # A is behind: come back soon
     assert clients.got[A] == frames(*events[:2])
     assert clients.got[B] == frames(*events[:5])           # one slow client holds up no other
-    assert relay.pump(clients.send) is True                 # still blocked: nothing moves
+    assert relay.pump(clients.send, T0) is True                 # still blocked: nothing moves
     assert clients.got[A] == frames(*events[:2])
     clients.room[A] = 1
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     for e in events[5:]:
         relay.add(e)
     del clients.room[A]
-    assert relay.pump(clients.send) is False
+    assert relay.pump(clients.send, T0) is False
     assert clients.got[A] == frames(*events)
     assert clients.got[B] == frames(*events)
 
@@ -125,10 +125,10 @@ def test_a_catching_up_subscriber_gets_a_share_per_turn(monkeypatch: pytest.Monk
     events = [item("n1", s) for s in range(1, 8)]
     relay, clients = filled(*events), Clients()
     relay.subscribe(A, Subscribe({}), T0)                  # resume with no points: all of it
-    assert relay.pump(clients.send) is True
+    assert relay.pump(clients.send, T0) is True
     assert clients.got[A] == frames(*events[:3])
-    relay.pump(clients.send)
-    assert relay.pump(clients.send) is False
+    relay.pump(clients.send, T0)
+    assert relay.pump(clients.send, T0) is False
     assert clients.got[A] == frames(*events)
 
 
@@ -141,10 +141,10 @@ def test_an_unreachable_client_keeps_its_place_until_its_subscription_expires() 
     relay.subscribe(B, Subscribe(), T0)
     relay.add(item("n1", 1))
     clients.gone.add(A)
-    assert relay.pump(clients.send) is True               # A is behind, not dropped
+    assert relay.pump(clients.send, T0) is True               # A is behind, not dropped
     assert clients.got == {B: frames(item("n1", 1))}
     clients.gone.clear()
-    assert relay.pump(clients.send) is False
+    assert relay.pump(clients.send, T0) is False
     assert clients.got[A] == frames(item("n1", 1))
     clients.gone.add(A)
     relay.heard(B, T0 + relay.subscriber_timeout_s)
@@ -161,11 +161,11 @@ def test_a_subscriber_that_fell_out_of_the_buffer_is_counted_and_carries_on() ->
     for e in events:
         relay.add(e)
         clients.room[B] = 1
-        relay.pump(clients.send)
+        relay.pump(clients.send, T0)
     assert clients.got[B] == frames(*events)                # a keeping-up client lost nothing
     assert relay.skipped_behind == 2                        # A lost n1/1 and n1/2
     del clients.room[A]
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     assert clients.got[A] == frames(*events[2:])
 
 
@@ -185,5 +185,15 @@ def test_subscribing_again_replaces_the_subscription() -> None:
     relay.subscribe(A, Subscribe({}), T0)
     relay.subscribe(A, Subscribe({"n1": ResumePoint("b1", 1)}), T0)
     relay.add(item("n1", 2))
-    relay.pump(clients.send)
+    relay.pump(clients.send, T0)
     assert clients.got == {A: frames(item("n1", 2))}
+
+
+def test_a_client_still_taking_events_is_not_expired_for_late_heartbeats() -> None:
+    relay, clients = filled(), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    later = T0 + relay.subscriber_timeout_s
+    relay.add(item("n1", 1))
+    relay.pump(clients.send, later)               # busy reading a burst, no heartbeat
+    assert relay.expire(later + 1) == []
+    assert relay.expire(later + relay.subscriber_timeout_s + 1) == [A]

@@ -195,7 +195,7 @@ class Coordinator:
             if poller.poll(int(timeout * 1000)):
                 self._receive_some()
             self._tick(time.monotonic(), time.time())
-            behind = self.relay.pump(self._send_or_wait)
+            behind = self.relay.pump(self._send_or_wait, time.monotonic())
 
     def _timeout(self, now: float) -> float:
         deadlines = [self._next_heartbeat, self._next_sweep, self.fanout.next_deadline()]
@@ -359,7 +359,9 @@ class Coordinator:
             "coordinator": self.boot, "nodes": len(self.view.nodes),
             "reachable": len(self.view.reachable()), "subscribers": len(self.relay.subscribers),
             "bad_messages": {**self.bad_messages, **self.view.refused},
-            "relay_skipped": self.relay.skipped_behind})
+            "relay_skipped": self.relay.skipped_behind,
+            "relay_behind": max((self.relay.end - sub.cursor
+                                 for sub in self.relay.subscribers.values()), default=0)})
 
     def _reply(self, client: bytes, reply: protocol.Reply) -> None:
         self._send(client, self.fanout.remember(reply))

@@ -36,6 +36,7 @@ class Subscriber:
     client: bytes
     cursor: int                     # index (in relay numbering) of the next event to send
     last_heard: float
+    last_sent: float = 0.0          # when an event last went into its queue
     skip_until: dict[str, int] = field(default_factory=dict)   # node -> index of its point
     resume: dict[str, protocol.ResumePoint] = field(default_factory=dict)
 
@@ -90,13 +91,16 @@ class Relay:
         return sub is not None
 
     def expire(self, now: float) -> list[bytes]:
+        """Subscribers silent past the timeout to which nothing could be sent either (a
+        client busy reading a burst may be late with its heartbeats; libzmq refuses sends to
+        a peer that is gone)."""
         gone = [c for c, s in self.subscribers.items()
-                if now - s.last_heard > self.subscriber_timeout_s]
+                if now - max(s.last_heard, s.last_sent) > self.subscriber_timeout_s]
         for client in gone:
             del self.subscribers[client]
         return gone
 
-    def pump(self, send: Send) -> bool:
+    def pump(self, send: Send, now: float) -> bool:
         """Send every subscriber what it lacks, up to a share per turn; True if any is still
         behind (the loop should come back soon)."""
         behind = False
@@ -114,6 +118,7 @@ class Relay:
                     except LookupError:  # gone, or (libzmq) full and not writable yet:
                         break            # tried again; a gone client expires when silent
                     sent += 1
+                    sub.last_sent = now
                 sub.cursor += 1
             behind = behind or sub.cursor < self.end
         return behind
