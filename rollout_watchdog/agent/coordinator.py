@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 MAX_POLL_S = 0.1            # how soon stop() is noticed
 SWEEP_S = 0.1               # how often silent nodes and subscribers are looked for
-MESSAGES_PER_TURN = 1_000   # then the relay sends, so subscribers keep pace with the nodes
+MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
 # Per peer. A subscriber behind by more waits in the relay buffer (its cursor), not in
 # libzmq's memory. A node whose frames pile up keeps them in its own outbox (backpressure):
 # libzmq's received frames can each pin an 8 KiB read buffer, so 1,000 nodes x 100 queued

@@ -18,7 +18,7 @@ from rollout_watchdog.agent import protocol
 
 BUFFER_EVENTS = 50_000
 SUBSCRIBER_TIMEOUT_S = 10.0
-SENDS_PER_TURN = 5_000   # per subscriber and turn: more than a turn takes in, never starving it
+SENDS_PER_TURN = 5_000   # per subscriber and turn: as many as a turn takes in (MESSAGES_PER_TURN)
 
 
 @dataclass(frozen=True)
