@@ -41,8 +41,6 @@ MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): sub
 # frames cost 400 MB of RSS in a burst (measured), x 10 under 170 MB, at the same throughput.
 SEND_HWM = 10_000
 RECV_HWM = 10
-ZMTP_HEARTBEAT_MS = 1_000   # libzmq's own heartbeats drop half-open connections ...
-ZMTP_TIMEOUT_MS = 3_000     # ... after this much silence
 START_TIMEOUT_S = 10.0
 BOOT_PREFIX = "coordinator-"
 LOCAL_COMMANDS = ("status", "ping")
@@ -153,8 +151,11 @@ class Coordinator:
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # bigger: dropped by zmq
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, RECV_HWM)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_TIMEOUT_MS)
+        # No ZMTP heartbeat timeout on this side, on purpose: it would drop a live client that
+        # is slow to read a burst (its unread PINGs), and the client would then lose its
+        # subscription. Nodes detect a dead coordinator with their own ZMTP heartbeats (which
+        # libzmq answers here by itself); the coordinator finds silent nodes by their
+        # heartbeats (node_timeout_s), and silent subscribers expire (relay.py).
         try:
             if self.keys:
                 self._auth = curve_server(self._ctx, sock, self.keys)
