@@ -3,6 +3,6 @@
 `protocol`, the wire messages (its docstring is the spec; docs/protocol.md); `keys`, the CURVE
 keypairs (`rollout-watchdog keygen`); `link`, the node's side (a participant of the node
 daemon's loop, on when the config names a `coordinator`); `coordinator` (with `fleet`, `relay`,
-`fanout`, `security`), the hub; `client` (with `stream` and `views`), the driver's side:
+`fanout`, `security`, `journal`), the hub; `client` (with `stream` and `views`), the driver's side:
 `FleetClient`, which the package root exports.
 """
