@@ -148,7 +148,8 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback bind without keys (no authentication)")
     p.add_argument("--router-url", metavar="URL", help="the SGLang router to keep in step")
-    p.add_argument("--state-dir", metavar="DIR", help="where the coordinator keeps its state")
+    p.add_argument("--state-dir", metavar="DIR", help=(
+        "keep a journal of relayed events here, so a restart loses none a client lacks"))
     p.add_argument("--node-timeout", type=seconds, default=5.0, metavar="S",
                    help="seconds of silence after which a node is unreachable (default 5)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
