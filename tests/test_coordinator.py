@@ -15,11 +15,12 @@ import pytest
 import zmq
 import zmq.auth
 from daemon_harness import EngineSpec, Node, wait_for
+from fleet_harness import start_coordinator_process
 
 from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.coordinator import Coordinator
 from rollout_watchdog.agent.keys import keygen
-from rollout_watchdog.emulator.testing import emulator_info, inject_fault
+from rollout_watchdog.emulator.testing import emulator_info, free_port, inject_fault
 
 
 class Peer:
@@ -331,3 +332,29 @@ def test_curve_lets_in_listed_keys_only(make_node: Callable[..., Node], tmp_path
         finally:
             for peer in (trainer, stranger, plain):
                 peer.close()
+
+
+def test_sighup_lets_in_a_key_added_to_authorized(tmp_path: Path, keys: Path) -> None:
+    """An operator adds a node's or client's public key and sends SIGHUP: no restart."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    coordinator = start_coordinator_process(
+        bind, ["--keys", str(keys)], key=tmp_path / "peers" / "trainer.key_secret",
+        coordinator_key=keys / "coordinator.key", log_path=tmp_path / "coordinator.log")
+    late = Peer(bind, curve_of(tmp_path, "stranger"))
+    try:
+        assert late.call("ping", timeout=1.0) is None          # not on the list yet
+        (keys / "authorized" / "stranger.key").write_bytes(
+            (tmp_path / "peers" / "stranger.key").read_bytes())
+        coordinator.proc.send_signal(signal.SIGHUP)
+
+        def let_in() -> protocol.Reply | None:
+            nonlocal late   # a new connection each try: libzmq does not retry a refused one
+            late.close()
+            late = Peer(bind, curve_of(tmp_path, "stranger"))
+            return late.call("ping", timeout=0.5)
+        reply = wait_for(let_in, 10, "the reloaded key let in")
+        assert reply.status == "ok"
+        assert coordinator.proc.poll() is None                 # SIGHUP did not stop it
+    finally:
+        late.close()
+        coordinator.cleanup()

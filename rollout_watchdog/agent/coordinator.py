@@ -28,7 +28,7 @@ from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, 
 from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
-from rollout_watchdog.agent.security import check_bind, curve_server
+from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind, curve_server
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -66,6 +66,7 @@ class Coordinator:
         self.bad_messages: Counter[str] = Counter()
         self.own_seq = 0
         self._stop = threading.Event()
+        self._reload = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -74,7 +75,7 @@ class Coordinator:
         self._acks: set[str] = set()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self.sock: zmq.Socket[bytes] | None = None
-        self._auth: Any = None
+        self._auth: NamedKeyAuthenticator | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -103,12 +104,20 @@ class Coordinator:
                  tb: TracebackType | None) -> None:
         self.stop()
 
+    def reload_keys(self) -> None:
+        """Read `keys/authorized/` again at the next loop turn (SIGHUP does this for the
+        standalone coordinator): a node or client added there is let in, one removed is kept
+        out of new connections."""
+        self._reload.set()
+
     def run(self) -> int:
-        """Serve in this thread until SIGTERM or SIGINT (the standalone coordinator)."""
+        """Serve in this thread until SIGTERM or SIGINT (the standalone coordinator); SIGHUP
+        reloads the authorized keys."""
         def stop(signum: int, frame: FrameType | None) -> None:
             self._stop.set()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, stop)
+        signal.signal(signal.SIGHUP, lambda signum, frame: self.reload_keys())
         self._open()
         log.info("coordinator %s serving on %s%s", self.boot, self.endpoint,
                  " (CURVE)" if self.keys else "")
@@ -192,11 +201,23 @@ class Coordinator:
         poller.register(self.sock, zmq.POLLIN)
         behind = False
         while not self._stop.is_set():
+            if self._reload.is_set():
+                self._reload.clear()
+                self._reload_keys()
             timeout = 0.005 if behind else self._timeout(time.monotonic())
             if poller.poll(int(timeout * 1000)):
                 self._receive_some()
             self._tick(time.monotonic(), time.time())
             behind = self.relay.pump(self._send_or_wait, time.monotonic())
+
+    def _reload_keys(self) -> None:
+        if self._auth is None:
+            log.warning("no keys to reload: this coordinator runs without CURVE")
+            return
+        try:
+            self._auth.reload()
+        except (OSError, ValueError) as exc:  # a half-copied key file: keep the old list
+            log.error("cannot reload the authorized keys, keeping the old list: %s", exc)
 
     def _timeout(self, now: float) -> float:
         deadlines = [self._next_heartbeat, self._next_sweep, self.fanout.next_deadline()]

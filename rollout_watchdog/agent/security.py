@@ -69,17 +69,30 @@ class NamedKeyAuthenticator(ThreadAuthenticator):
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], authorized: Path) -> None:
         super().__init__(ctx)
+        self.authorized = authorized
         self.names: dict[bytes, str] = {}
-        for path in sorted(authorized.glob("*.key")):
+        self.load_names()
+
+    def load_names(self) -> None:
+        names = {}
+        for path in sorted(self.authorized.glob("*.key")):
             public, _ = zmq.auth.load_certificate(path)
-            self.names[public] = path.stem
+            names[public] = path.stem
+        self.names = names   # one assignment: the ZAP thread sees the old map or the new one
+
+    def reload(self) -> None:
+        """Read `authorized/` again (keys added or removed); new connections see the change,
+        established ones keep going."""
+        self.load_names()
+        self.configure_curve(domain="*", location=str(self.authorized))
+        log.info("reloaded %d authorized key(s) from %s", len(self.names), self.authorized)
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         return self.names.get(zmq.utils.z85.encode(client_public_key), "")
 
 
 def curve_server(ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], keys: str
-                 ) -> ThreadAuthenticator:
+                 ) -> NamedKeyAuthenticator:
     """Make `sock` a CURVE server that admits only `keys/authorized/`; the running
     authenticator (stop it after the socket closes). ValueError names what is missing."""
     directory = Path(keys)
