@@ -103,3 +103,16 @@ def test_an_acknowledged_undelivered_event_survives_a_coordinator_sigkill(
     finally:
         ctx.destroy(linger=0)   # closes whatever a failure left open
         coordinator.cleanup()
+
+
+def test_a_buffer_bigger_than_the_limit_is_not_rewritten_on_every_append(tmp_path: Path) -> None:
+    journal = Journal(str(tmp_path), keep=100, max_bytes=1_000)
+    journal.load()
+    buffer = [relayed("n1", "b1", seq) for seq in range(1, 101)]   # far over 1,000 bytes
+    rewrites = 0
+    for item in buffer:
+        before = journal.path.stat().st_ino
+        journal.append([item], buffer)
+        rewrites += journal.path.stat().st_ino != before
+    assert rewrites < 10          # compacted when it doubled, not each time
+    journal.close()

@@ -276,3 +276,17 @@ def test_a_big_fleet_view_comes_in_pages_that_each_fit_a_message() -> None:
             break
     assert len(pages) > 1
     assert [n["node_id"] for p in pages for n in p["nodes"]] == [f"n{n:03d}" for n in range(300)]
+
+
+def test_a_part_being_restarted_is_not_restarted_again_by_a_second_failure() -> None:
+    view = group_fleet()
+    joined(view, "n4", engines=[engine("e0", group="g1")])
+    first = state_event("n1", 1, "e0", "healthy", "stopping", "exited",
+                        status=engine("e0", state="stopping", group="g1"))
+    view.event(first, "n1", T0, WALL0)
+    assert sorted(view.group_restarts("n1", first.event)) == [("n2", "e0"), ("n4", "e0")]
+    # n2/e0 fails on its own before its restart shows: n4/e0 is already on its way
+    second = state_event("n2", 1, "e0", "suspect", "stopping", "probe_failed",
+                         status=engine("e0", state="stopping", group="g1"))
+    view.event(second, "n2", T0, WALL0)
+    assert view.group_restarts("n2", second.event) == []

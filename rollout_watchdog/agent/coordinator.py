@@ -29,6 +29,7 @@ from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, nod
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind, curve_server
+from rollout_watchdog.agent.views import COORDINATOR_BOOT_PREFIX
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -42,7 +43,7 @@ MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): sub
 SEND_HWM = 10_000
 RECV_HWM = 10
 START_TIMEOUT_S = 10.0
-BOOT_PREFIX = "coordinator-"
+BOOT_PREFIX = COORDINATOR_BOOT_PREFIX
 LOCAL_COMMANDS = ("status", "ping")
 
 
@@ -271,8 +272,9 @@ class Coordinator:
             return
         peer = peer_id.decode("utf-8", "replace")
         now, wall = time.monotonic(), time.time()
-        from_node = isinstance(msg, (protocol.Hello, protocol.Event)) or (
-            isinstance(msg, protocol.Reply) and peer in self.view.nodes)
+        # A known node's routing id, or a node's message, needs that node's key (with
+        # CURVE): another admitted peer cannot speak for it, even holding its routing id.
+        from_node = isinstance(msg, (protocol.Hello, protocol.Event)) or peer in self.view.nodes
         if from_node and self.keys and user != peer:
             self._bad("unknown_node", f"{msg.KIND} from {peer!r} under the key of {user!r}")
             return

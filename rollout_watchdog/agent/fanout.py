@@ -17,6 +17,8 @@ from rollout_watchdog.agent import protocol
 DEFAULT_TIMEOUT_S = 5.0
 REPLIES_KEPT = 1024
 REPLIES_BYTES = 16 << 20        # a fleet-wide reply holds one answer per node
+REASON_CHARS = 200              # per node, in a reply trimmed to fit one message
+REASONS_CHARS = 20_000          # the joined reason of such a reply
 
 
 def node_request_id(request_id: str, node_id: str) -> str:
@@ -144,9 +146,18 @@ def encode_reply(reply: protocol.Reply) -> bytes:
         result = reply.result if isinstance(reply.result, dict) else {}
         nodes = result.get("nodes")
         answers: dict[str, Any] = nodes if isinstance(nodes, dict) else {}
-        slim = {n: {"status": a.get("status"), "reason": a.get("reason"), "result": None}
+        slim = {n: {"status": a.get("status"), "reason": str(a.get("reason"))[:REASON_CHARS],
+                    "result": None}
                 for n, a in answers.items() if a.get("status") != "ok"}
         trimmed = {"nodes": slim, "missing": result.get("missing", []),
                    "ok": len(answers) - len(slim), "results_left_out": True}
-        return protocol.encode(protocol.Reply(reply.request_id, reply.status, reply.reason,
-                                              trimmed))
+        reason = None if reply.reason is None else reply.reason[:REASONS_CHARS]
+        try:
+            return protocol.encode(protocol.Reply(reply.request_id, reply.status, reason,
+                                                  trimmed))
+        except protocol.ProtocolError:  # thousands of failing nodes: their count, not names
+            return protocol.encode(protocol.Reply(
+                reply.request_id, reply.status, reason,
+                {"nodes": {}, "missing": [], "ok": len(answers) - len(slim),
+                 "failed": len(slim), "missing_count": len(result.get("missing", [])),
+                 "results_left_out": True}))

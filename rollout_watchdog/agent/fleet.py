@@ -21,7 +21,6 @@ NODE_TIMEOUT_S = 5.0
 STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
 RUNNING_STATES = frozenset({"starting", "healthy", "suspect"})
-NODE_EVENT_KINDS = ("node_reachable", "node_unreachable")
 
 
 class Refused(Exception):
@@ -181,10 +180,13 @@ class FleetView:
         group = engine.get("group") if engine else None
         if not group:
             return []
-        return [(r.node_id, e["id"]) for r in self.nodes.values() if r.reachable
-                for e in r.engines.values()
-                if e.get("group") == group and (r.node_id, e["id"]) != (node_id, engine_id)
-                and e.get("state") in RUNNING_STATES]
+        targets = [(r, e) for r in self.nodes.values() if r.reachable
+                   for e in r.engines.values()
+                   if e.get("group") == group and (r.node_id, e["id"]) != (node_id, engine_id)
+                   and e.get("state") in RUNNING_STATES]
+        for _, part in targets:  # restarting now: a second failure must not restart it again
+            part["state"] = "stopping"
+        return [(r.node_id, e["id"]) for r, e in targets]
 
 
 def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None:

@@ -34,7 +34,7 @@ class Journal:
         self.keep, self.max_bytes = keep, max_bytes
         self.failed: str | None = None
         self._file: IO[bytes] | None = None
-        self._size = 0
+        self._size = self._compacted = 0
 
     def load(self) -> list[Relayed]:
         """The newest `keep` events of the journal, oldest first (a bad line is skipped)."""
@@ -67,7 +67,7 @@ class Journal:
                 self._file.write(item.frame + b"\n")
                 self._size += len(item.frame) + 1
             self._file.flush()   # to the kernel: a SIGKILL of the coordinator loses nothing
-            if self._size > self.max_bytes:
+            if self._size > max(self.max_bytes, 2 * self._compacted):
                 self._rewrite(buffer)
         except OSError as exc:
             self._fail(exc)
@@ -89,6 +89,7 @@ class Journal:
                     size += len(item.frame) + 1
             os.replace(tmp, self.path)
             self._file, self._size = open(self.path, "ab"), size  # noqa: SIM115 (kept open)
+            self._compacted = size   # a buffer bigger than max_bytes: not rewritten each turn
         except OSError as exc:
             self._fail(exc)
 

@@ -236,8 +236,19 @@ class NodeLink:
         return True
 
     def _send(self, message: protocol.Message) -> bool:
+        """False if the queue is full. A message too big for the protocol (a reply with a huge
+        result, a snapshot of too many engines) is not sent: a reply becomes an error reply
+        that says so, anything else is logged; either way the turn goes on."""
         try:
-            self.socket.send(protocol.encode(message), zmq.NOBLOCK)
+            frame = protocol.encode(message)
+        except protocol.ProtocolError as exc:
+            log.error("cannot send a %s to the coordinator: %s", message.KIND, exc)
+            if not isinstance(message, protocol.Reply):
+                return True
+            frame = protocol.encode(protocol.Reply(
+                message.request_id, "error", f"the result cannot be sent: {exc}"[:1000]))
+        try:
+            self.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

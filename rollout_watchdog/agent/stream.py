@@ -66,6 +66,8 @@ class EventStream:
             now = time.monotonic()
             if idle_until is not None and now >= idle_until:
                 raise StopIteration
+            if self._sock is not None and self._sock.poll(0):
+                self._heard = now   # a caller slow between next()s: frames wait, all is well
             if self._sock is None or now - self._heard >= self.silence_s:
                 self._subscribe(now)
             assert self._sock is not None

@@ -12,7 +12,7 @@ from typing import Any
 from rollout_watchdog.errors import RolloutWatchdogError
 
 # The coordinator's own events about a node; they are not resume points of that node's stream.
-NODE_EVENT_KINDS = frozenset({"node_reachable", "node_unreachable"})
+COORDINATOR_BOOT_PREFIX = "coordinator-"   # the boot id of the coordinator's own events
 
 
 def _opt_int(value: object) -> int | None:
@@ -146,8 +146,9 @@ class FleetEvent:
 
     @property
     def is_node_event(self) -> bool:
-        """The coordinator's own word about a node, not a node's event."""
-        return self.kind in NODE_EVENT_KINDS
+        """The coordinator's own word about a node (node_reachable, node_unreachable,
+        group_restart, ...), not a node's event: its boot is the coordinator's."""
+        return (self.boot or "").startswith(COORDINATOR_BOOT_PREFIX)
 
     @classmethod
     def from_json(cls, node_id: str, boot: str, seq: int, obj: dict[str, Any]) -> FleetEvent:

@@ -315,7 +315,8 @@ class Daemon:
         if sup.dirty:
             self.save_state()
         for participant in self.participants:
-            participant.after_save()  # an acknowledged command survives a crash
+            with self._survive(f"{type(participant).__name__}"):
+                participant.after_save()  # an acknowledged command survives a crash
         self._notify_systemd(now)
         self.metrics.loop_iteration(self.clock.monotonic() - started)
 
