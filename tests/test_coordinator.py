@@ -39,9 +39,10 @@ class Peer:
         self.sock.close(0)
         self.ctx.term()
 
-    def call(self, cmd: str, timeout: float = 10.0, **fields: Any) -> protocol.Reply | None:
+    def call(self, cmd: str, timeout: float = 10.0, request_id: str | None = None,
+             **fields: Any) -> protocol.Reply | None:
         """The reply to one command, or None if none came in time."""
-        request_id = uuid.uuid4().hex
+        request_id = request_id or uuid.uuid4().hex
         try:  # a refused peer has no connection: nothing can even be queued
             self.sock.send(protocol.encode(protocol.Command(request_id, cmd, **fields)),
                            zmq.NOBLOCK)
@@ -206,13 +207,12 @@ def test_commands_fan_out_and_name_what_failed(make_node: Callable[..., Node],
     assert stranger is not None and "unknown node 'node9'" in str(stranger.reason)
 
     # A repeated request id gets the same reply, and nothing is done twice.
-    command = protocol.Command("same-id", "restart", {}, "node1", "e0")
     incarnation = engines_of(client.fleet())["node1/e0"]["incarnation"] + 1
-    client.sock.send(protocol.encode(command))
+    first = client.call("restart", request_id="same-id", node="node1", engine="e0")
     wait_for(lambda: (e := engines_of(client.fleet())["node1/e0"])["state"] == "healthy"
              and e["incarnation"] == incarnation, 30, "node1/e0 restarted once")
-    client.sock.send(protocol.encode(command))
-    client.pump(1.0)
+    again = client.call("restart", request_id="same-id", node="node1", engine="e0")
+    assert again == first                                # the remembered reply
     assert engines_of(client.fleet())["node1/e0"]["incarnation"] == incarnation
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, encode_reply
+from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
@@ -395,9 +395,7 @@ class Coordinator:
         if reply is None:
             return
         if gathering.client is not None:
-            frame = self.fanout.known(reply.request_id)
-            self._send(gathering.client, frame if isinstance(frame, bytes)
-                       else encode_reply(reply))
+            self._send(gathering.client, gathering.frame)
         elif reply.status == "error":
             log.warning("%s %s: %s", gathering.command.cmd, gathering.command.engine,
                         reply.reason)

@@ -35,7 +35,8 @@ class Gathering:
     deadline: float                   # monotonic
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)
-    final: protocol.Reply | None = None   # set once complete or expired
+    final: protocol.Reply | None = None   # set once complete or expired ...
+    frame: bytes = b""                    # ... and encoded, once
 
     def complete(self) -> bool:
         return len(self.answers) + len(self.gone - self.answers.keys()) >= len(self.targets)
@@ -121,7 +122,7 @@ class Fanout:
         for node in gathering.targets:
             self.by_node_request.pop((node_request_id(request_id, node), node), None)
         gathering.final = gathering.reply()
-        self.remember(gathering.final)
+        gathering.frame = self.remember(gathering.final)
         return gathering
 
     def remember(self, reply: protocol.Reply) -> bytes:
