@@ -18,7 +18,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.auth
@@ -35,6 +35,9 @@ from rollout_watchdog.agent.views import (
     nodes_of,
 )
 from rollout_watchdog.errors import CommandRefused, CoordinatorUnavailable
+
+if TYPE_CHECKING:
+    from rollout_watchdog.refit_bridge.refit import Refit
 
 __all__ = ["EngineView", "EventStream", "FleetClient", "FleetEvent", "FleetResult", "NodeReply",
            "NodeView"]
@@ -90,6 +93,7 @@ class FleetClient:
                                  "NAME.key_secret")
             self._curve = (public, secret, server)
         self._ctx: zmq.SyncContext = zmq.Context.instance()
+        self.weight_group: Any = None   # the last refit's group (this process only)
 
     def __repr__(self) -> str:
         return f"FleetClient({self.address!r}, curve={self._curve is not None})"
@@ -288,6 +292,28 @@ class FleetClient:
               timeout_s: float | None = None) -> FleetResult:
         """Clear the engine's restart budget; a failed engine is relaunched."""
         return self.command("reset", target, node=node, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ refits
+
+    def refit(self, version: str, lease_s: float = 30.0, timeout_s: float = 600.0,
+              backend: str = "nccl", master_address: str | None = None) -> Refit:
+        """`with fleet.refit(version) as refit:` takes the refit lock, (re)builds the
+        weight-update group as needed; `refit.update_weights(named_tensors)` broadcasts;
+        leaving the block commits (see refit_bridge/refit.py)."""
+        from rollout_watchdog.refit_bridge.refit import Refit
+        return Refit(self, version, lease_s=lease_s, timeout_s=timeout_s, backend=backend,
+                     master_address=master_address)
+
+    def prepare_for_generation(self, timeout_s: float | None = None) -> FleetResult:
+        """Before a rollout phase (after the engines were woken up): deep probes resume on
+        every reachable node. Named as the RL frameworks name this hook."""
+        return self.resume(all=True, timeout_s=timeout_s)
+
+    def finish_generation(self, deadline_s: float | None = None,
+                          timeout_s: float | None = None) -> FleetResult:
+        """After a rollout phase (before offload or refit): deep probes pause fleet-wide, once
+        in-flight probes ended, so none runs against released memory."""
+        return self.pause(all=True, deadline_s=deadline_s, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ events
 

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -30,6 +30,11 @@ from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind, curve_server
 from rollout_watchdog.agent.views import COORDINATOR_BOOT_PREFIX
+from rollout_watchdog.refit_bridge import service as refit
+from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from rollout_watchdog.refit_bridge.router_sync import RouterSync
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -52,8 +57,8 @@ class Coordinator:
 
     def __init__(self, bind: str, keys: str | None = None, insecure: bool = False,
                  router_url: str | None = None, state_dir: str | None = None,
-                 node_timeout_s: float = NODE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S
-                 ) -> None:
+                 node_timeout_s: float = NODE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S,
+                 holder_timeout_s: float = HOLDER_TIMEOUT_S) -> None:
         check_bind(bind, keys, insecure)
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
@@ -64,6 +69,9 @@ class Coordinator:
         self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
         self._unjournaled: list[Relayed] = []
         self.fanout = Fanout()
+        self.refit = refit.RefitService(state_dir, holder_timeout_s)  # raises for bad state
+        self.router = _router_sync(router_url) if router_url else None
+        self._router_members: dict[str, str | None] | None = None
         self.bad_messages: Counter[str] = Counter()
         self.own_seq = 0
         self._stop = threading.Event()
@@ -150,9 +158,6 @@ class Coordinator:
                         self.view.journaled[item.node_id] = (item.boot, item.seq)
             except OSError as exc:
                 raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from None
-        if self.router_url:
-            log.warning("--router-url %s is not used yet: router membership comes with the "
-                        "refit bridge", self.router_url)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -177,8 +182,12 @@ class Coordinator:
             raise ValueError(f"cannot bind {self.bind}: {exc}") from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
+        if self.router is not None:
+            self.router.start()
 
     def _close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
         if self.journal is not None:
             self.journal.close()
         if self.sock is not None:
@@ -221,7 +230,8 @@ class Coordinator:
             log.error("cannot reload the authorized keys, keeping the old list: %s", exc)
 
     def _timeout(self, now: float) -> float:
-        deadlines = [self._next_heartbeat, self._next_sweep, self.fanout.next_deadline()]
+        deadlines = [self._next_heartbeat, self._next_sweep, self.fanout.next_deadline(),
+                     self.refit.next_deadline()]
         soonest = min(d for d in deadlines if d is not None)
         return min(MAX_POLL_S, max(0.0, soonest - now))
 
@@ -327,6 +337,8 @@ class Coordinator:
             for client in self.relay.expire(now):
                 log.info("subscriber %s silent for %g s: unsubscribed", client.hex(),
                          self.relay.subscriber_timeout_s)
+            self.refit.tick(self, now)
+            self._sync_router()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             beat = protocol.encode(protocol.Heartbeat(wall))
@@ -348,22 +360,27 @@ class Coordinator:
         if cmd.cmd in LOCAL_COMMANDS:  # read-only: nothing to remember for a repeat
             self._send(client, protocol.encode(self._local(cmd)))
             return
+        if cmd.cmd in refit.COMMANDS:
+            self.refit.handle(self, client, cmd, now)
+            return
         if cmd.node is not None and cmd.node not in self.view.nodes:
-            self._reply(client, _error(cmd, f"unknown node {cmd.node!r} (known: "
+            self.reply(client, _error(cmd, f"unknown node {cmd.node!r} (known: "
                                        f"{', '.join(sorted(self.view.nodes)) or 'none'})"))
             return
         if cmd.node is not None and not self.view.nodes[cmd.node].reachable:
             last = time.strftime("%H:%M:%S", time.localtime(self.view.nodes[cmd.node].last_seen))
-            self._reply(client, _error(cmd, f"node {cmd.node!r} is unreachable (last seen "
+            self.reply(client, _error(cmd, f"node {cmd.node!r} is unreachable (last seen "
                                             f"{last})"))
             return
         targets = [cmd.node] if cmd.node is not None else self.view.reachable()
-        self._gather(client, _with_wait(cmd), targets, now)
+        self.gather(client, _with_wait(cmd), targets, now)
 
-    def _gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
-                now: float) -> None:
+    def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
+               now: float, finish: refit.Finish | None = None) -> None:
+        """Fan `cmd` out to `targets`; its gathered reply goes to `client` (None: nobody),
+        made by `finish` if given."""
         timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
-        gathering = Gathering(client, cmd, targets, now + timeout)
+        gathering = Gathering(client, cmd, targets, now + timeout, finish=finish)
         for node, node_cmd in self.fanout.start(gathering):
             if not self._send(node.encode(), protocol.encode(node_cmd)):
                 gathering.gone.add(node)
@@ -377,18 +394,43 @@ class Coordinator:
             after = cmd.args.get("after")
             if after is not None and not isinstance(after, str):
                 return _error(cmd, f"'after' must be a node id, got {str(after)[:40]!r}")
-            return protocol.Reply(cmd.request_id, "ok", None,
-                                  self.view.status(cmd.node, after))
+            view = self.view.status(cmd.node, after)
+            for node in view["nodes"]:
+                for engine in node["engines"]:
+                    self.refit.book.decorate(node["node_id"], engine)
+            return protocol.Reply(cmd.request_id, "ok", None, view)
         return protocol.Reply(cmd.request_id, "ok", None, {
             "coordinator": self.boot, "nodes": len(self.view.nodes),
             "reachable": len(self.view.reachable()), "subscribers": len(self.relay.subscribers),
             "bad_messages": {**self.bad_messages, **self.view.refused},
             "relay_skipped": self.relay.skipped_behind,
             "relay_behind": max((self.relay.end - sub.cursor
-                                 for sub in self.relay.subscribers.values()), default=0)})
+                                 for sub in self.relay.subscribers.values()), default=0),
+            "refit": self.refit.status(time.monotonic()),
+            "router": None if self.router is None else self.router.status()})
 
-    def _reply(self, client: bytes, reply: protocol.Reply) -> None:
+    def reply(self, client: bytes, reply: protocol.Reply) -> None:
+        """Answer `client`; the reply is kept for a repeat of its request id."""
         self._send(client, self.fanout.remember(reply))
+
+    def weights_changed(self) -> None:
+        self._sync_router()
+
+    def _sync_router(self) -> None:
+        """The router holds exactly the serving engines, each checked (by the router's
+        thread) to report the version its refit committed before it is added."""
+        if self.router is None:
+            return
+        members: dict[str, str | None] = {}
+        for node_id, record in self.view.nodes.items():
+            for engine in record.engines.values():
+                url = engine.get("url")
+                if url and self.refit.book.serving(node_id, engine):
+                    members[url] = self.refit.book.version_of(node_id, engine["id"],
+                                                              engine.get("incarnation"))
+        if members != self._router_members:
+            self._router_members = members
+            self.router.set_desired(members)
 
     def _answer(self, gathering: Gathering) -> None:
         reply = gathering.final
@@ -410,7 +452,7 @@ class Coordinator:
         event["engine"] = engine
         self._own_events([event])
         cmd = protocol.Command(f"group-{uuid.uuid4().hex}", "restart", {}, node, engine)
-        self._gather(None, cmd, [node], time.monotonic())
+        self.gather(None, cmd, [node], time.monotonic())
 
     # ------------------------------------------------------------------ output
 
@@ -451,6 +493,11 @@ class Coordinator:
         count = self.bad_messages[reason]
         if count <= 10 or count % 1000 == 0:  # a flood must not flood the log too
             log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
+
+
+def _router_sync(url: str) -> RouterSync:
+    from rollout_watchdog.refit_bridge.router_sync import RouterSync
+    return RouterSync(url)
 
 
 def _error(cmd: protocol.Command, reason: str) -> protocol.Reply:

@@ -9,6 +9,7 @@ deadline passes; then it names each node that answered an error or nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,8 @@ class Gathering:
     gone: set[str] = field(default_factory=set)
     final: protocol.Reply | None = None   # set once complete or expired ...
     frame: bytes = b""                    # ... and encoded, once
+    # Makes the final reply out of the gathered one (a refit's lock reply after its pause).
+    finish: Callable[[Gathering], protocol.Reply] | None = None
 
     def complete(self) -> bool:
         return len(self.answers) + len(self.gone - self.answers.keys()) >= len(self.targets)
@@ -121,7 +124,8 @@ class Fanout:
         self.pending.pop(request_id, None)
         for node in gathering.targets:
             self.by_node_request.pop((node_request_id(request_id, node), node), None)
-        gathering.final = gathering.reply()
+        gathering.final = (gathering.finish(gathering) if gathering.finish is not None
+                           else gathering.reply())
         gathering.frame = self.remember(gathering.final)
         return gathering
 

@@ -53,6 +53,8 @@ class Node(Protocol):
     def launch(self, engine: EngineRuntime, cause: Cause) -> None: ...
     def start_kill(self, engine: EngineRuntime, cause: Cause, detail: str,
                    after: AfterKill, **extra: Any) -> None: ...
+    def fail(self, engine: EngineRuntime, cause: Cause, detail: str,
+             evidence_at: float) -> None: ...
     def fail_if_budget_spent(self, engine: EngineRuntime, cause: Cause) -> bool: ...
     def count_relaunch(self, engine: EngineRuntime, cause: Cause, at: float) -> None: ...
     def release_problems(self, engine: EngineRuntime) -> list[str]: ...
@@ -233,10 +235,24 @@ def restart(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Kill ENGINE (if running) and relaunch it at once; uses no restart budget.
 
     Also relaunches a `deferred` engine waiting after a failure, or a stopped one.
-    args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
+    With `"cause": "refit_wedged"` (the coordinator, for an engine stuck in an aborted refit)
+    the running engine is failed with that cause instead: killed, then relaunched as after any
+    failure (backoff, restart budget, `deferred` policy).
+    args: {"engine": ID, "cause"?: "refit_wedged", "detail"?: TEXT}.
+    result: {"engine": ID, "action": TEXT}
     """
     engine = one_engine(node, args)
-    return {"engine": engine.id, "action": _restart(node, engine)}
+    cause = args.get("cause")
+    if cause is None:
+        return {"engine": engine.id, "action": _restart(node, engine)}
+    if cause != Cause.REFIT_WEDGED.value:
+        raise CommandError(f"restart cause must be {Cause.REFIT_WEDGED.value!r}, got "
+                           f"{str(cause)[:40]!r}")
+    if engine.kill is not None or not engine.state.running:
+        return {"engine": engine.id, "action": f"not running ({engine.state}): nothing to do"}
+    node.fail(engine, Cause.REFIT_WEDGED, str(args.get("detail") or "wedged in a refit")[:500],
+              node.clock.monotonic())
+    return {"engine": engine.id, "action": "failed (refit_wedged): killing, then recovering"}
 
 
 def _restart(node: Node, engine: EngineRuntime) -> str:

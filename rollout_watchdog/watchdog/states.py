@@ -39,6 +39,7 @@ class Cause(str, Enum):
     GPU_NOT_RELEASED = "gpu_not_released"
     PORT_NOT_RELEASED = "port_not_released"
     LAUNCH_FAILED = "launch_failed"
+    REFIT_WEDGED = "refit_wedged"    # stuck in a refit's collective (the coordinator says)
     LAUNCHED = "launched"
     PROBE_PASSED = "probe_passed"
     BACKOFF_ELAPSED = "backoff_elapsed"

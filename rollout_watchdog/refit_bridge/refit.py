@@ -1,0 +1,420 @@
+"""`with fleet.refit(version) as refit:` - one weight refit, in the trainer (rank 0).
+
+Entering takes the refit lock (waiting while a live holder has it, within `timeout_s`); the
+coordinator pauses deep probes fleet-wide and names the members: the healthy engines of
+reachable nodes. A guard thread renews the lease every second, follows the fleet's events, and
+watches the overall deadline. `update_weights()` (re)builds the weight-update group when the
+membership changed since the last refit (`group.py`) and broadcasts. Leaving the block commits:
+the version is set on every member and read back, the coordinator records it (and admits new
+incarnations to the router). An exception aborts: the group is torn down, every member is
+stale until a later refit commits, and the members whose calls never completed at the deadline
+are restarted by their watchdogs (`refit_wedged`).
+
+A trainer blocked inside a collective can only be freed from its own process: when the guard
+hears that a member died (the node watchdog reports it within milliseconds), or when the
+deadline passes, it aborts the group from its thread; the blocked call then raises, and the
+refit raises `EngineLost` naming the member(s).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from rollout_watchdog.agent.views import EngineView, FleetEvent
+from rollout_watchdog.errors import (
+    CommandRefused,
+    CoordinatorUnavailable,
+    EngineLost,
+    LeaseLost,
+    RolloutWatchdogError,
+)
+from rollout_watchdog.refit_bridge import engine_http
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_watchdog.agent.client import FleetClient
+    from rollout_watchdog.refit_bridge.group import WeightUpdateGroup
+
+log = logging.getLogger(__name__)
+Member = tuple[str, str, int]
+RENEW_EVERY_S = 1.0       # the coordinator takes a holder silent for 5 s for gone
+LOCK_RETRY_S = 0.5
+ACQUIRE_TIMEOUT_S = 40.0  # the fleet-wide pause waits for in-flight probes (up to 30 s)
+CALL_TIMEOUT_S = 10.0     # one control call to the coordinator or an engine
+GUARD_POLL_S = 0.1
+PAUSE_MODE = "retract"    # in-flight requests are set aside and resume after the refit
+
+
+class Refit:
+    """One refit; see the module docstring. Built by `FleetClient.refit()`."""
+
+    def __init__(self, client: FleetClient, version: str, *, lease_s: float = 30.0,
+                 timeout_s: float = 600.0, backend: str = "nccl",
+                 master_address: str | None = None, pause_mode: str = PAUSE_MODE) -> None:
+        if not isinstance(version, str) or not version:
+            raise ValueError(f"version must be a non-empty string, got {version!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.client, self.version, self.lease_s = client, version, lease_s
+        self.timeout_s, self.backend, self.pause_mode = timeout_s, backend, pause_mode
+        self.master_address = master_address or address_toward(client.address)
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.engines: list[EngineView] = []
+        self.token: int | None = None
+        self.deadline = 0.0
+        self.committed = False
+        self._lost: dict[Member, str] = {}     # member -> why
+        self._lease_lost: str | None = None
+        self._expired = False
+        self._group: WeightUpdateGroup | None = None
+        self._paused = False
+        self._stop = threading.Event()
+        self._guard: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the block
+
+    def __enter__(self) -> Refit:
+        self.deadline = time.monotonic() + self.timeout_s
+        self._start_guard()
+        try:
+            result = self._acquire()
+            self.token = result["token"]
+            members = result["members"]
+            if result.get("relaunched"):
+                members = self._wait_for_relaunched(result["relaunched"])
+            self.engines = [EngineView.from_json(m["node_id"], True, {**m, "state": "healthy"})
+                            for m in members]
+        except BaseException:
+            self._stop_guard()
+            raise
+        log.info("refit %r: lock taken (token %s), %d engine(s)", self.version, self.token,
+                 len(self.engines))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if exc is None:
+                try:
+                    self.commit()
+                except BaseException as failure:
+                    if not self.committed:
+                        self._abort(str(failure) or type(failure).__name__)
+                    translated = self._translate(failure)
+                    if translated is failure:
+                        raise
+                    raise translated from failure
+            else:
+                self._abort(str(exc) or type(exc).__name__)
+        finally:
+            self._finish()
+        if exc is not None:
+            translated = self._translate(exc)
+            if translated is not exc:
+                raise translated from exc
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       bucket_bytes: int | None = None, flattened: bool = False) -> None:
+        """Broadcast `named_tensors` (in that order) to every member over the weight-update
+        group, built first if the membership changed since the last refit."""
+        self._check()
+        if not self._paused:
+            self._each("pause_generation", lambda url: engine_http.post(
+                url, "/pause_generation", {"mode": self.pause_mode}, self._call_timeout()))
+            self._paused = True
+        group = self._ensure_group()
+        kwargs: dict[str, Any] = {"weight_version": self.version, "flattened": flattened}
+        if bucket_bytes is not None:
+            kwargs["bucket_bytes"] = bucket_bytes
+        group.update_weights(named_tensors, **kwargs)
+        self._check()
+
+    def commit(self) -> None:
+        """Commit now (leaving the block does it otherwise): set the version on every member,
+        read it back, record it at the coordinator. For frameworks that moved the weights
+        themselves (e.g. CUDA IPC to colocated engines) this is the whole of the refit."""
+        if self.committed:
+            return
+        self._check()
+        timeout = self._call_timeout()
+        self._each("update_weight_version", lambda url: engine_http.post(
+            url, "/update_weight_version",
+            {"new_version": self.version, "abort_all_requests": False}, timeout))
+        self._continue_generation()
+        wrong: list[tuple[EngineView, str]] = []
+        for engine in self.engines:
+            try:
+                got = engine_http.weight_version(str(engine.url), timeout)
+            except RolloutWatchdogError as exc:
+                wrong.append((engine, str(exc)))
+                continue
+            if got != self.version:
+                wrong.append((engine, f"reports weight_version {got!r}"))
+        ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
+        self._call("refit_commit", {"version": self.version,
+                                    "members": [[e.node_id, e.id, e.incarnation] for e in ok]})
+        self.committed = True
+        if wrong:
+            for engine, why in wrong:
+                self._lost[_member(engine)] = why
+            raise EngineLost(sorted(self._lost), "; ".join(
+                f"{e.name}: {why}" for e, why in wrong) + " (the others committed)")
+
+    # ------------------------------------------------------------------ the lock
+
+    def _acquire(self) -> dict[str, Any]:
+        while True:
+            left = self.deadline - time.monotonic()
+            try:
+                _, result = self.client.call("refit_acquire", {
+                    "holder": self.holder, "version": self.version, "lease_s": self.lease_s,
+                    "deadline_s": self.timeout_s}, timeout_s=min(ACQUIRE_TIMEOUT_S, left))
+                return dict(result)
+            except CommandRefused as exc:
+                if "refit lock is held" not in exc.reason:
+                    raise
+                if time.monotonic() + LOCK_RETRY_S >= self.deadline:
+                    raise CommandRefused(f"no refit lock within {self.timeout_s:g} s: "
+                                         f"{exc.reason}") from None
+            time.sleep(LOCK_RETRY_S)
+
+    def _wait_for_relaunched(self, relaunched: list[list[str]]) -> list[dict[str, Any]]:
+        """Deferred engines the refit relaunched join once healthy (or at the deadline)."""
+        wanted = {(n, e) for n, e in relaunched}
+        try:
+            self.client.wait_until(
+                lambda view: all(v.state == "healthy" for v in view
+                                 if (v.node_id, v.id) in wanted),
+                max(0.1, self.deadline - time.monotonic() - CALL_TIMEOUT_S))
+        except TimeoutError as exc:
+            log.warning("refit %r: relaunched engines not healthy in time, going on without "
+                        "them: %s", self.version, exc)
+        return list(self._call("refit_members", {})["members"])
+
+    def _call(self, cmd: str, args: dict[str, Any], timeout_s: float | None = None
+              ) -> dict[str, Any]:
+        try:
+            _, result = self.client.call(cmd, {**args, "token": self.token},
+                                         timeout_s=timeout_s or CALL_TIMEOUT_S)
+        except CommandRefused as exc:
+            if exc.reason.startswith("lease lost"):
+                raise LeaseLost(exc.reason) from None
+            raise
+        return result if isinstance(result, dict) else {}
+
+    # ------------------------------------------------------------------ the group
+
+    def _ensure_group(self) -> WeightUpdateGroup:
+        from rollout_watchdog.refit_bridge import group as groups
+        members = [groups.GroupMember(e.node_id, e.id, e.incarnation, str(e.url),
+                                      e.tp_size or engine_http.tp_size(str(e.url),
+                                                                        self._call_timeout()))
+                   for e in self.engines]
+        cached = cached_group(self.client)
+        if cached is not None and cached.members == members and cached.backend == self.backend:
+            self._group = cached
+            return cached
+        if cached is not None:
+            cached.destroy()
+        set_cached_group(self.client, None)
+        group = groups.WeightUpdateGroup(
+            members, master_address=self.master_address, backend=self.backend,
+            http_timeout_s=max(1.0, self.deadline - time.monotonic()),
+            init_timeout_s=max(1.0, self.deadline - time.monotonic()))
+        with self._lock:
+            self._group = group
+        group.build()
+        set_cached_group(self.client, group)
+        return group
+
+    # ------------------------------------------------------------------ the guard thread
+
+    def _start_guard(self) -> None:
+        ready = threading.Event()
+        self._guard = threading.Thread(target=self._run_guard, args=(ready,),
+                                       name="rollout-watchdog-refit-guard", daemon=True)
+        self._guard.start()
+        ready.wait(CALL_TIMEOUT_S)
+
+    def _stop_guard(self) -> None:
+        self._stop.set()
+        if self._guard is not None:
+            self._guard.join(CALL_TIMEOUT_S)
+            self._guard = None
+
+    def _run_guard(self, ready: threading.Event) -> None:
+        """Renew the lease, follow members' events, watch the deadline; abort the group when
+        any of them says the refit cannot complete."""
+        early: list[FleetEvent] = []   # heard before the members were known
+        next_renew = time.monotonic() + RENEW_EVERY_S
+        with self.client.events(resume=True, idle_s=GUARD_POLL_S) as stream:
+            ready.set()
+            while not self._stop.is_set():
+                for event in stream:
+                    if not self.engines:
+                        early.append(event)
+                        continue
+                    for queued in early:
+                        self._heard(queued)
+                    early.clear()
+                    self._heard(event)
+                    if self._stop.is_set():
+                        return
+                now = time.monotonic()
+                if now >= self.deadline and not self._expired:
+                    self._expired = True
+                    self._abort_group(f"the refit's deadline of {self.timeout_s:g} s passed")
+                if self.token is not None and now >= next_renew and not self.committed:
+                    next_renew = now + RENEW_EVERY_S
+                    self._renew()
+
+    def _heard(self, event: FleetEvent) -> None:
+        for engine in self.engines:
+            if (event.node_id, event.engine) != (engine.node_id, engine.id):
+                continue
+            gone = event.kind == "state" and event.to not in ("healthy", "suspect") \
+                and event.incarnation == engine.incarnation
+            replaced = event.incarnation is not None and event.incarnation > engine.incarnation
+            if gone or replaced:
+                why = f"{event.kind} {event.to or ''} ({event.cause or event.detail})".strip()
+                self._lost.setdefault(_member(engine), why)
+                self._abort_group(f"{engine.name} (incarnation {engine.incarnation}): {why}")
+
+    def _renew(self) -> None:
+        try:
+            self._call("refit_renew", {}, timeout_s=RENEW_EVERY_S)
+        except LeaseLost as exc:
+            self._lease_lost = str(exc)
+            self._abort_group(str(exc))
+        except CoordinatorUnavailable as exc:   # its lease may still hold: try again
+            log.warning("refit %r: lease not renewed: %s", self.version, exc)
+
+    def _abort_group(self, why: str) -> None:
+        with self._lock:
+            group = self._group
+        if group is not None and not self.committed:
+            log.warning("refit %r: aborting the weight-update group: %s", self.version, why)
+            group.abort()
+
+    # ------------------------------------------------------------------ the end
+
+    def _check(self) -> None:
+        if self._lost:
+            raise EngineLost(sorted(self._lost), "; ".join(self._lost.values()))
+        if self._lease_lost:
+            raise LeaseLost(self._lease_lost)
+        if self._expired or time.monotonic() >= self.deadline:
+            raise TimeoutError(f"refit {self.version!r} ran past its {self.timeout_s:g} s")
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        """The error the block raises: EngineLost when members were lost (also the ones a
+        group call named, and at the deadline those whose calls never completed)."""
+        if isinstance(exc, (EngineLost, LeaseLost)):
+            return exc
+        lost = dict(self._lost)
+        for member in getattr(exc, "members", []) or []:
+            lost.setdefault((member.node_id, member.engine, member.incarnation), str(exc))
+        if lost:
+            return EngineLost(sorted(lost), "; ".join(sorted(set(lost.values()))))
+        if self._lease_lost:
+            return LeaseLost(self._lease_lost)
+        return exc
+
+    def _abort(self, reason: str) -> None:
+        """Tear the group down, tell the coordinator (members stale, wedged ones restarted)."""
+        wedged: list[Member] = []
+        with self._lock:
+            group, self._group = self._group, None
+        if group is not None:
+            if self._expired:
+                wedged = [(m.node_id, m.engine, m.incarnation) for m in group.pending()]
+                for member in wedged:
+                    self._lost.setdefault(member, "its update call did not complete by the "
+                                                  "deadline (wedged)")
+            group.abort()
+            group.destroy()
+            set_cached_group(self.client, None)
+        if self.token is None or self._lease_lost:
+            return
+        try:
+            self._call("refit_abort", {
+                "members": [[e.node_id, e.id, e.incarnation] for e in self.engines],
+                "wedged": [list(m) for m in wedged], "reason": reason[:400]})
+        except RolloutWatchdogError as exc:
+            log.error("refit %r: the coordinator did not record the abort (its lease will "
+                      "end and do it): %s", self.version, exc)
+        self._continue_generation()
+
+    def _finish(self) -> None:
+        self._stop_guard()
+        if self.token is not None and not self._lease_lost:
+            try:
+                self._call("refit_release", {})
+            except RolloutWatchdogError as exc:
+                log.error("refit %r: lock not released (its lease will end): %s",
+                          self.version, exc)
+
+    def _continue_generation(self) -> None:
+        if self._paused:
+            self._each("continue_generation", lambda url: engine_http.post(
+                url, "/continue_generation", {}, self._call_timeout()), strict=False)
+            self._paused = False
+
+    def _each(self, what: str, call: Any, strict: bool = True) -> None:
+        """Run `call(url)` on every member concurrently; a member that fails is lost."""
+        errors = engine_http.on_each([str(e.url) for e in self.engines], call)
+        for engine in self.engines:
+            error = errors.get(str(engine.url))
+            if error is not None:
+                if strict:
+                    self._lost.setdefault(_member(engine), f"{what}: {error}")
+                else:
+                    log.warning("refit %r: %s on %s: %s", self.version, what, engine.name,
+                                error)
+        if strict:
+            self._check()
+
+    def _call_timeout(self) -> float:
+        return max(0.1, min(CALL_TIMEOUT_S, self.deadline - time.monotonic()))
+
+
+def _member(engine: EngineView) -> Member:
+    return (engine.node_id, engine.id, engine.incarnation)
+
+
+def address_toward(endpoint: str) -> str:
+    """This host's address on the route to the coordinator (where engines can reach us)."""
+    host = urlparse(endpoint.replace("tcp://", "http://", 1)).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1", "*", "0.0.0.0"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))   # no packet is sent: this only picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def cached_group(client: FleetClient) -> WeightUpdateGroup | None:
+    """The group of the client's last refit: it outlives a refit (rebuilt only when the
+    membership changes) and belongs to this process, so it is never pickled with the client."""
+    group: WeightUpdateGroup | None = client.weight_group
+    return group
+
+
+def set_cached_group(client: FleetClient, group: WeightUpdateGroup | None) -> None:
+    client.weight_group = group
+
+
+__all__ = ["Refit", "address_toward"]

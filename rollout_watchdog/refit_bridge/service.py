@@ -1,0 +1,270 @@
+"""The coordinator's refit commands: the lock, membership and the weight book.
+
+The wire spec (each a COMMAND to the coordinator; every reply carries status and reason; a
+refit-scoped call whose `token` is not the current holder's is refused with a reason starting
+"lease lost"):
+
+- `refit_acquire {holder, version, lease_s, deadline_s}`: take the lock. Pauses deep probes on
+  every reachable node (answering once in-flight probes ended, as `pause --all` does; nodes
+  resume by themselves after `deadline_s` if nothing else resumes them), relaunches `deferred`
+  engines that wait for it, and answers `{token, lease_s, version, members, relaunched,
+  pause_problems}`. `members` are the engines the refit updates: healthy, on reachable nodes,
+  serving or `pending_weights` (each `{node_id, id, incarnation, url, tp_size, weight_version}`).
+  Held by another: an error naming the holder, with `{holder, token, version, expires_in_s}`.
+- `refit_members {token}`: the members again, now including the relaunched engines that have
+  become healthy; an engine that comes back otherwise waits for the next refit (admission is
+  frozen while the lock is held).
+- `refit_renew {token}`: extend the lease by its `lease_s`; `{expires_in_s}`.
+- `refit_commit {token, version, members}`: these `[node, engine, incarnation]` hold `version`
+  now, which becomes the fleet's current version; the router gets them.
+- `refit_abort {token, members, wedged, reason}`: the refit failed; every member is stale until a
+  later commit; each `wedged` member is restarted by its watchdog with cause `refit_wedged`.
+- `refit_release {token}`: end the refit; deep probes resume fleet-wide.
+
+A lease that runs out, or whose holder goes silent, ends like an abort of its members (unless
+it committed) followed by a release.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent.fanout import Gathering
+from rollout_watchdog.agent.fleet import FleetView
+from rollout_watchdog.refit_bridge.lock import (
+    HOLDER_TIMEOUT_S,
+    Fenced,
+    Lease,
+    LockHeld,
+    RefitLock,
+)
+from rollout_watchdog.refit_bridge.weights import Member, RefitState, WeightBook, members_of
+
+log = logging.getLogger(__name__)
+COMMANDS = ("refit_acquire", "refit_members", "refit_renew", "refit_commit", "refit_abort",
+            "refit_release")
+PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
+RELEASE_TIMEOUT_S = 5.0
+Finish = Callable[[Gathering], protocol.Reply]
+
+
+class Core(Protocol):
+    """What the refit commands need of the coordinator (passed in, never imported)."""
+
+    view: FleetView
+
+    def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
+               now: float, finish: Finish | None = None) -> None: ...
+    def reply(self, client: bytes, reply: protocol.Reply) -> None: ...
+    def weights_changed(self) -> None: ...
+
+
+class RefitError(Exception):
+    """A refit command refused; the message is the reason."""
+
+    def __init__(self, reason: str, result: dict[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.result = result
+
+
+class RefitService:
+    def __init__(self, state_dir: str | None, holder_timeout_s: float = HOLDER_TIMEOUT_S
+                 ) -> None:
+        self.state = RefitState(state_dir)
+        self.book, next_token, in_flight = self.state.load()
+        if in_flight:
+            log.warning("a refit was in flight when the coordinator stopped: %d engine(s) are "
+                        "stale until the next refit commits", len(in_flight))
+            self.book.stale(in_flight)
+        self.lock = RefitLock(next_token, holder_timeout_s)
+        self.relaunched: list[tuple[str, str]] = []
+        self._save()
+
+    # ------------------------------------------------------------------ commands
+
+    def handle(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
+        try:
+            if cmd.cmd == "refit_acquire":
+                self._acquire(core, client, cmd, now)
+                return
+            result = getattr(self, "_" + cmd.cmd.removeprefix("refit_"))(core, cmd, now)
+        except RefitError as exc:
+            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), exc.result))
+            return
+        except (Fenced, ValueError) as exc:
+            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None))
+            return
+        core.reply(client, protocol.Reply(cmd.request_id, "ok", None, result))
+
+    def _acquire(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
+        holder = _text(cmd.args, "holder")
+        version = _text(cmd.args, "version")
+        lease_s = _number(cmd.args, "lease_s", 30.0)
+        deadline_s = _number(cmd.args, "deadline_s", 600.0)
+        try:
+            lease = self.lock.acquire(holder, version, lease_s, now)
+        except LockHeld as exc:
+            held = exc.lease
+            raise RefitError(str(exc), {"holder": held.holder, "token": held.token,
+                                        "version": held.version,
+                                        "expires_in_s": exc.expires_in_s}) from None
+        lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self.members(core)]
+        self.relaunched = self._relaunch_deferred(core, now)
+        self._save()
+        log.info("refit lock taken by %s (token %d, version %r, %d member(s))", holder,
+                 lease.token, version, len(lease.members))
+        pause = protocol.Command(cmd.request_id, "pause",
+                                 {"all": True, "deadline_s": deadline_s,
+                                  "wait_s": PAUSE_WAIT_S - 1.0}, None, None, PAUSE_WAIT_S)
+
+        def finish(gathering: Gathering) -> protocol.Reply:
+            paused = gathering.reply()
+            return protocol.Reply(cmd.request_id, "ok", None, {
+                "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
+                "members": self.members(core, lease), "relaunched": self.relaunched,
+                "pause_problems": paused.reason})
+        core.gather(client, pause, core.view.reachable(), now, finish)
+
+    def _members(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
+        lease = self.lock.check(cmd.args.get("token"), now)
+        members = self.members(core, lease)
+        lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in members]
+        self._save()
+        return {"members": members}
+
+    def _renew(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
+        lease = self.lock.renew(cmd.args.get("token"), now)
+        return {"expires_in_s": lease.expires - now}
+
+    def _commit(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
+        lease = self.lock.check(cmd.args.get("token"), now)
+        version = _text(cmd.args, "version")
+        members = members_of(cmd.args.get("members"))
+        self.book.commit(version, members)
+        lease.committed = True
+        lease.members = []
+        self._save()
+        core.weights_changed()
+        log.info("refit %r committed by %s on %d engine(s)", version, lease.holder,
+                 len(members))
+        return {"version": version, "members": len(members)}
+
+    def _abort(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
+        lease = self.lock.check(cmd.args.get("token"), now)
+        members = members_of(cmd.args.get("members", [list(m) for m in lease.members]))
+        wedged = members_of(cmd.args.get("wedged", []))
+        reason = str(cmd.args.get("reason") or "aborted by its holder")[:500]
+        self.book.stale(members + lease.members)
+        lease.members = []
+        self._save()
+        core.weights_changed()
+        log.warning("refit %r aborted by %s: %s; %d engine(s) stale, %d wedged", lease.version,
+                    lease.holder, reason, len(members), len(wedged))
+        for node, engine, incarnation in wedged:
+            restart = protocol.Command(
+                f"refit-wedged-{uuid.uuid4().hex}", "restart",
+                {"cause": "refit_wedged",
+                 "detail": f"wedged in refit {lease.version!r} (incarnation {incarnation}): "
+                           f"{reason}"[:500]},
+                node, engine, RELEASE_TIMEOUT_S)
+            if node in core.view.reachable():
+                core.gather(None, restart, [node], now)
+        return {"stale": len(members), "restarted": [[n, e] for n, e, _ in wedged]}
+
+    def _release(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
+        lease = self.lock.release(cmd.args.get("token"), now)
+        self._ended(core, lease, now, "released by its holder")
+        return {"released": lease.token}
+
+    # ------------------------------------------------------------------ the loop's turn
+
+    def tick(self, core: Core, now: float) -> None:
+        expired = self.lock.expire(now)
+        if expired is None:
+            return
+        lease, why = expired
+        log.warning("refit lock of %s (token %d) released: %s", lease.holder, lease.token, why)
+        self._ended(core, lease, now, why)
+
+    def next_deadline(self) -> float | None:
+        return self.lock.next_deadline()
+
+    def _ended(self, core: Core, lease: Lease, now: float, why: str) -> None:
+        if lease.members:   # neither committed nor aborted: its weights are unknown
+            self.book.stale(lease.members)
+            core.weights_changed()
+        self.relaunched = []
+        self._save()
+        resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume", {"all": True},
+                                  None, None, RELEASE_TIMEOUT_S)
+        core.gather(None, resume, core.view.reachable(), now)
+
+    # ------------------------------------------------------------------ questions
+
+    def members(self, core: Core, lease: Lease | None = None) -> list[dict[str, Any]]:
+        """The engines a refit updates: healthy on reachable nodes; once the lock is held,
+        only those known at its start and the deferred engines it relaunched."""
+        allowed = None
+        if lease is not None:
+            allowed = {(n, e) for n, e, _ in lease.members} | set(self.relaunched)
+        out = []
+        for node_id, record in core.view.nodes.items():
+            if not record.reachable:
+                continue
+            for engine in record.engines.values():
+                if engine.get("state") != "healthy":
+                    continue
+                if allowed is not None and (node_id, engine["id"]) not in allowed:
+                    continue
+                out.append({"node_id": node_id, "id": engine["id"],
+                            "incarnation": engine.get("incarnation"), "url": engine.get("url"),
+                            "tp_size": engine.get("tp_size"),
+                            "weight_version": self.book.version_of(
+                                node_id, engine["id"], engine.get("incarnation"))})
+        return out
+
+    def status(self, now: float) -> dict[str, Any]:
+        lease = self.lock.lease
+        return {"current_version": self.book.current,
+                "holder": None if lease is None else {
+                    "holder": lease.holder, "token": lease.token, "version": lease.version,
+                    "expires_in_s": max(0.0, lease.expires - now)}}
+
+    def _relaunch_deferred(self, core: Core, now: float) -> list[tuple[str, str]]:
+        out = []
+        for node_id in core.view.reachable():
+            for engine in core.view.nodes[node_id].engines.values():
+                if engine.get("deferred_waiting") or (
+                        engine.get("restart_policy") == "deferred"
+                        and engine.get("state") == "backoff"):
+                    out.append((node_id, engine["id"]))
+                    cmd = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "restart", {},
+                                           node_id, engine["id"], RELEASE_TIMEOUT_S)
+                    core.gather(None, cmd, [node_id], now)
+        return out
+
+    def _save(self) -> None:
+        lease = self.lock.lease
+        self.state.save(self.book, self.lock.next_token,
+                        lease.members if lease is not None else [])
+
+
+def _text(args: dict[str, Any], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"'{key}' must be a non-empty string, got {str(value)[:40]!r}")
+    return value
+
+
+def _number(args: dict[str, Any], key: str, default: float) -> float:
+    value = args.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"'{key}' must be a number > 0, got {str(value)[:40]!r}")
+    return float(value)
+
+
+__all__ = ["COMMANDS", "Core", "RefitService", "Member", "WeightBook"]

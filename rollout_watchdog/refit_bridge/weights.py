@@ -1,0 +1,136 @@
+"""Which weights each engine holds, as far as refits went (pure logic, persisted).
+
+An engine incarnation holds version V once a refit that reached that exact incarnation
+committed V. Everything else holds no known version: a new incarnation (`pending_weights`), and
+every member of an aborted refit (its buffers may hold partial weights). An engine serves when it
+is healthy and holds the fleet's current version; before the first refit ever commits, the weights
+an engine loaded from disk are the only ones, so every healthy engine serves.
+
+None of this can be rebuilt from node snapshots (an engine's own `weight_version` survives an
+aborted update), so the coordinator persists the book with `--state-dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Member = tuple[str, str, int]   # (node_id, engine, incarnation)
+SERVING_STATES = ("healthy",)
+
+
+@dataclass
+class Held:
+    incarnation: int
+    version: str | None   # None: stale (an aborted refit reached it)
+
+
+class WeightBook:
+    def __init__(self) -> None:
+        self.current: str | None = None   # the version the last committed refit set
+        self.held: dict[tuple[str, str], Held] = {}
+
+    def version_of(self, node: str, engine: str, incarnation: object) -> str | None:
+        held = self.held.get((node, engine))
+        if held is None or held.incarnation != incarnation:
+            return None
+        return held.version
+
+    def serving(self, node: str, engine: dict[str, Any]) -> bool:
+        if engine.get("state") not in SERVING_STATES:
+            return False
+        if self.current is None:
+            return True
+        return self.version_of(node, str(engine.get("id")), engine.get("incarnation")) \
+            == self.current
+
+    def decorate(self, node: str, engine: dict[str, Any]) -> None:
+        """Set an engine view's `weight_version` and `serving` (in place)."""
+        engine["weight_version"] = self.version_of(node, str(engine.get("id")),
+                                                   engine.get("incarnation"))
+        engine["serving"] = self.serving(node, engine)
+
+    def commit(self, version: str, members: list[Member]) -> None:
+        for node, engine, incarnation in members:
+            self.held[(node, engine)] = Held(incarnation, version)
+        self.current = version
+
+    def stale(self, members: list[Member]) -> None:
+        """An aborted refit: its members' weights are unknown until a later commit."""
+        for node, engine, incarnation in members:
+            self.held[(node, engine)] = Held(incarnation, None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"current": self.current,
+                "held": [[n, e, h.incarnation, h.version] for (n, e), h in self.held.items()]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WeightBook:
+        book = cls()
+        current = data.get("current")
+        book.current = current if isinstance(current, str) else None
+        for row in data.get("held", []):
+            if (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+                    and isinstance(row[1], str) and isinstance(row[2], int)
+                    and (row[3] is None or isinstance(row[3], str))):
+                book.held[(row[0], row[1])] = Held(row[2], row[3])
+        return book
+
+
+def members_of(rows: object) -> list[Member]:
+    """Parse `[[node, engine, incarnation], ...]` from a command; ValueError names the problem."""
+    if not isinstance(rows, list):
+        raise ValueError("'members' must be a list of [node, engine, incarnation]")
+    out = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                and isinstance(row[1], str) and isinstance(row[2], int)
+                and not isinstance(row[2], bool)):
+            raise ValueError(f"not a [node, engine, incarnation]: {str(row)[:80]}")
+        out.append((row[0], row[1], row[2]))
+    return out
+
+
+class RefitState:
+    """The refit state the coordinator keeps on disk: the weight book, the next fencing token,
+    and the members of the refit in flight (stale if the coordinator stops before it ends).
+    Written atomically (a temporary file, fsync, rename)."""
+
+    FILE = "refit.json"
+
+    def __init__(self, state_dir: str | None) -> None:
+        self.path = Path(state_dir) / self.FILE if state_dir else None
+
+    def load(self) -> tuple[WeightBook, int, list[Member]]:
+        """(the book, the next token, the refit in flight); a missing file is a fresh start, a
+        broken one an error naming it (refit state must not silently reset: stale engines
+        would serve)."""
+        if self.path is None or not self.path.exists():
+            return WeightBook(), 1, []
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            token = data.get("next_token", 1)
+            if not isinstance(token, int) or token < 1:
+                raise ValueError(f"bad next_token {token!r}")
+            return (WeightBook.from_json(data.get("weights") or {}), token,
+                    members_of(data.get("in_flight", [])))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"refit state {self.path} is unreadable ({exc}); move it away "
+                             "to start afresh (every engine then needs a refit)") from exc
+
+    def save(self, book: WeightBook, next_token: int, in_flight: list[Member]) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as out:
+            json.dump({"next_token": next_token, "weights": book.to_json(),
+                       "in_flight": [list(m) for m in in_flight]}, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
