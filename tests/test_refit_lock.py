@@ -1,0 +1,189 @@
+"""The refit lock and the weight book: pure logic first, then the coordinator's refit commands
+against real node daemons with emulator engines (docs: refit_bridge/service.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import EngineSpec, Node, wait_for
+from test_coordinator import Peer, all_healthy, engines_of, fleet_of
+
+from rollout_watchdog.agent.coordinator import Coordinator
+from rollout_watchdog.emulator.testing import free_port
+from rollout_watchdog.refit_bridge.lock import Fenced, LockHeld, RefitLock
+from rollout_watchdog.refit_bridge.weights import RefitState, WeightBook
+
+# ---------------------------------------------------------------------- pure logic
+
+
+def test_one_holder_at_a_time_and_a_late_holder_is_fenced() -> None:
+    lock = RefitLock(next_token=7, holder_timeout_s=5.0)
+    first = lock.acquire("trainer-a", "v1", lease_s=10.0, now=0.0)
+    assert first.token == 7
+    with pytest.raises(LockHeld, match="held by trainer-a"):
+        lock.acquire("trainer-b", "v1", lease_s=10.0, now=1.0)
+    lock.renew(7, now=4.0)
+    lock.renew(7, now=8.0)
+    assert lock.expire(now=12.0) is None          # renewed at 8: ends at 18
+    ended = lock.expire(now=13.5)                 # ... but silent since 8, for 5.5 s
+    assert ended is not None and "silent" in ended[1]
+    second = lock.acquire("trainer-b", "v2", lease_s=10.0, now=14.0)
+    assert second.token == 8
+    with pytest.raises(Fenced, match="lease lost: token 7"):
+        lock.renew(7, now=14.5)
+    lock.renew(8, now=15.0)
+    assert lock.expire(now=19.0) is None
+    ended = lock.expire(now=25.0)
+    assert ended is not None and "ran out" in ended[1]
+    with pytest.raises(ValueError, match="lease_s"):
+        lock.acquire("trainer-c", "v3", lease_s=0.0, now=30.0)
+
+
+def test_weight_book_serving_pending_and_stale() -> None:
+    book = WeightBook()
+    healthy = {"id": "e0", "state": "healthy", "incarnation": 1}
+    assert book.serving("n", healthy)                # no refit yet: disk weights serve
+    book.commit("v1", [("n", "e0", 1)])
+    assert book.serving("n", healthy) and book.version_of("n", "e0", 1) == "v1"
+    reborn = {**healthy, "incarnation": 2}
+    assert not book.serving("n", reborn)             # pending_weights
+    assert book.version_of("n", "e0", 2) is None
+    book.commit("v2", [("n", "e1", 1)])
+    assert not book.serving("n", healthy)            # still at v1: stale
+    book.stale([("n", "e1", 1)])
+    assert not book.serving("n", {"id": "e1", "state": "healthy", "incarnation": 1})
+    assert not book.serving("n", {**healthy, "state": "starting"})
+
+
+def test_refit_state_survives_a_restart_and_a_broken_file_is_named(tmp_path: Path) -> None:
+    state = RefitState(str(tmp_path))
+    book = WeightBook()
+    book.commit("v1", [("n", "e0", 1), ("n", "e1", 3)])
+    state.save(book, 12, in_flight=[("n", "e1", 3)])
+    loaded, token, in_flight = state.load()
+    assert token == 12 and loaded.current == "v1" and in_flight == [("n", "e1", 3)]
+    assert loaded.version_of("n", "e0", 1) == "v1"
+    (tmp_path / "refit.json").write_text("{not json")
+    with pytest.raises(ValueError, match="refit.json"):
+        state.load()
+
+
+# ---------------------------------------------------------------------- the coordinator
+
+
+def two_engines(i: int) -> list[EngineSpec]:
+    return [EngineSpec("e0"), EngineSpec("e1")]
+
+
+def ok(reply: Any) -> dict[str, Any]:
+    assert reply is not None and reply.status == "ok", reply
+    return dict(reply.result)
+
+
+def members(result: dict[str, Any]) -> list[list[Any]]:
+    return [[m["node_id"], m["id"], m["incarnation"]] for m in result["members"]]
+
+
+def test_lock_commit_abort_and_wedged_restart_against_real_nodes(
+        make_node: Callable[..., Node]) -> None:
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coordinator:
+        client = Peer(coordinator.endpoint)
+        try:
+            fleet_of(make_node, coordinator.endpoint, 1, engines=two_engines)
+            wait_for(all_healthy(client, 2), 60, "the fleet healthy")
+            taken = ok(client.call("refit_acquire", args={"holder": "trainer-a",
+                                                          "version": "v1", "lease_s": 30}))
+            token = taken["token"]
+            assert sorted(m["id"] for m in taken["members"]) == ["e0", "e1"]
+            assert all(e["paused"] for e in engines_of(client.fleet()).values())
+            held = client.call("refit_acquire", args={"holder": "trainer-b", "version": "v1"})
+            assert held is not None and held.status == "error"
+            assert "trainer-a" in str(held.reason) and held.result["holder"] == "trainer-a"
+
+            ok(client.call("refit_commit", args={"token": token, "version": "v1",
+                                                 "members": members(taken)}))
+            ok(client.call("refit_release", args={"token": token}))
+            view = engines_of(client.fleet())
+            assert {(e["weight_version"], e["serving"]) for e in view.values()} == {("v1", True)}
+            wait_for(lambda: not any(e["paused"] for e in engines_of(client.fleet()).values()),
+                     10, "deep probes resumed")
+            late = client.call("refit_commit", args={"token": token, "version": "v9",
+                                                     "members": members(taken)})
+            assert late is not None and late.status == "error"
+            assert str(late.reason).startswith("lease lost")
+
+            # e0 dies and comes back: pending_weights, out of service; e1 still serves v1.
+            before = view["node0/e0"]["incarnation"]
+            os.kill(view["node0/e0"]["pid"], signal.SIGKILL)
+            wait_for(lambda: (e := engines_of(client.fleet())["node0/e0"])["incarnation"]
+                     > before and e["state"] == "healthy", 30, "e0 back")
+            view = engines_of(client.fleet())
+            assert (view["node0/e0"]["weight_version"], view["node0/e0"]["serving"]) \
+                == (None, False)
+            assert view["node0/e1"]["serving"]
+
+            # A refit aborted with e1 wedged: both stale, e1 restarted with refit_wedged.
+            second = ok(client.call("refit_acquire", args={"holder": "trainer-b",
+                                                           "version": "v2"}))
+            assert second["token"] > token
+            e1 = next(m for m in members(second) if m[1] == "e1")
+            ok(client.call("refit_abort", args={"token": second["token"],
+                                                "members": members(second), "wedged": [e1],
+                                                "reason": "deadline"}))
+            wait_for(lambda: ((e := engines_of(client.fleet())["node0/e1"])["last_failure"]
+                              or {}).get("cause") == "refit_wedged"
+                     and e["incarnation"] > e1[2] and e["state"] == "healthy", 60,
+                     "e1 restarted as refit_wedged")
+            ok(client.call("refit_release", args={"token": second["token"]}))
+            view = engines_of(client.fleet())
+            assert not view["node0/e0"]["serving"] and not view["node0/e1"]["serving"]
+        finally:
+            client.close()
+
+
+def test_an_expired_lease_frees_the_lock_and_its_members_stay_stale_across_a_restart(
+        make_node: Callable[..., Node], tmp_path: Path) -> None:
+    port = free_port()
+    state = tmp_path / "coord"
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with Coordinator(bind=endpoint, node_timeout_s=3.0, state_dir=str(state)) as coordinator:
+        client = Peer(coordinator.endpoint)
+        try:
+            fleet_of(make_node, endpoint, 1, engines=two_engines)
+            wait_for(all_healthy(client, 2), 60, "the fleet healthy")
+            first = ok(client.call("refit_acquire", args={"holder": "a", "version": "v1"}))
+            ok(client.call("refit_commit", args={"token": first["token"], "version": "v1",
+                                                 "members": members(first)}))
+            ok(client.call("refit_release", args={"token": first["token"]}))
+            # A holder that dies mid-refit: its 1 s lease ends, the lock is free again.
+            dying = ok(client.call("refit_acquire", args={"holder": "dies", "version": "v2",
+                                                          "lease_s": 1.0}))
+            after = wait_for(lambda: (r := client.call("refit_acquire", args={
+                "holder": "next", "version": "v2"})) is not None and r.status == "ok" and r,
+                20, "the lock free after the lease")
+            assert after.result["token"] > dying["token"]
+            stale = client.call("refit_renew", args={"token": dying["token"]})
+            assert stale is not None and str(stale.reason).startswith("lease lost")
+            assert {e["serving"] for e in engines_of(client.fleet()).values()} == {False}
+            # The coordinator stops while "next" holds the lock.
+        finally:
+            client.close()
+    saved = json.loads((state / "refit.json").read_text())
+    assert saved["in_flight"]
+    with Coordinator(bind=endpoint, node_timeout_s=3.0, state_dir=str(state)) as coordinator:
+        client = Peer(coordinator.endpoint)
+        try:
+            wait_for(lambda: len(engines_of(client.fleet())) == 2, 20, "the nodes back")
+            view = engines_of(client.fleet())
+            assert {(e["weight_version"], e["serving"]) for e in view.values()} \
+                == {(None, False)}
+            again = ok(client.call("refit_acquire", args={"holder": "z", "version": "v3"}))
+            assert again["token"] > after.result["token"]
+        finally:
+            client.close()
