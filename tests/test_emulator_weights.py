@@ -37,6 +37,9 @@ from rollout_watchdog.emulator.model import build_model  # noqa: E402 - needs to
 PROMPT = "The quick brown fox"
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 CALL_TIMEOUT = 60.0
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running "
+    "or queued. Retract or finish them, then call /flush_cache.")
 NO_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
               "end_weight_update()")
 
@@ -178,6 +181,7 @@ def test_refit_changes_outputs_identically_on_every_engine(
         after = [generate(u) for u in urls]
         assert after[0]["output_ids"] == after[1]["output_ids"] != before[0]["output_ids"]
         assert [a["meta_info"]["weight_version"] for a in after] == ["v1", "v1"]
+        assert not emulator_info(urls[0])["torch_imported"]  # the main process stays light
         for url in urls:
             status, raw = http_request(url + "/model_info")
             assert status == 200 and json.loads(raw)["weight_version"] == "v1"
@@ -250,6 +254,30 @@ def test_misuse_answers_400_with_sglang_messages(fleet: list[str]) -> None:
     assert status == 400 and "same length (got 2, 1, 1)" in answer["error"]["message"]
 
 
+def test_update_while_paused_in_place_cannot_flush(engines: Engines, fleet: list[str]) -> None:
+    """0.5.22+: the weights load, but the flush a running request prevents fails the call."""
+    url = fleet[0]
+    (long_request,) = engines.call([url], "/generate", {
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})
+    wait_until(lambda: emulator_info(url)["num_inflight"] == 1, 30, what="request running")
+    assert post(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+    pg = build_group(engines, [url], "flush_group")
+    try:
+        assert post(url, "/begin_weight_update", {})[0] == 200
+        v5 = weights(5)
+        answers = update(engines, [url], pg, {**meta(v5), "group_name": "flush_group",
+                                              "weight_version": "v5"}, broadcast_each(pg, v5))
+        assert answers == [(400, {"success": False, "message": FLUSH_REFUSED})]
+        assert post(url, "/end_weight_update", {})[0] == 200
+        assert post(url, "/continue_generation", {})[0] == 200
+        status, answer = long_request.result(timeout=CALL_TIMEOUT)
+        assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length"
+        assert generate(url)["meta_info"]["weight_version"] != "v5"  # the call failed
+    finally:
+        assert post(url, "/destroy_weights_update_group", {"group_name": "flush_group"})[0] == 200
+        destroy_process_group(pg)
+
+
 def test_old_version_has_no_session(engines: Engines, fleet: list[str]) -> None:
     url = fleet[2]
     status, raw = http_request(url + "/server_info")
@@ -287,3 +315,27 @@ def test_hang_fault_wedges_the_update_while_health_passes(
             assert not done.wait(0.5)
     finally:
         destroy_process_group(pg)  # nothing was broadcast: the trainer's side is not stuck
+
+
+def test_hang_fault_after_receiving(engines: Engines, fleet: list[str]) -> None:
+    """Stage finish: the engine takes part in the broadcast (rank 0 completes), never answers."""
+    url = fleet[1]
+    inject_fault(url, "hang_weight_update", stage="finish")
+    pg = build_group(engines, [url], "finish_group")
+    try:
+        assert post(url, "/begin_weight_update", {})[0] == 200
+        v6 = weights(6)
+        (call,) = engines.call([url], "/update_weights_from_distributed",
+                               {**meta(v6), "group_name": "finish_group"})
+        broadcast_each(pg, v6)()  # returns: the engine received every tensor
+        done = threading.Event()
+        call.add_done_callback(lambda _: done.set())
+        for _ in range(2):
+            assert http_request(url + "/health")[0] == 200
+            assert not done.wait(0.5)
+        # Control calls queue behind the wedged one: a destroy never answers either.
+        status, _ = http_request(url + "/destroy_weights_update_group", "POST",
+                                 {"group_name": "finish_group"}, timeout=1.0)
+        assert status is None
+    finally:
+        destroy_process_group(pg)

@@ -9,7 +9,8 @@ Each :class:`Fault` names the fault, its argument and what it does. The table dr
 
 A fault only sets state; the behaviour hooks read it: ``server.hang_http`` (every HTTP request,
 and the SIGTERM drain), ``server.ignore_sigterm`` (the SIGTERM handler), and the shared flags
-the scheduler child reads on every loop turn (stall, SIGTERM, token latency).
+the scheduler child reads on every loop turn (stall, SIGTERM, token latency) or at a weight
+update (hang_weight_update).
 """
 
 from __future__ import annotations
@@ -166,9 +167,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           timed=True, switch="ready", state=lambda s: s.shared[SLOT_STALL] >= 0.5),
     Fault("unstall", "the scheduler produces output again", _set_stall(False)),
     Fault("hang_weight_update",
-          "the next update_weights_from_distributed never answers, nor any control call "
-          "after it, while generation and /health go on; STAGE join (default): it never "
-          "joins the broadcast, finish: it receives the tensors, then hangs",
+          "update_weights_from_distributed never answers, nor does any control call after "
+          "it, while the scheduler keeps stepping (/health passes); STAGE join (default, "
+          "and the start-up flag's): it never joins the broadcast; finish: it receives the "
+          "tensors, then hangs",
           _hang_weight_update, arg=FaultArg("stage", _hang_stage, default=HANG_STAGES[0]),
           switch="start", state=_weight_update_hang_state),
     Fault("ignore_sigterm", "main process and scheduler ignore SIGTERM",
