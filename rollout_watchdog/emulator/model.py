@@ -49,10 +49,10 @@ class TinyLM(nn.Module):
         return logits.masked_fill(~allowed, float("-inf"))
 
 
-def build_model(seed: int = MODEL_SEED) -> TinyLM:
+def build_model(seed: int = MODEL_SEED, hidden_size: int = HIDDEN_SIZE) -> TinyLM:
     """Build the model with fixed weights: the same seed gives the same outputs everywhere."""
     torch.manual_seed(seed)
-    model = TinyLM()
+    model = TinyLM(hidden_size=hidden_size)
     with torch.no_grad():
         # Make EOS rare so that default requests usually finish by length, as tests expect.
         model.lm_head.bias[EOS_TOKEN_ID] -= 4.0

@@ -31,6 +31,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _hidden_size(text: str) -> int:
+    size = int(text)
+    if not 1 <= size <= 16384:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 16384, got {size}")
+    return size
+
+
 def _sglang_version(text: str) -> str:
     try:
         version_tuple(text)
@@ -60,6 +67,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         f"{EMULATED_SGLANG_VERSION}); below 0.5.21 there is no begin/end_weight_update, below "
         "0.5.22 a flush refused after a weight update kills the server",
     )
+    parser.add_argument("--hidden-size", type=_hidden_size, default=64, metavar="N",
+                        help="the tiny model's hidden size (default 64, ~50k parameters); "
+                        "3584 makes ~100 MB of fp32 weights, for refit benchmarks")
     parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
     parser.add_argument(
         "--enable-memory-saver",

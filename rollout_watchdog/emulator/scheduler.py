@@ -139,7 +139,8 @@ class Scheduler:
         from rollout_watchdog.emulator import model as model_mod
 
         self._model_mod = model_mod
-        self.model = model_mod.build_model()
+        self.model = model_mod.build_model(
+            hidden_size=int(self.config.get("hidden_size", model_mod.HIDDEN_SIZE)))
 
     def info(self) -> dict[str, Any]:
         """Scheduler info merged into /server_info (like SGLang's scheduler_info)."""

@@ -101,6 +101,7 @@ class EmulatorServer(Engine):
         config = {
             "parent_pid": os.getpid(),
             "startup_delay": float(self.args.startup_delay),
+            "hidden_size": int(self.args.hidden_size),
             "sglang_version": self.args.sglang_version,
         }
         self.proc = self.ctx.Process(

@@ -1,0 +1,54 @@
+"""A trainer process for the refit tests: one `fleet.refit(version)` with the emulator model's
+weights built from a seed, over gloo. Prints one JSON line: the outcome.
+
+    python tests/refit_trainer.py EP VERSION SEED [--hold] [--lease-s S] [--timeout-s S]
+
+`--hold` takes the lock, prints {"token": N} and then waits to be killed (a trainer that dies
+holding the lock)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rollout_watchdog import EngineLost, FleetClient, RolloutWatchdogError
+from rollout_watchdog.emulator.model import build_model
+
+
+def weights(seed: int) -> list[tuple[str, object]]:
+    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("coordinator")
+    parser.add_argument("version")
+    parser.add_argument("seed", type=int)
+    parser.add_argument("--hold", action="store_true")
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    args = parser.parse_args()
+    fleet = FleetClient(args.coordinator)
+    try:
+        with fleet.refit(args.version, lease_s=args.lease_s, timeout_s=args.timeout_s,
+                         backend="gloo") as refit:
+            if args.hold:
+                print(json.dumps({"token": refit.token}), flush=True)
+                while True:
+                    time.sleep(1)
+            refit.update_weights(weights(args.seed))  # type: ignore[arg-type]
+            members = [e.name for e in refit.engines]
+    except EngineLost as exc:
+        print(json.dumps({"error": "EngineLost", "lost": exc.lost, "message": str(exc)}))
+        return 1
+    except RolloutWatchdogError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        return 1
+    print(json.dumps({"ok": True, "members": members}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
