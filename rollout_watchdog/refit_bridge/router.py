@@ -5,8 +5,9 @@ engine only after it reads back the current weight_version. Start the router so 
 adds, skips or re-admits workers on its own judgement:
 
 - ``--disable-health-check``: the router's own health checks stay off. With them on, a worker
-  whose /health fails is skipped (not removed) and taken back when /health passes again, even
-  if it is a new incarnation that still holds stale weights: the two would fight.
+  whose /health fails is skipped (not removed) and taken back once /health passes again, so
+  the router, not the coordinator, would decide who serves (a live engine with stale weights
+  passes /health): the two would fight. (Its circuit breaker only skips a worker for a while.)
 - ``--worker-startup-timeout-secs 10`` (or so): ``POST /workers`` registers in the background
   and retries an unreachable URL for this long (default 1800 s); a DELETE does not cancel a
   pending registration, so an engine that died between our version check and the POST could

@@ -7,7 +7,8 @@ listing, a worker the router lists that is not desired is removed, whoever added
 :mod:`rollout_watchdog.refit_bridge.router` for the router flags this needs).
 
 - Removals go first and at once: a dead engine leaves the router with the next call the
-  thread makes, before any version read or addition that was queued.
+  thread makes (after the one in flight, if any: at most ``timeout_s``), before any version
+  read or addition that was queued.
 - An engine is added only once the weight_version it reports itself (GET /model_info) equals
   the version it must hold; a failed read or addition is retried every ``retry_s`` while the
   engine is still desired. A newer set_desired supersedes what the thread was doing.
@@ -38,6 +39,7 @@ __all__ = ["RouterSync", "read_weight_version"]
 
 # How soon the router is listed again after an addition (it registers in the background).
 CONFIRM_S = 0.1
+_GONE = object()  # marks an engine that is no longer desired
 
 VersionReader = Callable[[str], "str | None"]
 
@@ -78,7 +80,6 @@ class RouterSync:
         self._thread: threading.Thread | None = None
         # Under _lock:
         self._desired: dict[str, str | None] = {}
-        self._generation = 0  # bumped by every set_desired
         self._listed: list[RouterWorker] | None = None  # last listing; None before the first
         self._reachable: bool | None = None
         self._last_error: str | None = None
@@ -123,7 +124,6 @@ class RouterSync:
             desired[normalize_url(url)] = version
         with self._lock:
             self._desired = desired
-            self._generation += 1
             self._pending = {u: why for u, why in self._pending.items() if u in desired}
             self._changed.notify_all()
         self._wake.set()
@@ -171,7 +171,7 @@ class RouterSync:
     def _step(self) -> None:
         """One pass: removals from the last listing, a fresh listing, removals, additions."""
         with self._lock:
-            generation, desired, listed = self._generation, dict(self._desired), self._listed
+            desired, listed = dict(self._desired), self._listed
         if listed is not None and not self._remove(reconcile(desired, listed)[1]):
             return
         try:
@@ -179,17 +179,19 @@ class RouterSync:
         except RouterError as exc:
             self._fail_router(exc)
             return
+        to_add, to_remove = reconcile(desired, listed)
         with self._lock:
             self._listed, self._reachable = listed, True
+            self._pending = {u: why for u, why in self._pending.items() if u in to_add}
             self._changed.notify_all()
-        to_add, to_remove = reconcile(desired, listed)
         if not self._remove(to_remove):
             return
+        self._next_try = {u: t for u, t in self._next_try.items() if u in to_add}
         for engine_url in to_add:
-            if self._stopping.is_set() or self._superseded(generation):
+            if self._stopping.is_set() or self._superseded(desired):
                 return
             if time.monotonic() >= self._next_try.get(engine_url, 0.0):
-                self._add(engine_url, desired[engine_url], generation)
+                self._add(engine_url, desired)
         if not self._step_failed:
             with self._lock:
                 self._last_error = None
@@ -209,9 +211,10 @@ class RouterSync:
                 self._changed.notify_all()
         return True
 
-    def _add(self, engine_url: str, expected: str | None, generation: int) -> None:
+    def _add(self, engine_url: str, desired: dict[str, str | None]) -> None:
         """Check the engine's version (if one is expected), then POST it to the router."""
         self._next_try[engine_url] = time.monotonic() + self._retry_s
+        expected = desired[engine_url]
         if expected is not None:
             try:
                 version = self._read(engine_url)
@@ -223,7 +226,7 @@ class RouterSync:
                 self._set_pending(engine_url, f"reports weight_version {version!r}, "
                                               f"not {expected!r}")
                 return
-            if self._superseded(generation):
+            if self._superseded(desired):
                 return
         try:
             self._client.add(engine_url)
@@ -245,9 +248,13 @@ class RouterSync:
             in_sync = self._synced()
         return self._resync_s if in_sync and not self._step_failed else self._retry_s
 
-    def _superseded(self, generation: int) -> bool:
+    def _superseded(self, desired: dict[str, str | None]) -> bool:
+        """Whether a set_desired since this pass began dropped or changed an engine of it: then
+        removals (or another version) are due first, and the pass starts over. A set_desired
+        that only adds engines, or repeats the same set, lets the pass go on."""
         with self._lock:
-            return self._generation != generation
+            return any(self._desired.get(url, _GONE) != version
+                       for url, version in desired.items())
 
     def _set_pending(self, engine_url: str, why: str) -> None:
         with self._lock:
