@@ -1,0 +1,274 @@
+"""Keeps sglang-router's worker list equal to the coordinator's desired set, off its event loop.
+
+The coordinator calls :meth:`RouterSync.set_desired` (returns at once) whenever membership
+changes; one worker thread owns every router and engine HTTP call, one at a time, each bounded
+by ``timeout_s``. The coordinator owns membership outright: on start, and on every later
+listing, a worker the router lists that is not desired is removed, whoever added it (see
+:mod:`rollout_watchdog.refit_bridge.router` for the router flags this needs).
+
+- Removals go first and at once: a dead engine leaves the router with the next call the
+  thread makes (after the one in flight, if any: at most ``timeout_s``), before any version
+  read or addition that was queued.
+- An engine is added only once the weight_version it reports itself (GET /model_info) equals
+  the version it must hold; a failed read or addition is retried every ``retry_s`` while the
+  engine is still desired. A newer set_desired supersedes what the thread was doing.
+- The router is listed again every ``resync_s`` when in sync (a restarted router comes back
+  empty, a stray worker appears), every ``retry_s`` otherwise, and quickly after an addition
+  until it shows up. A router that is down loses nothing: the desired set is kept and applied
+  once it answers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import requests
+
+from rollout_watchdog.refit_bridge.router import (
+    RouterClient,
+    RouterError,
+    RouterWorker,
+    normalize_url,
+    reconcile,
+)
+
+__all__ = ["RouterSync", "read_weight_version"]
+
+# How soon the router is listed again after an addition (it registers in the background).
+CONFIRM_S = 0.1
+_GONE = object()  # marks an engine that is no longer desired
+
+VersionReader = Callable[[str], "str | None"]
+
+
+def read_weight_version(engine_url: str, timeout_s: float = 5.0) -> str | None:
+    """The weight_version an engine reports in GET /model_info (None if it reports none).
+
+    Raises requests' errors, or ValueError for an answer that is not JSON.
+    """
+    resp = requests.get(normalize_url(engine_url) + "/model_info", timeout=timeout_s)
+    resp.raise_for_status()
+    body = resp.json()
+    version = body.get("weight_version") if isinstance(body, dict) else None
+    return version if isinstance(version, str) else None
+
+
+class RouterSync:
+    """Applies the coordinator's desired router membership from a background thread.
+
+    ``read_weight_version(engine_url)`` defaults to :func:`read_weight_version` with
+    ``timeout_s``. All public methods are thread-safe and never wait on I/O, except
+    :meth:`stop` and :meth:`wait_synced`, which wait at most their timeout.
+    """
+
+    def __init__(self, url: str, read_weight_version: VersionReader | None = None,
+                 timeout_s: float = 5.0, retry_s: float = 1.0, resync_s: float = 5.0) -> None:
+        for name, value in (("retry_s", retry_s), ("resync_s", resync_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, not {value!r}")
+        self._client = RouterClient(url, timeout_s)
+        self._read = read_weight_version or self._default_reader
+        self._retry_s = retry_s
+        self._resync_s = resync_s
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when the listing changes
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Under _lock:
+        self._desired: dict[str, str | None] = {}
+        self._listed: list[RouterWorker] | None = None  # last listing; None before the first
+        self._reachable: bool | None = None
+        self._last_error: str | None = None
+        self._pending: dict[str, str] = {}  # desired URL -> why it is not added yet
+        self._adds = 0
+        self._removes = 0
+        # Thread-only:
+        self._next_try: dict[str, float] = {}  # URL -> monotonic time of its next add attempt
+        self._confirm_until = 0.0  # list again soon until then: an addition was just posted
+        self._step_failed = False
+
+    @property
+    def url(self) -> str:
+        """The router's (normalized) URL."""
+        return self._client.url
+
+    def start(self) -> None:
+        """Start the thread; its first pass reconciles the router with the desired set."""
+        if self._thread is not None:
+            raise RuntimeError("RouterSync already started")
+        self._thread = threading.Thread(target=self._run, name="router-sync", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop the thread; waits at most ``timeout_s`` (an HTTP call in flight ends within the
+        client's timeout). True if it ended."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def set_desired(self, members: Mapping[str, str | None]) -> None:
+        """Replace the desired membership: engine URL -> the weight_version it must report
+        before it is added (None: no check). Returns at once; ValueError for a bad entry."""
+        desired: dict[str, str | None] = {}
+        for url, version in members.items():
+            if version is not None and not isinstance(version, str):
+                raise ValueError(f"weight version for {url!r} must be a string or None, "
+                                 f"not {version!r}")
+            desired[normalize_url(url)] = version
+        with self._lock:
+            self._desired = desired
+            self._pending = {u: why for u, why in self._pending.items() if u in desired}
+            self._changed.notify_all()
+        self._wake.set()
+
+    def status(self) -> dict[str, Any]:
+        """What the coordinator shows: router URL, reachable (None before the first call), the
+        URLs listed and desired, why desired engines are not added yet, last error, counts."""
+        with self._lock:
+            return {
+                "router_url": self.url,
+                "reachable": self._reachable,
+                "listed": sorted(w.url for w in self._listed or ()),
+                "desired": dict(sorted(self._desired.items())),
+                "pending": dict(sorted(self._pending.items())),
+                "synced": self._synced(),
+                "last_error": self._last_error,
+                "adds": self._adds,
+                "removes": self._removes,
+            }
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        """Wait until the router lists exactly the desired URLs; False after ``timeout_s``."""
+        with self._changed:
+            return self._changed.wait_for(self._synced, timeout_s)
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _default_reader(self, engine_url: str) -> str | None:
+        return read_weight_version(engine_url, self._client.timeout_s)
+
+    def _synced(self) -> bool:
+        """Under _lock: the last listing answered and equals the desired set."""
+        if not self._reachable or self._listed is None:
+            return False
+        to_add, to_remove = reconcile(self._desired, self._listed)
+        return not to_add and not to_remove
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._step_failed = False
+            self._step()
+            self._wake.wait(self._next_wait())
+            self._wake.clear()  # before the next pass reads the state: no wake-up is lost
+
+    def _step(self) -> None:
+        """One pass: removals from the last listing, a fresh listing, removals, additions."""
+        with self._lock:
+            desired, listed = dict(self._desired), self._listed
+        if listed is not None and not self._remove(reconcile(desired, listed)[1]):
+            return
+        try:
+            listed = self._client.workers()
+        except RouterError as exc:
+            self._fail_router(exc)
+            return
+        to_add, to_remove = reconcile(desired, listed)
+        with self._lock:
+            self._listed, self._reachable = listed, True
+            self._pending = {u: why for u, why in self._pending.items() if u in to_add}
+            self._changed.notify_all()
+        if not self._remove(to_remove):
+            return
+        self._next_try = {u: t for u, t in self._next_try.items() if u in to_add}
+        for engine_url in to_add:
+            if self._stopping.is_set() or self._superseded(desired):
+                return
+            if time.monotonic() >= self._next_try.get(engine_url, 0.0):
+                self._add(engine_url, desired)
+        if not self._step_failed:
+            with self._lock:
+                self._last_error = None
+
+    def _remove(self, workers: list[RouterWorker]) -> bool:
+        """DELETE each worker; False (error recorded) at the first failure."""
+        for worker in workers:
+            try:
+                removed = self._client.delete(worker.id)
+            except RouterError as exc:
+                self._fail_router(exc)
+                return False
+            with self._lock:
+                self._removes += removed
+                if self._listed is not None:
+                    self._listed = [w for w in self._listed if w.id != worker.id]
+                self._changed.notify_all()
+        return True
+
+    def _add(self, engine_url: str, desired: dict[str, str | None]) -> None:
+        """Check the engine's version (if one is expected), then POST it to the router."""
+        self._next_try[engine_url] = time.monotonic() + self._retry_s
+        expected = desired[engine_url]
+        if expected is not None:
+            try:
+                version = self._read(engine_url)
+            except Exception as exc:  # any reader failure (a user callable too) is retried
+                self._fail(f"engine {engine_url}: reading weight_version failed: {exc}")
+                self._set_pending(engine_url, "weight_version unreadable")
+                return
+            if version != expected:
+                self._set_pending(engine_url, f"reports weight_version {version!r}, "
+                                              f"not {expected!r}")
+                return
+            if self._superseded(desired):
+                return
+        try:
+            self._client.add(engine_url)
+        except RouterError as exc:
+            self._fail_router(exc)
+            self._set_pending(engine_url, "the router refused or did not answer")
+            return
+        with self._lock:
+            self._adds += 1
+            self._pending.pop(engine_url, None)
+        self._next_try[engine_url] = time.monotonic() + self._retry_s
+        self._confirm_until = time.monotonic() + self._retry_s
+
+    def _next_wait(self) -> float:
+        """Soon after an addition, retry_s while out of sync or failing, else resync_s."""
+        if time.monotonic() < self._confirm_until:
+            return CONFIRM_S
+        with self._lock:
+            in_sync = self._synced()
+        return self._resync_s if in_sync and not self._step_failed else self._retry_s
+
+    def _superseded(self, desired: dict[str, str | None]) -> bool:
+        """Whether a set_desired since this pass began dropped or changed an engine of it: then
+        removals (or another version) are due first, and the pass starts over. A set_desired
+        that only adds engines, or repeats the same set, lets the pass go on."""
+        with self._lock:
+            return any(self._desired.get(url, _GONE) != version
+                       for url, version in desired.items())
+
+    def _set_pending(self, engine_url: str, why: str) -> None:
+        with self._lock:
+            if engine_url in self._desired:
+                self._pending[engine_url] = why
+
+    def _fail_router(self, exc: RouterError) -> None:
+        self._fail(str(exc), reachable=exc.status is not None)
+
+    def _fail(self, error: str, reachable: bool | None = None) -> None:
+        """Record an error of this pass (and whether the router answered at all)."""
+        self._step_failed = True
+        with self._lock:
+            self._last_error = error
+            if reachable is not None:
+                self._reachable = reachable
+            self._changed.notify_all()

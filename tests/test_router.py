@@ -1,0 +1,253 @@
+"""RouterClient and RouterSync against the real sglang-router binary and real emulator engines.
+
+What a coordinator relies on: the router lists exactly the engines it wants; a dead engine
+leaves it at once; an engine is added only once it reports the expected weight_version; a
+router that dies or hangs costs the caller nothing and is caught up with once it is back.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+pytest.importorskip("sglang_router", reason="needs sglang-router 0.3.x (the test extra)")
+
+from router_harness import Router  # noqa: E402
+
+from rollout_watchdog.emulator.testing import (  # noqa: E402
+    free_port,
+    http_request,
+    start_emulator,
+    stop_emulator,
+    wait_until,
+)
+from rollout_watchdog.errors import RolloutWatchdogError  # noqa: E402
+from rollout_watchdog.refit_bridge.router import (  # noqa: E402
+    RouterClient,
+    RouterError,
+    RouterWorker,
+    reconcile,
+)
+from rollout_watchdog.refit_bridge.router_sync import RouterSync  # noqa: E402
+
+DEADLINE_S = 15.0  # for conditions that take well under a second when all is well
+PROMPT = {"text": "the same prompt", "sampling_params": {"max_new_tokens": 4}}
+
+
+class Engines:
+    """Emulator engines started in parallel; all SIGKILLed at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, count: int, version: str = "v1") -> list[str]:
+        """``count`` engines reporting weight_version ``version``; their URLs once all are up."""
+        urls = []
+        for _ in range(count):
+            port = free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            self.procs[urls[-1]] = start_emulator(port, "--weight-version", version, wait="none")
+        for url in urls:
+            wait_until(functools.partial(ready, url), 60.0, what=f"emulator {url} ready")
+        return urls
+
+    def kill(self, url: str) -> None:
+        stop_emulator(self.procs[url])
+
+
+def ready(url: str) -> bool:
+    return http_request(f"{url}/health_generate")[0] == 200
+
+
+@pytest.fixture
+def engines() -> Iterator[Engines]:
+    made = Engines()
+    yield made
+    for proc in made.procs.values():
+        stop_emulator(proc)
+
+
+@pytest.fixture
+def router() -> Iterator[Router]:
+    started = Router.start()
+    yield started
+    print(f"---- sglang-router log (last lines)\n{started.log_tail()}")
+    started.stop()
+
+
+@pytest.fixture
+def make_sync() -> Iterator[Callable[..., RouterSync]]:
+    made: list[RouterSync] = []
+
+    def make(url: str, timeout_s: float = 5.0, resync_s: float = 0.5) -> RouterSync:
+        sync = RouterSync(url, timeout_s=timeout_s, retry_s=0.2, resync_s=resync_s)
+        made.append(sync)
+        return sync
+
+    yield make
+    for sync in made:
+        assert sync.stop(15.0), "RouterSync thread did not stop"
+
+
+def listed_urls(client: RouterClient) -> set[str]:
+    return {w.url for w in client.workers()}
+
+
+def wait_listed(client: RouterClient, urls: set[str]) -> None:
+    wait_until(lambda: listed_urls(client) == urls, DEADLINE_S, what=f"router listing {urls}")
+
+
+def test_reconcile_compares_normalized_urls() -> None:
+    listed = [RouterWorker("1", "http://a:1/", True), RouterWorker("2", "http://A:1", True),
+              RouterWorker("3", "http://stray:9", False)]
+    to_add, to_remove = reconcile({"http://a:1", "http://b:2/"}, listed)
+    assert to_add == ["http://b:2"]
+    assert [w.id for w in to_remove] == ["2", "3"]  # the second spelling of a:1, the stray
+    assert reconcile(set(), []) == ([], [])
+    with pytest.raises(ValueError, match="not an http"):
+        reconcile({"a:1"}, [])
+
+
+def test_client_adds_lists_and_removes(router: Router, engines: Engines) -> None:
+    a, b = engines.start(2)
+    client = RouterClient(router.url + "/")
+    assert client.workers() == []
+    client.add(a)
+    client.add(b + "/")  # stored normalized, so it compares equal later
+    wait_listed(client, {a, b})
+    assert all(w.healthy for w in client.workers())
+    assert client.remove(a) is True
+    wait_listed(client, {b})
+    assert client.remove(a) is False  # absent is fine
+    assert client.delete(str(uuid.uuid4())) is False  # an id the router does not know
+
+
+def test_client_errors_name_the_router() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    client = RouterClient(url, timeout_s=2.0)
+    with pytest.raises(RouterError) as caught:
+        client.workers()
+    assert isinstance(caught.value, RolloutWatchdogError)
+    assert url in str(caught.value) and "listing workers" in str(caught.value)
+    assert caught.value.status is None
+    with pytest.raises(RouterError, match=f"router {url}: adding http://127.0.0.1:1 failed"):
+        client.add("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="not an http"):
+        RouterClient("127.0.0.1:30000")
+
+
+def test_start_reconciles_router_with_desired(router: Router, engines: Engines,
+                                              make_sync: Callable[..., RouterSync]) -> None:
+    a, b, stray = engines.start(3)
+    client = RouterClient(router.url)
+    client.add(stray)
+    client.add(a)
+    wait_listed(client, {stray, a})
+    sync = make_sync(router.url)
+    sync.set_desired({a: "v1", b: "v1"})
+    sync.start()
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert listed_urls(client) == {a, b}
+    status = sync.status()
+    assert status["adds"] == 1 and status["removes"] == 1
+    assert status["reachable"] is True and status["last_error"] is None
+    assert status["listed"] == sorted([a, b])
+
+
+def test_add_waits_for_expected_weight_version(router: Router, engines: Engines,
+                                               make_sync: Callable[..., RouterSync]) -> None:
+    (engine,) = engines.start(1, version="v1")
+    client = RouterClient(router.url)
+    sync = make_sync(router.url)
+    sync.start()
+    sync.set_desired({engine: "v2"})
+    wait_until(lambda: "'v1'" in sync.status()["pending"].get(engine, ""), DEADLINE_S,
+               what="the engine pending on its weight version")
+    assert client.workers() == [] and sync.status()["adds"] == 0
+    assert not sync.wait_synced(0.5)
+    status, _ = http_request(f"{engine}/update_weight_version", "POST", {"new_version": "v2"})
+    assert status == 200
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert listed_urls(client) == {engine} and sync.status()["pending"] == {}
+
+
+def test_killed_engine_leaves_router_and_survivors_serve(
+        router: Router, engines: Engines, make_sync: Callable[..., RouterSync]) -> None:
+    a, b, doomed = engines.start(3)
+    client = RouterClient(router.url)
+    sync = make_sync(router.url, resync_s=30.0)  # the removal must not wait for a resync
+    sync.set_desired({a: "v1", b: "v1", doomed: "v1"})
+    sync.start()
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    engines.kill(doomed)
+    sync.set_desired({a: "v1", b: "v1"})
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert listed_urls(client) == {a, b} and sync.status()["removes"] == 1
+    for _ in range(6):
+        status, body = http_request(f"{router.url}/generate", "POST", PROMPT, timeout=30.0)
+        assert status == 200, body[:300]
+        assert b'"weight_version": "v1"' in body
+
+
+def test_router_killed_and_restarted_reconverges(router: Router, engines: Engines,
+                                                 make_sync: Callable[..., RouterSync]) -> None:
+    a, b = engines.start(2)
+    sync = make_sync(router.url)
+    sync.set_desired({a: "v1", b: "v1"})
+    sync.start()
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    router.kill()
+    wait_until(lambda: sync.status()["reachable"] is False, DEADLINE_S, what="router seen down")
+    status = sync.status()
+    assert router.url in status["last_error"] and not status["synced"]
+    sync.set_desired({a: "v1"})  # changed while the router is down: applied once it is back
+    router.restart()
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert listed_urls(RouterClient(router.url)) == {a}
+    assert sync.status()["last_error"] is None
+
+
+def test_router_down_at_start_loses_nothing(engines: Engines,
+                                            make_sync: Callable[..., RouterSync]) -> None:
+    (engine,) = engines.start(1)
+    router = Router.unstarted()
+    sync = make_sync(router.url)
+    sync.start()
+    sync.set_desired({engine: "v1"})
+    wait_until(lambda: router.url in (sync.status()["last_error"] or ""), DEADLINE_S,
+               what="last_error naming the router")
+    assert sync.status()["reachable"] is False and sync.status()["desired"] == {engine: "v1"}
+    try:
+        router.restart()
+        assert sync.wait_synced(DEADLINE_S), sync.status()
+    finally:
+        router.stop()
+
+
+def test_hung_router_never_blocks_the_caller(make_sync: Callable[..., RouterSync]) -> None:
+    """A router that accepts connections and never answers: the sync thread's call hangs for its
+    timeout, and set_desired / status still return while it does."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)  # never accepted: the kernel completes the handshake, nobody answers
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        sync = make_sync(url, timeout_s=3.0)
+        sync.start()
+
+        def coordinator_step() -> None:
+            sync.set_desired({"http://127.0.0.1:1": None})
+            sync.status()
+
+        caller = threading.Thread(target=coordinator_step)
+        caller.start()
+        caller.join(1.0)
+        assert not caller.is_alive(), "set_desired/status blocked on the sync thread's I/O"
+        wait_until(lambda: "timed out" in (sync.status()["last_error"] or ""), 10.0,
+                   what="the listing timing out")
+        assert url in sync.status()["last_error"]
