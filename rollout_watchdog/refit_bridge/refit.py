@@ -52,6 +52,7 @@ LOCK_RETRY_S = 0.5
 ACQUIRE_TIMEOUT_S = 40.0  # the fleet-wide pause waits for in-flight probes (up to 30 s)
 CALL_TIMEOUT_S = 10.0     # one control call to the coordinator or an engine
 GUARD_POLL_S = 0.1
+ABORT_GRACE_S = 5.0       # after an abort, for members' calls to fail by themselves
 PAUSE_MODE = "retract"    # in-flight requests are set aside and resume after the refit
 
 
@@ -337,12 +338,8 @@ class Refit:
         with self._lock:
             group, self._group = self._group, None
         if group is not None:
-            if self._expired:
-                wedged = [(m.node_id, m.engine, m.incarnation) for m in group.pending()]
-                for member in wedged:
-                    self._lost.setdefault(member, "its update call did not complete by the "
-                                                  "deadline (wedged)")
             group.abort()
+            wedged = self._still_pending(group)
             group.destroy()
             set_cached_group(self.client, None)
         if self.token is None or self._lease_lost:
@@ -355,6 +352,19 @@ class Refit:
             log.error("refit %r: the coordinator did not record the abort (its lease will "
                       "end and do it): %s", self.version, exc)
         self._continue_generation()
+
+    def _still_pending(self, group: WeightUpdateGroup) -> list[Member]:
+        """Members whose update call has not completed once the group is torn down (a gloo
+        peer's call fails as soon as the trainer's sockets close; NCCL's waits for its
+        timeout): wedged, lost, to be restarted by their watchdogs."""
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while group.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        wedged = [(m.node_id, m.engine, m.incarnation) for m in group.pending()]
+        for member in wedged:
+            self._lost.setdefault(member, "its update call did not complete (wedged in the "
+                                          "collective)")
+        return wedged
 
     def _finish(self) -> None:
         self._stop_guard()

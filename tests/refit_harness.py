@@ -1,0 +1,75 @@
+"""Shared pieces of the refit tests: a fleet of node daemons with emulator engines under an
+embedded coordinator, the trainer process, generation and the router's worker list."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from daemon_harness import EngineSpec, Node, wait_for
+
+from rollout_watchdog import FleetClient
+from rollout_watchdog.agent.views import EngineView
+from rollout_watchdog.emulator.testing import http_request
+from rollout_watchdog.refit_bridge.router import normalize_url
+
+TRAINER = Path(__file__).with_name("refit_trainer.py")
+PROMPT = "The rollout fleet"
+
+
+def start_fleet(make_node: Callable[..., Node], endpoint: str, nodes: int, engines: int,
+                flags: tuple[str, ...] = ()) -> list[Node]:
+    out = []
+    for i in range(nodes):
+        node = make_node([EngineSpec(f"e{j}", flags=flags, extra={"tp_size": 1})
+                          for j in range(engines)], node_id=f"node{i}",
+                         top={"coordinator": endpoint}, probe={"health_interval_s": 0.5})
+        node.start()
+        out.append(node)
+    return out
+
+
+def all_healthy(count: int) -> Callable[[list[EngineView]], bool]:
+    return lambda view: len(view) == count and all(e.state == "healthy" for e in view)
+
+
+def by_name(fleet: FleetClient) -> dict[str, EngineView]:
+    return {e.name: e for e in fleet.engines()}
+
+
+def run_trainer(endpoint: str, version: str, seed: int, *extra: str,
+                timeout: float = 180.0) -> dict[str, Any]:
+    """Run one refit in a trainer process of its own; its JSON outcome."""
+    done = subprocess.run([sys.executable, str(TRAINER), endpoint, version, str(seed), *extra],
+                          capture_output=True, text=True, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"the trainer printed nothing (rc {done.returncode}): {done.stderr[-2000:]}"
+    outcome: dict[str, Any] = json.loads(lines[-1])
+    return outcome
+
+
+def generate(url: str, prompt: str = PROMPT, timeout: float = 10.0
+             ) -> tuple[int | None, str, str | None]:
+    """(status, text, weight_version) of a greedy generation at `url` (an engine or router)."""
+    status, body = http_request(f"{url}/generate", "POST", {
+        "text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
+        timeout=timeout)
+    if status != 200:
+        return status, "", None
+    answer = json.loads(body)
+    return status, str(answer["text"]), answer["meta_info"].get("weight_version")
+
+
+def router_urls(router_url: str) -> set[str]:
+    status, body = http_request(f"{router_url}/workers")
+    assert status == 200, body
+    return {normalize_url(w["url"]) for w in json.loads(body)["workers"]}
+
+
+def wait_router(router_url: str, urls: set[str], what: str, timeout: float = 30.0) -> None:
+    want = {normalize_url(u) for u in urls}
+    wait_for(lambda: router_urls(router_url) == want, timeout, what)

@@ -1,0 +1,123 @@
+"""Refits that go wrong (issue 7, "Failure during a refit"), with the test process as the
+trainer over gloo: an engine SIGKILLed mid-broadcast, an engine wedged in the collective, a
+trainer SIGKILLed holding the lock, a node unreachable, and old servers without begin/end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from daemon_harness import Node, wait_for
+from refit_harness import TRAINER, all_healthy, by_name, generate, start_fleet
+
+from rollout_watchdog import CommandRefused, Coordinator, EngineLost, FleetClient
+from rollout_watchdog.emulator.model import build_model
+from rollout_watchdog.emulator.testing import inject_fault
+
+torch = pytest.importorskip("torch")
+
+
+def weights(seed: int) -> list[tuple[str, Any]]:
+    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
+
+
+@pytest.fixture
+def coordinator() -> Iterator[Coordinator]:
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coord:
+        yield coord
+
+
+def test_an_engine_killed_mid_broadcast_is_named_and_the_retry_goes_on_without_it(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    fleet = FleetClient(coordinator.endpoint)
+    start_fleet(make_node, coordinator.endpoint, nodes=1, engines=3)
+    fleet.wait_until(all_healthy(3), 90)
+    victim = by_name(fleet)["node0/e1"]
+
+    def killing(seed: int) -> Iterator[tuple[str, Any]]:
+        for i, item in enumerate(weights(seed)):
+            if i == 2:   # two tensors broadcast, the rest not yet
+                assert victim.pid is not None
+                os.kill(victim.pid, signal.SIGKILL)
+            yield item
+
+    with pytest.raises(EngineLost) as lost, \
+            fleet.refit("v1", backend="gloo", timeout_s=120) as refit:
+        refit.update_weights(killing(1), bucket_bytes=1)   # a bucket per tensor
+    assert lost.value.lost == [("node0", "e1", victim.incarnation)], lost.value
+    assert (lost.value.node_id, lost.value.engine) == ("node0", "e1")
+    assert not any(e.serving for e in fleet.engines())   # every member is stale now
+
+    with fleet.refit("v2", backend="gloo", timeout_s=120) as refit:
+        assert ("node0", "e1", victim.incarnation) not in {
+            (e.node_id, e.id, e.incarnation) for e in refit.engines}
+        refit.update_weights(weights(2))
+    served = [e for e in fleet.engines() if e.serving]
+    assert served and {e.weight_version for e in served} == {"v2"}
+
+
+def test_a_wedged_engine_is_named_at_the_deadline_and_restarted_as_refit_wedged(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    fleet = FleetClient(coordinator.endpoint)
+    start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+    fleet.wait_until(all_healthy(2), 90)
+    wedged = by_name(fleet)["node0/e0"]
+    inject_fault(str(wedged.url), "hang_weight_update")
+    with pytest.raises(EngineLost) as lost, \
+            fleet.refit("v1", backend="gloo", timeout_s=15) as refit:
+        refit.update_weights(weights(1))
+    assert lost.value.lost == [("node0", "e0", wedged.incarnation)], lost.value
+    assert "wedged" in str(lost.value)
+    fleet.wait_until(lambda v: any(
+        e.name == wedged.name and e.incarnation > wedged.incarnation
+        and (e.last_failure or {}).get("cause") == "refit_wedged" for e in v), 90)
+
+
+def test_a_trainer_killed_holding_the_lock_does_not_wedge_the_next(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    fleet = FleetClient(coordinator.endpoint)
+    start_fleet(make_node, coordinator.endpoint, nodes=1, engines=1)
+    fleet.wait_until(all_healthy(1), 90)
+    holder = subprocess.Popen([sys.executable, str(TRAINER), coordinator.endpoint, "v1", "1",
+                               "--hold", "--lease-s", "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        token = json.loads(holder.stdout.readline())["token"]
+    finally:
+        holder.kill()
+        holder.wait(10)
+    with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:
+        refit.update_weights(weights(2))
+    assert {e.weight_version for e in fleet.engines()} == {"v2"}
+    with pytest.raises(CommandRefused, match="^lease lost"):
+        fleet.call("refit_renew", {"token": token})
+
+
+def test_old_servers_without_begin_end_and_a_refit_while_a_node_is_unreachable(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    fleet = FleetClient(coordinator.endpoint)
+    nodes = start_fleet(make_node, coordinator.endpoint, nodes=2, engines=1,
+                        flags=("--sglang-version", "0.5.12"))
+    fleet.wait_until(all_healthy(2), 90)
+    assert nodes[1].proc is not None
+    os.kill(nodes[1].proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not {n.node_id: n for n in fleet.nodes()}["node1"].reachable, 20,
+                 "node1 unreachable")
+        with fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
+            assert [e.name for e in refit.engines] == ["node0/e0"]
+            refit.update_weights(weights(1))
+    finally:
+        os.kill(nodes[1].proc.pid, signal.SIGCONT)
+    wait_for(lambda: {n.node_id: n for n in fleet.nodes()}["node1"].reachable, 20,
+             "node1 back")
+    engines = by_name(fleet)
+    assert (engines["node0/e0"].weight_version, engines["node0/e0"].serving) == ("v1", True)
+    assert (engines["node1/e0"].weight_version, engines["node1/e0"].serving) == (None, False)
+    assert generate(str(engines["node0/e0"].url))[2] == "v1"
