@@ -48,6 +48,7 @@ __all__ = ["EngineView", "EventStream", "FleetClient", "FleetEvent", "FleetResul
 GATHER_SHARE = 0.8
 NODE_WAIT_SHARE = 0.6
 POLL_INTERVAL_S = 0.2
+FINISH_TIMEOUT_S = 40.0   # the default probe timeout (30 s) and some
 _AUTH_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | _AUTH_FAILED[0] | _AUTH_FAILED[1] | _AUTH_FAILED[2]
@@ -310,9 +311,10 @@ class FleetClient:
         return self.resume(all=True, timeout_s=timeout_s)
 
     def finish_generation(self, deadline_s: float | None = None,
-                          timeout_s: float | None = None) -> FleetResult:
+                          timeout_s: float = FINISH_TIMEOUT_S) -> FleetResult:
         """After a rollout phase (before offload or refit): deep probes pause fleet-wide, once
-        in-flight probes ended, so none runs against released memory."""
+        in-flight probes ended (a probe may take its whole 30 s timeout), so none runs against
+        released memory. They stay paused through refits until prepare_for_generation()."""
         return self.pause(all=True, deadline_s=deadline_s, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ events

@@ -10,7 +10,7 @@ acts late is told so by its token, never mistaken for the current holder.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIN_LEASE_S = 1.0
 MAX_LEASE_S = 3600.0
@@ -42,6 +42,9 @@ class Lease:
     heard: float         # monotonic: the holder's last call
     members: list[tuple[str, str, int]]   # (node, engine, incarnation) the refit updates
     committed: bool = False
+    # Nodes whose deep probes the lock paused (and resumes at its end); nodes already paused
+    # (finish_generation before the refit) stay paused until prepare_for_generation.
+    paused_nodes: list[str] = field(default_factory=list)
 
 
 class RefitLock:

@@ -19,7 +19,9 @@ refit-scoped call whose `token` is not the current holder's is refused with a re
   now, which becomes the fleet's current version; the router gets them.
 - `refit_abort {token, members, wedged, reason}`: the refit failed; every member is stale until a
   later commit; each `wedged` member is restarted by its watchdog with cause `refit_wedged`.
-- `refit_release {token}`: end the refit; deep probes resume fleet-wide.
+- `refit_release {token}`: end the refit; deep probes resume on the nodes the lock paused
+  (nodes whose engines were all paused before, by `finish_generation`, stay paused until
+  `prepare_for_generation`: a colocated engine may not have its KV cache back yet).
 
 A lease that runs out, or whose holder goes silent, ends like an abort of its members (unless
 it committed) followed by a release.
@@ -113,6 +115,9 @@ class RefitService:
                                         "version": held.version,
                                         "expires_in_s": exc.expires_in_s}) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self.members(core)]
+        lease.paused_nodes = [n for n in core.view.reachable()
+                              if not all(e.get("paused") for e in
+                                         core.view.nodes[n].engines.values())]
         self.relaunched = self._relaunch_deferred(core, now)
         self._save()
         log.info("refit lock taken by %s (token %d, version %r, %d member(s))", holder,
@@ -201,7 +206,8 @@ class RefitService:
         self._save()
         resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume", {"all": True},
                                   None, None, RELEASE_TIMEOUT_S)
-        core.gather(None, resume, core.view.reachable(), now)
+        reachable = set(core.view.reachable())
+        core.gather(None, resume, [n for n in lease.paused_nodes if n in reachable], now)
 
     # ------------------------------------------------------------------ questions
 
