@@ -29,22 +29,31 @@ SENDS_PER_TURN = 5_000   # per subscriber and turn: as many as a turn takes in (
 
 @dataclass(eq=False)
 class Batch:
-    """A node's "events" frame whose events are all relayed, one after the other."""
+    """A node's "events" frame whose events are all relayed, one after the other. Only the
+    frame is kept (decoded events cost several times its size in memory); it is split into
+    the events' own frames when first needed."""
 
     frame: bytes
     size: int
+    _frames: list[bytes] | None = None
+
+    def event_frame(self, part: int) -> bytes:
+        if self._frames is None:
+            message = protocol.decode(self.frame)
+            assert isinstance(message, protocol.Events)
+            self._frames = [protocol.encode(event) for event in message.events]
+        return self._frames[part]
 
 
-@dataclass
+@dataclass(slots=True)
 class Relayed:
-    """One buffered event: its frame, encoded once for every subscriber (from `message`, when
-    first needed, for one that came in a batch)."""
+    """One buffered event: its frame, encoded once for every subscriber (for one that came in
+    a batch, when first needed)."""
 
     node_id: str
     boot: str
     seq: int
     encoded: bytes | None = None
-    message: protocol.Event | None = None
     batch: Batch | None = None   # the batch it came in, and its place there
     part: int = 0
 
@@ -52,15 +61,16 @@ class Relayed:
     def frame(self) -> bytes:
         """The event alone as an "event" frame."""
         if self.encoded is None:
-            assert self.message is not None, "a relayed event needs its frame or its message"
-            self.encoded = protocol.encode(self.message)
+            assert self.batch is not None, "a relayed event needs its frame or its batch"
+            self.encoded = self.batch.event_frame(self.part)
         return self.encoded
 
 
 def batch_items(events: list[protocol.Event], frame: bytes) -> list[Relayed]:
-    """The items for a node's "events" frame (`frame`) all of whose `events` are relayed."""
+    """The items for a node's "events" frame (`frame`) all of whose `events` are relayed.
+    The coordinator checked that each event, encoded again alone, fits in a frame."""
     batch = Batch(frame, len(events))
-    return [Relayed(e.node_id, e.boot, e.seq, None, e, batch, i) for i, e in enumerate(events)]
+    return [Relayed(e.node_id, e.boot, e.seq, None, batch, i) for i, e in enumerate(events)]
 
 
 @dataclass
