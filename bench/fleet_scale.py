@@ -80,7 +80,8 @@ def options(parser: argparse.ArgumentParser) -> None:
 
 
 class Subscriber(threading.Thread):
-    """The client: subscribes, heartbeats, and notes when each event arrived (wall clock)."""
+    """The client: subscribes (taking "events" frames, as FleetClient does), heartbeats, and
+    notes when each event arrived (wall clock)."""
 
     def __init__(self, endpoint: str) -> None:
         super().__init__(daemon=True, name="subscriber")
@@ -88,7 +89,7 @@ class Subscriber(threading.Thread):
         self.received: deque[tuple[float, protocol.Event]] = deque(maxlen=1_000_000)
         self.count = 0
         self.stopping = threading.Event()
-        self.conn.send(protocol.Subscribe())
+        self.conn.send(protocol.Subscribe(batches=True))
 
     def run(self) -> None:
         next_beat = 0.0
@@ -98,9 +99,11 @@ class Subscriber(threading.Thread):
                 self.conn.send(protocol.Heartbeat(time.time()))
                 next_beat = now + 1.0
             message = self.conn.recv(0.2)
-            if isinstance(message, protocol.Event):
-                self.received.append((time.time(), message))
-                self.count += 1
+            batch = [message] if isinstance(message, protocol.Event) else (
+                message.events if isinstance(message, protocol.Events) else [])
+            seen = time.time()
+            self.received.extend((seen, event) for event in batch)
+            self.count += len(batch)
         self.conn.close()
 
     def find(self, after: float, **match: Any) -> tuple[float, protocol.Event] | None:

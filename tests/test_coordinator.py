@@ -74,6 +74,8 @@ class Peer:
             message = protocol.decode(self.sock.recv())
             if isinstance(message, protocol.Event):
                 self.events.append(message)
+            elif isinstance(message, protocol.Events):
+                self.events.extend(message.events)
             elif self._keep is not None:
                 self._keep(message)
             wait_s = 0
@@ -281,6 +283,50 @@ def test_garbage_is_dropped_and_counted_and_the_coordinator_carries_on(
     bad = reply.result["bad_messages"]
     assert bad["undecodable"] == 6 and bad["wrong_direction"] == 1
     assert bad["unknown_node"] == 1 and bad["no_hello"] == 1 and bad["framing"] == 1
+
+
+def test_a_batch_with_a_replayed_event_relays_each_new_event_once(
+        coordinator: Coordinator, client: Peer) -> None:
+    """A node's "events" frame is taken event by event: the one already received is dropped
+    and counted, the rest relayed (to a client taking batches) and acknowledged at once."""
+    client.sock.send(protocol.encode(protocol.Subscribe(batches=True)))
+    assert client.call("ping") is not None   # same connection: the subscription is in place
+    ctx = zmq.Context()
+    node = ctx.socket(zmq.DEALER)
+    node.linger, node.routing_id = 0, b"n1"
+    node.connect(coordinator.endpoint)
+
+    def acked(seq: int) -> protocol.Ack:
+        def ack() -> protocol.Ack | None:
+            while node.poll(50):
+                message = protocol.decode(node.recv())
+                if isinstance(message, protocol.Ack) and message.seq == seq:
+                    return message
+            return None
+        found: protocol.Ack = wait_for(ack, 10, f"the ACK of seq {seq}")
+        return found
+
+    def event(seq: int) -> protocol.Event:
+        state = "healthy" if seq % 2 else "suspect"
+        return protocol.Event("n1", "b1", seq, {"kind": "state", "engine": "e0", "to": state},
+                              {"id": "e0", "state": state})
+    try:
+        node.send(protocol.encode(protocol.Hello("n1", "b1", [{"id": "e0"}], 0)))
+        assert acked(0).batches   # the coordinator takes batches
+        node.send(protocol.encode(protocol.Events([event(1), event(2), event(3)])))
+        acked(3)
+        node.send(protocol.encode(protocol.Events([event(3), event(4)])))
+        acked(4)
+        reply = client.call("ping")
+        assert reply is not None and reply.result["bad_messages"].get("replayed") == 1
+        wait_for(lambda: client.pump(0.05) or len(
+            [e for e in client.events if e.boot == "b1"]) >= 4, 10, "four events")
+        client.pump(0.2)
+        assert [e.seq for e in client.events if e.boot == "b1"] == [1, 2, 3, 4]
+        assert engines_of(client.fleet())["n1/e0"]["state"] == "suspect"   # event 4's status
+    finally:
+        node.close(0)
+        ctx.term()
 
 
 def test_a_non_loopback_bind_without_keys_is_refused() -> None:

@@ -403,3 +403,26 @@ def test_a_full_send_queue_holds_events_back_in_order_and_loses_none(harness: Ha
     harness.until("every event at the coordinator", all_in, timeout=30)
     assert [m.seq for m in harness.router.got(protocol.Event)] == list(range(1, 3001))
     harness.until("the outbox acknowledged", lambda: not harness.link.outbox)
+
+
+def test_a_turns_events_go_as_batches_split_by_size_once_the_coordinator_takes_them(
+        harness: Harness) -> None:
+    """After an ACK that says `batches`, the events of a turn go as "events" frames of at most
+    BATCH_EVENTS and BATCH_BYTES; each arrives once, in order, and one ACK clears them all."""
+    harness.hello()
+    harness.router.send(protocol.Ack("boot-1", 0, batches=True))
+    harness.until("the ACK taken", lambda: harness.link._batches)
+    for i in range(100):   # 20 KB each: three to a frame by size
+        harness.link.on_event(Event(ts=float(i), node_id="test-node", engine="e0",
+                                    incarnation=1, kind="x", detail="x" * 20_000))
+    def frames() -> list[list[protocol.Event]]:
+        return [m.events if isinstance(m, protocol.Events) else [m]
+                for m in harness.router.received if isinstance(m, (protocol.Event,
+                                                                   protocol.Events))]
+    harness.until("every event at the coordinator", lambda: sum(map(len, frames())) >= 100)
+    assert [e.seq for frame in frames() for e in frame] == list(range(1, 101))
+    assert [len(frame) for frame in frames()] == [3] * 33 + [1]   # by size; one alone: "event"
+    assert all(len(protocol.encode(m)) <= protocol.BATCH_BYTES
+               for m in harness.router.got(protocol.Events))
+    harness.router.send(protocol.Ack("boot-1", 100, batches=True))
+    harness.until("the outbox acknowledged", lambda: not harness.link.outbox)

@@ -57,7 +57,7 @@ def test_every_kind_round_trips_with_every_field(msg: Message) -> None:
     data = encode(msg)
     assert decode(data) == msg
     sent = json.loads(data)
-    assert sent["v"] == [1, 0] and sent["kind"] == msg.KIND
+    assert sent["v"] == [1, 1] and sent["kind"] == msg.KIND
 
 
 def test_optional_fields_default_when_absent() -> None:

@@ -1,7 +1,8 @@
 """Property tests of the wire protocol: decode() refuses every bad frame with a ProtocolError
 and nothing else (arbitrary bytes, arbitrary JSON, valid messages with fields removed, mistyped
 or mutated), every valid message survives a round trip, unknown fields are ignored and an
-unknown MAJOR is refused by its number."""
+unknown MAJOR is refused by its number. The "events" kind (1.1) likewise, and event frames
+packed into one by EventsFrame decode to the same events, in order, split by size."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from rollout_watchdog.agent.protocol import (
     Ack,
     Command,
     Event,
+    Events,
+    EventsFrame,
     Heartbeat,
     Hello,
     Message,
@@ -45,11 +48,14 @@ engines = st.lists(json_objects.flatmap(lambda o: names.map(lambda i: {**o, "id"
                    max_size=4)
 positive = st.floats(min_value=1e-6, max_value=1e9, allow_nan=False)
 
+events = st.builds(Event, node_id=names, boot=names, seq=st.integers(1, (1 << 63) - 1),
+                   event=json_objects,
+                   engine_status=st.none() | json_objects.map(lambda o: {**o, "id": "e0"}))
 messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Hello, node_id=names, boot=names, engines=engines, last_seq=seqs),
-    st.builds(Event, node_id=names, boot=names, seq=st.integers(1, (1 << 63) - 1),
-              event=json_objects),
-    st.builds(Ack, boot=names, seq=seqs),
+    events,
+    st.builds(Events, events=st.lists(events, min_size=1, max_size=4)),
+    st.builds(Ack, boot=names, seq=seqs, batches=st.booleans()),
     st.builds(Heartbeat, sent_at=finite),
     st.builds(lambda r, c, a, n, e, t: Command(r, c, a, n, e if n else None, t),
               names, names, json_objects, st.none() | names, st.none() | names,
@@ -59,7 +65,8 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Reply, request_id=names, status=st.just("error"), reason=names,
               result=json_values),
     st.builds(Subscribe, resume=st.none() | st.dictionaries(
-        names, st.builds(ResumePoint, boot=names, seq=seqs), max_size=3)),
+        names, st.builds(ResumePoint, boot=names, seq=seqs), max_size=3),
+        batches=st.booleans()),
 )
 
 
@@ -147,3 +154,69 @@ def test_an_unknown_major_is_refused_by_its_number(msg: Message, major: int,
 @given(messages, st.integers(0, 1 << 40))
 def test_any_minor_of_this_major_is_accepted(msg: Message, minor: int) -> None:
     assert decode(json.dumps({**msg.to_json(), "v": [MAJOR, minor]}).encode()) == msg
+
+
+@FAST
+@given(st.lists(events, min_size=1, max_size=4), st.integers(0, 3), json_values)
+def test_a_bad_event_in_a_batch_refuses_the_batch_naming_it(batch: list[Event], at: int,
+                                                            bad: Any) -> None:
+    items: list[Any] = [e.to_json() for e in batch]
+    at = min(at, len(items) - 1)
+    items[at] = bad if not isinstance(bad, dict) else {**bad, "v": [MAJOR, 1], "kind": "ack"}
+    data = json.dumps({"v": [MAJOR, 1], "kind": "events", "events": items}).encode()
+    try:
+        decode(data)
+    except ProtocolError as exc:
+        assert f"events[{at}]" in str(exc)
+    else:
+        raise AssertionError("a batch with a bad event was accepted")
+
+
+def test_an_empty_batch_is_refused() -> None:
+    for empty in ([], None, {}):
+        data = json.dumps({"v": [MAJOR, 1], "kind": "events", "events": empty}).encode()
+        try:
+            decode(data)
+        except ProtocolError as exc:
+            assert "'events' must be a non-empty list" in str(exc)
+        else:
+            raise AssertionError(f"events {empty!r} accepted")
+
+
+def pack(batch: list[Event], max_events: int, max_bytes: int) -> list[bytes]:
+    """The frames a sender makes of `batch` with EventsFrame, as the link and the relay do."""
+    packed, out = EventsFrame(max_events, max_bytes), []
+    for event in batch:
+        frame = encode(event)
+        if not packed.fits(frame):
+            out.append(packed.take())
+        packed.add(frame)
+    out.append(packed.take())
+    return out
+
+
+@FAST
+@given(st.lists(events, min_size=1, max_size=12), st.integers(1, 5), st.integers(0, 4000))
+def test_packed_event_frames_decode_to_the_same_events_in_order_split_by_size(
+        batch: list[Event], max_events: int, max_bytes: int) -> None:
+    frames = pack(batch, max_events, max_bytes)
+    got: list[Event] = []
+    for data in frames:
+        message = decode(data)
+        if isinstance(message, Events):
+            assert 2 <= len(message.events) <= max_events and len(data) <= max_bytes
+            got += message.events
+        else:   # one event alone stays an "event" frame, whatever its size
+            assert isinstance(message, Event)
+            got.append(message)
+    assert got == batch
+
+
+def test_a_long_run_is_split_under_the_frame_limit() -> None:
+    """Events of 100 KB each: about ten to a 1 MiB frame, never over it, none lost."""
+    batch = [Event("n1", "b1", seq, {"kind": "x", "detail": "x" * 100_000})
+             for seq in range(1, 40)]
+    frames = pack(batch, 1000, protocol.MAX_MESSAGE_BYTES)
+    assert 4 <= len(frames) <= 5 and all(len(f) <= protocol.MAX_MESSAGE_BYTES for f in frames)
+    seqs = [e.seq for f in frames for e in decode(f).events]   # type: ignore[union-attr]
+    assert seqs == list(range(1, 40))

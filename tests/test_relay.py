@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent import relay as relay_module
 from rollout_watchdog.agent.protocol import ResumePoint, Subscribe
-from rollout_watchdog.agent.relay import Relay, Relayed
+from rollout_watchdog.agent.relay import Relay, Relayed, batch_items
 
 T0 = 1000.0
-A, B = b"client-a", b"client-b"
+A, B, C = b"client-a", b"client-b", b"client-c"
 
 
 def item(node: str, seq: int, boot: str = "b1") -> Relayed:
@@ -197,3 +198,51 @@ def test_a_client_still_taking_events_is_not_expired_for_late_heartbeats() -> No
     relay.pump(clients.send, later)               # busy reading a burst, no heartbeat
     assert relay.expire(later + 1) == []
     assert relay.expire(later + relay.subscriber_timeout_s + 1) == [A]
+
+
+def node_batch(node: str, seqs: range) -> list[Relayed]:
+    """The items of one node "events" frame, as the coordinator relays it."""
+    events = [protocol.Event(node, "b1", s, {"kind": "state", "n": s}) for s in seqs]
+    return batch_items(events, protocol.encode(protocol.Events(events)))
+
+
+def seqs_in(frames: list[bytes]) -> list[tuple[str, int]]:
+    out = []
+    for data in frames:
+        message = protocol.decode(data)
+        batch = message.events if isinstance(message, protocol.Events) else [message]
+        out += [(e.node_id, e.seq) for e in batch]   # type: ignore[union-attr]
+    return out
+
+
+def test_batches_go_out_as_they_came_spliced_or_one_by_one_as_each_client_takes_them() -> None:
+    """A node's batch goes as its own frame to a client taking batches that lacks all of it;
+    one resumed mid-batch gets the rest, spliced with the next events into one frame; a client
+    without batches gets each event alone."""
+    batch = node_batch("n1", range(1, 5))
+    alone = [Relayed("n2", "b1", s, protocol.encode(protocol.Event("n2", "b1", s, {})))
+             for s in (1, 2)]
+    relay, clients = filled(*batch, *alone), Clients()
+    relay.subscribe(A, Subscribe({}, batches=True), T0)            # all of it
+    relay.subscribe(B, Subscribe({"n1": ResumePoint("b1", 2)}, batches=True), T0)
+    relay.subscribe(C, Subscribe({}), T0)                          # no batches
+    assert relay.pump(clients.send, T0) is False
+    assert batch[0].batch is not None and clients.got[A][0] == batch[0].batch.frame
+    assert len(clients.got[A]) == 2                              # the batch, then n2's two
+    assert len(clients.got[B]) == 1                              # n1 3-4 and n2 1-2 spliced
+    assert len(clients.got[C]) == 6
+    whole = [("n1", s) for s in range(1, 5)] + [("n2", 1), ("n2", 2)]
+    assert seqs_in(clients.got[A]) == whole and seqs_in(clients.got[C]) == whole
+    assert seqs_in(clients.got[B]) == whole[2:]
+    assert clients.got[C][:4] == frames(*batch)   # split into the events' own frames
+
+
+def test_a_batch_is_not_forwarded_whole_past_a_clients_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_module, "SENDS_PER_TURN", 3)
+    relay, clients = filled(*node_batch("n1", range(1, 6))), Clients()
+    relay.subscribe(A, Subscribe({}, batches=True), T0)
+    assert relay.pump(clients.send, T0) is True                  # 3 this turn, 2 the next
+    assert seqs_in(clients.got[A]) == [("n1", s) for s in range(1, 4)]
+    assert relay.pump(clients.send, T0) is False
+    assert seqs_in(clients.got[A]) == [("n1", s) for s in range(1, 6)]

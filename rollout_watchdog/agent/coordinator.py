@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
@@ -27,14 +27,12 @@ from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.agent.journal import Journal
-from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
+from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind, curve_server
 from rollout_watchdog.agent.views import COORDINATOR_BOOT_PREFIX
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from rollout_watchdog.refit_bridge.router_sync import RouterSync
+from rollout_watchdog.refit_bridge.router_sync import RouterSync
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -70,7 +68,7 @@ class Coordinator:
         self._unjournaled: list[Relayed] = []
         self.fanout = Fanout()
         self.refit = refit.RefitService(state_dir, holder_timeout_s)  # raises for bad state
-        self.router = _router_sync(router_url) if router_url else None
+        self.router = RouterSync(router_url) if router_url else None
         self._router_members: dict[str, str | None] | None = None
         self.bad_messages: Counter[str] = Counter()
         self.own_seq = 0
@@ -254,7 +252,7 @@ class Coordinator:
         for node_id in self._acks:
             record = self.view.nodes[node_id]
             self._send(node_id.encode(), protocol.encode(
-                protocol.Ack(record.boot, record.received_seq)))
+                protocol.Ack(record.boot, record.received_seq, batches=True)))
         self._acks.clear()
 
     def _recv(self) -> tuple[bytes, bytes, str | None] | None:
@@ -284,7 +282,8 @@ class Coordinator:
         now, wall = time.monotonic(), time.time()
         # A known node's routing id, or a node's message, needs that node's key (with
         # CURVE): another admitted peer cannot speak for it, even holding its routing id.
-        from_node = isinstance(msg, (protocol.Hello, protocol.Event)) or peer in self.view.nodes
+        from_node = (isinstance(msg, (protocol.Hello, protocol.Event, protocol.Events))
+                     or peer in self.view.nodes)
         if from_node and self.keys and user != peer:
             self._bad("unknown_node", f"{msg.KIND} from {peer!r} under the key of {user!r}")
             return
@@ -294,6 +293,8 @@ class Coordinator:
                 self._acks.add(peer)
             elif isinstance(msg, protocol.Event):
                 self._event(msg, data, peer, now, wall)
+            elif isinstance(msg, protocol.Events):
+                self._events(msg, data, peer, now, wall)
             elif isinstance(msg, protocol.Reply):
                 self._own_events(self.view.heard(peer, now, wall))
                 gathering = self.fanout.answered(msg, peer)
@@ -319,10 +320,44 @@ class Coordinator:
         if not new:
             return
         self._relay(Relayed(msg.node_id, msg.boot, msg.seq, frame))
-        if msg.seq <= self.view.nodes[peer].snapshot_seq:
-            return  # older than the HELLO's snapshot: whoever heard it first acted on it
-        for node, engine in self.view.group_restarts(peer, msg.event):
+        for node, engine in self._restarts(peer, msg):
             self._group_restart(node, engine, msg)
+
+    def _events(self, msg: protocol.Events, frame: bytes, peer: str, now: float, wall: float
+                ) -> None:
+        """A batch: each event taken as if it came alone (a refused one is counted), relayed
+        as the node's frame when all are new (one ACK for all, as for any turn's events)."""
+        new: list[protocol.Event] = []
+        restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
+        for event in msg.events:
+            try:
+                fresh, own = self.view.event(event, peer, now, wall)
+            except Refused as exc:
+                self._bad(exc.reason, str(exc))
+                continue
+            self._own_events(own)
+            self._acks.add(peer)
+            if fresh:   # restarts decided in turn, as for single events; sent after the relay
+                new.append(event)
+                restarts += [(event, target) for target in self._restarts(peer, event)]
+        if len(new) == len(msg.events) and _reencodes_small(frame):
+            for item in batch_items(new, frame):   # kept together: relayed as it came
+                self._relay(item)
+        else:
+            for event in new:   # encoded now: one that cannot be sent is never relayed
+                try:
+                    self._relay(Relayed(event.node_id, event.boot, event.seq,
+                                        protocol.encode(event)))
+                except protocol.ProtocolError as exc:
+                    self._bad("unsendable", f"event {event.seq} of {peer!r}: {exc}")
+        for cause, (node, engine) in restarts:
+            self._group_restart(node, engine, cause)
+
+    def _restarts(self, peer: str, msg: protocol.Event) -> list[tuple[str, str]]:
+        """The group parts a new event of `peer` makes the coordinator restart."""
+        if msg.seq <= self.view.nodes[peer].snapshot_seq:
+            return []  # older than the HELLO's snapshot: whoever heard it first acted on it
+        return self.view.group_restarts(peer, msg.event)
 
     def _tick(self, now: float, wall: float) -> None:
         for gathering in self.fanout.expire(now):
@@ -495,9 +530,11 @@ class Coordinator:
             log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
 
 
-def _router_sync(url: str) -> RouterSync:
-    from rollout_watchdog.refit_bridge.router_sync import RouterSync
-    return RouterSync(url)
+def _reencodes_small(frame: bytes) -> bool:
+    """Whether each event of this "events" frame, encoded again on its own, surely fits in a
+    frame: re-encoding ASCII JSON at most about quintuples it (a float written 1e9 comes back
+    as 1000000000.0), and nodes send ASCII frames of at most BATCH_BYTES."""
+    return len(frame) <= protocol.MAX_MESSAGE_BYTES // 8 and frame.isascii()
 
 
 def _error(cmd: protocol.Command, reason: str) -> protocol.Reply:

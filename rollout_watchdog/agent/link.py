@@ -3,10 +3,14 @@
 A DEALER whose routing id is the node id dials the configured `coordinator` (CURVE when the
 config names `key` and `coordinator_key`). On every completed handshake it sends a HELLO with a
 full snapshot, then every event not yet acknowledged. Events wait in a bounded outbox until the
-coordinator ACKs them; on overflow the oldest are dropped and counted (the next HELLO's snapshot
-supersedes them). Commands run through the node's one command table; a repeated request id gets
-the same reply. Heartbeats go out about once a second. The node supervises on its own whenever
-the coordinator is away: nothing here blocks, and nothing waits for it.
+coordinator ACKs them. The events of one loop turn go out as one "events" frame (up to
+protocol.BATCH_EVENTS and BATCH_BYTES each) once the coordinator said in an ACK on this
+connection that it takes them; until then, one frame each. A full send queue holds the rest
+back, in order, for the next turn. On outbox overflow the oldest are dropped and counted (the
+next HELLO's snapshot supersedes them). Commands run through the node's one command table; a
+repeated request id gets the same reply. Heartbeats go out about once a second. The node
+supervises on its own whenever the coordinator is away: nothing here blocks, and nothing waits
+for it.
 
 Staying linked (part 6). ZMTP heartbeats (PING every `heartbeat_s`, the connection closed when
 nothing came back for `heartbeat_timeout_s`) find a half-open connection, such as a coordinator
@@ -21,10 +25,11 @@ dropped and counted, never fatal; the counts are in the node's metrics and `stat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import Any, Protocol
 
 import zmq
@@ -90,6 +95,7 @@ class NodeLink:
         self._to_send: list[protocol.Message] = []
         self._retry_at: float | None = None          # sends held back by a full queue
         self._sent_seq = 0       # the outbox's events up to this seq went out on this connection
+        self._batches = False    # the coordinator on this connection takes "events" frames
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, node_id.encode())
@@ -222,17 +228,39 @@ class NodeLink:
             del self._to_send[0]
         if self.outbox:
             first = self.outbox[0].seq   # the outbox holds consecutive seqs
-            for index in range(max(0, self._sent_seq - first + 1), len(self.outbox)):
-                event = self.outbox[index]
-                if not self._send(event):
-                    return False
-                self._sent_seq = event.seq
+            unsent = itertools.islice(self.outbox, max(0, self._sent_seq - first + 1), None)
+            if not self._send_events(unsent):
+                return False
         for i, message in enumerate(self._to_send):
             if not self._send(message):
                 self._to_send = [m for m in self._to_send[i:]
                                  if not isinstance(m, protocol.Heartbeat)]
                 return False
         self._to_send.clear()
+        return True
+
+    def _send_events(self, events: Iterable[protocol.Event]) -> bool:
+        """Send `events` (the outbox's unsent ones), several to a frame when the coordinator
+        takes that; False if the queue filled up first (`_sent_seq` says how far it got)."""
+        packed = protocol.EventsFrame(protocol.BATCH_EVENTS if self._batches else 1,
+                                      protocol.BATCH_BYTES)
+        done = self._sent_seq          # sent, or skipped as unsendable, once `packed` is out
+        for event in events:
+            try:
+                frame: bytes | None = protocol.encode(event)
+            except protocol.ProtocolError as exc:
+                log.error("cannot send event %d to the coordinator: %s", event.seq, exc)
+                frame = None
+            if frame is not None:
+                if not packed.fits(frame):
+                    if not self._send_frame(packed.take()):
+                        return False
+                    self._sent_seq = done
+                packed.add(frame)
+            done = event.seq
+        if packed.frames and not self._send_frame(packed.take()):
+            return False
+        self._sent_seq = done
         return True
 
     def _send(self, message: protocol.Message) -> bool:
@@ -247,6 +275,9 @@ class NodeLink:
                 return True
             frame = protocol.encode(protocol.Reply(
                 message.request_id, "error", f"the result cannot be sent: {exc}"[:1000]))
+        return self._send_frame(frame)
+
+    def _send_frame(self, frame: bytes) -> bool:
         try:
             self.socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -302,9 +333,11 @@ class NodeLink:
         self._to_send = [protocol.Hello(self.node_id, self.boot, self._snapshot(), self.seq),
                          *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
         self._sent_seq = 0
+        self._batches = False   # until this connection's coordinator says it takes them
 
     def _receive(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Ack):
+            self._batches = message.batches
             if message.boot == self.boot:
                 while self.outbox and self.outbox[0].seq <= message.seq:
                     self.outbox.popleft()

@@ -4,10 +4,13 @@ This docstring is the spec (docs/protocol.md says the same for people).
 
 Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX_MESSAGE_BYTES
 (1 MiB: a HELLO snapshot of a node with hundreds of engines fits). Every message has
-    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 0)
-    "kind": one of "hello", "event", "ack", "heartbeat", "command", "reply", "subscribe"
-and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR (a
-newer minor only adds optional fields) and ignores fields it does not know. Numbers are finite
+    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 1)
+    "kind": one of "hello", "event", "events", "ack", "heartbeat", "command", "reply",
+            "subscribe"
+and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR and
+ignores fields it does not know. A newer minor only adds optional fields and kinds; a sender
+uses a newer kind only towards a peer that asked for it (1.1: "events", asked for by the
+`batches` flag of "ack" and "subscribe"). Numbers are finite
 (no NaN/Infinity); the protocol's own integers (seq, last_seq) fit in a signed 64-bit int.
 Sequence numbers count from 1 within one boot of a node daemon; 0 means "none yet".
 
@@ -19,8 +22,16 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                `events --json` prints), engine_status? (the engine's object of `status --json`
                right after the event, so the fleet view needs no snapshot to stay exact). A
                node keeps it until acknowledged.
+    events     (1.1) node -> coordinator -> client: events (a non-empty list of "event"
+               messages, each a whole message with its own "v" and "kind", as it would be
+               sent alone), in order. It stands for its events sent one by one: each is
+               checked, deduplicated and acknowledged on its own. A node sends one for the
+               events of one loop turn, a coordinator for a run of relayed events; either
+               only to a peer that set `batches`, and never over MAX_MESSAGE_BYTES (a longer
+               run is split).
     ack        coordinator -> node: boot, seq (>= 0): every event of that boot up to seq is
-               received; the node may drop them from its outbox.
+               received; the node may drop them from its outbox. batches? (1.1; default
+               false): the coordinator takes "events" from this node.
     heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
     command    client -> coordinator -> node: request_id (idempotency key: a repeated id gets
                the same reply), cmd (a control command name), args (object, default {}),
@@ -30,7 +41,8 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                for "error"), result? (any JSON value).
     subscribe  client -> coordinator: resume? (null = from now on, else
                {node_id: {"boot": ..., "seq": ...}}: the last event the client has per node,
-               so none is sent twice).
+               so none is sent twice). batches? (1.1; default false): the client takes
+               "events".
 
 decode() refuses any bad frame with one ProtocolError (a ValueError) whose message names the
 problem; it never raises anything else, so a receiver can drop and count bad input.
@@ -45,9 +57,13 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
 MAJOR = 1
-MINOR = 0
+MINOR = 1
 VERSION = (MAJOR, MINOR)
 MAX_MESSAGE_BYTES = 1 << 20
+# The most an "events" frame holds as this package sends it: per-frame costs are well spread
+# over 32 events, and a peer's queue of frames (high-water marks count frames) stays small.
+BATCH_EVENTS = 32
+BATCH_BYTES = 64 << 10
 _INT_LIMIT = 1 << 63
 STATUSES = ("ok", "error")
 
@@ -83,6 +99,11 @@ def _as_float(kind: str, name: str, value: object, *, positive: bool = False) ->
         if math.isfinite(number) and (number > 0 or not positive):
             return number
     raise _fail(kind, name, "a positive finite number" if positive else "a finite number", value)
+
+
+def _check_bool(kind: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise _fail(kind, name, "true or false", value)
 
 
 def _check_object(kind: str, name: str, value: object) -> None:
@@ -170,16 +191,54 @@ class Event(_Message):
 
 
 @dataclass(frozen=True)
+class Events(_Message):
+    """Several events in one frame (1.1): per-frame costs paid once for a node's loop turn,
+    or for a run of relayed events."""
+
+    KIND: ClassVar[str] = "events"
+    events: list[Event]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.events, list) or not self.events:
+            raise _fail(self.KIND, "events", "a non-empty list of events", self.events)
+        for i, event in enumerate(self.events):
+            if not isinstance(event, Event):
+                raise _fail(self.KIND, f"events[{i}]", "an event", event)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": list(VERSION), "kind": self.KIND,
+                "events": [event.to_json() for event in self.events]}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Events:
+        raw = obj.get("events")
+        if not isinstance(raw, list) or not raw:
+            raise _fail(cls.KIND, "events", "a non-empty list of events", raw)
+        events = []
+        for i, item in enumerate(raw):
+            try:
+                message = from_json(item)
+            except ProtocolError as exc:
+                raise ProtocolError(f"events[{i}]: {exc}") from None
+            if not isinstance(message, Event):
+                raise ProtocolError(f"events[{i}]: an {message.KIND!r} message, not an event")
+            events.append(message)
+        return cls(events)
+
+
+@dataclass(frozen=True)
 class Ack(_Message):
     """Every event of `boot` up to `seq` has arrived: the node may forget them."""
 
     KIND: ClassVar[str] = "ack"
     boot: str
     seq: int
+    batches: bool = False
 
     def __post_init__(self) -> None:
         _check_str(self.KIND, "boot", self.boot)
         _check_int(self.KIND, "seq", self.seq, 0)
+        _check_bool(self.KIND, "batches", self.batches)
 
 
 @dataclass(frozen=True)
@@ -254,8 +313,10 @@ class Subscribe(_Message):
 
     KIND: ClassVar[str] = "subscribe"
     resume: dict[str, ResumePoint] | None = None
+    batches: bool = False
 
     def __post_init__(self) -> None:
+        _check_bool(self.KIND, "batches", self.batches)
         if self.resume is None:
             return
         _check_object(self.KIND, "resume", self.resume)
@@ -270,9 +331,9 @@ class Subscribe(_Message):
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Subscribe:
-        raw = obj.get("resume")
+        raw, batches = obj.get("resume"), obj.get("batches", False)
         if raw is None:
-            return cls()
+            return cls(None, batches)
         _check_object(cls.KIND, "resume", raw)
         points = {}
         for node_id, point in raw.items():
@@ -281,12 +342,12 @@ class Subscribe(_Message):
                 if name not in point:
                     raise ProtocolError(f"subscribe: resume[{node_id!r}] lacks {name!r}")
             points[node_id] = ResumePoint(point["boot"], point["seq"])
-        return cls(points)
+        return cls(points, batches)
 
 
-Message: TypeAlias = Hello | Event | Ack | Heartbeat | Command | Reply | Subscribe
+Message: TypeAlias = Hello | Event | Events | Ack | Heartbeat | Command | Reply | Subscribe
 KINDS: dict[str, type[Message]] = {
-    cls.KIND: cls for cls in (Hello, Event, Ack, Heartbeat, Command, Reply, Subscribe)}
+    cls.KIND: cls for cls in (Hello, Event, Events, Ack, Heartbeat, Command, Reply, Subscribe)}
 
 
 def encode(msg: Message) -> bytes:
@@ -362,3 +423,33 @@ def decode(data: bytes) -> Message:
         return from_json(obj)
     except RecursionError:  # showing a deeply nested value in a refusal
         raise ProtocolError("JSON nested too deeply") from None
+
+
+_EVENTS_OPEN = f'{{"v":[{MAJOR},{MINOR}],"kind":"events","events":['.encode()
+_EVENTS_CLOSE = b"]}"
+
+
+class EventsFrame:
+    """Event frames (each a whole "event" message, as encode() makes them) gathered into one
+    frame without encoding them again: one frame stays itself, several become an "events"
+    message. Holds at most `max_events`, and never makes a frame over `max_bytes`."""
+
+    def __init__(self, max_events: int, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.max_events, self.max_bytes = max_events, max_bytes
+        self.frames: list[bytes] = []
+        self._size = len(_EVENTS_OPEN) + len(_EVENTS_CLOSE)
+
+    def fits(self, frame: bytes) -> bool:
+        """Whether `frame` can join (the first always can: it is a frame of its own)."""
+        return not self.frames or (len(self.frames) < self.max_events
+                                   and self._size + len(frame) + 1 <= self.max_bytes)
+
+    def add(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self._size += len(frame) + 1
+
+    def take(self) -> bytes:
+        """The frame of what was added (at least one), and empty again."""
+        frames, self.frames = self.frames, []
+        self._size = len(_EVENTS_OPEN) + len(_EVENTS_CLOSE)
+        return frames[0] if len(frames) == 1 else _EVENTS_OPEN + b",".join(frames) + _EVENTS_CLOSE

@@ -6,6 +6,12 @@ socket would block (the client's high-water mark) and carries on at the next tur
 client neither blocks the loop nor loses events, as long as it stays within the buffer. A
 resuming subscriber starts at the oldest buffered event and skips what its resume points say it
 has (docs/protocol.md, "The coordinator's side").
+
+A subscriber that set `batches` gets runs of events as "events" frames (protocol.BATCH_EVENTS
+and BATCH_BYTES at most): a node's "events" frame as it came, when it wants every event of it
+(no encoding at all), else the events' own frames spliced together. One frame per event for
+the others. An event that came in a node's batch is encoded on its own only when needed (a
+subscriber resumed mid-batch, one without `batches`, the journal).
 """
 
 from __future__ import annotations
@@ -21,14 +27,50 @@ SUBSCRIBER_TIMEOUT_S = 10.0
 SENDS_PER_TURN = 5_000   # per subscriber and turn: as many as a turn takes in (MESSAGES_PER_TURN)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
+class Batch:
+    """A node's "events" frame whose events are all relayed, one after the other. Only the
+    frame is kept (decoded events cost several times its size in memory); it is split into
+    the events' own frames when first needed."""
+
+    frame: bytes
+    size: int
+    _frames: list[bytes] | None = None
+
+    def event_frame(self, part: int) -> bytes:
+        if self._frames is None:
+            message = protocol.decode(self.frame)
+            assert isinstance(message, protocol.Events)
+            self._frames = [protocol.encode(event) for event in message.events]
+        return self._frames[part]
+
+
+@dataclass(slots=True)
 class Relayed:
-    """One buffered event: its frame, encoded once for every subscriber."""
+    """One buffered event: its frame, encoded once for every subscriber (for one that came in
+    a batch, when first needed)."""
 
     node_id: str
     boot: str
     seq: int
-    frame: bytes
+    encoded: bytes | None = None
+    batch: Batch | None = None   # the batch it came in, and its place there
+    part: int = 0
+
+    @property
+    def frame(self) -> bytes:
+        """The event alone as an "event" frame."""
+        if self.encoded is None:
+            assert self.batch is not None, "a relayed event needs its frame or its batch"
+            self.encoded = self.batch.event_frame(self.part)
+        return self.encoded
+
+
+def batch_items(events: list[protocol.Event], frame: bytes) -> list[Relayed]:
+    """The items for a node's "events" frame (`frame`) all of whose `events` are relayed.
+    The coordinator checked that each event, encoded again alone, fits in a frame."""
+    batch = Batch(frame, len(events))
+    return [Relayed(e.node_id, e.boot, e.seq, None, batch, i) for i, e in enumerate(events)]
 
 
 @dataclass
@@ -39,6 +81,7 @@ class Subscriber:
     last_sent: float = 0.0          # when an event last went into its queue
     skip_until: dict[str, int] = field(default_factory=dict)   # node -> index of its point
     resume: dict[str, protocol.ResumePoint] = field(default_factory=dict)
+    batches: bool = False           # it takes "events" frames
 
     def has(self, item: Relayed, index: int) -> bool:
         """Whether this client has the event already (by its resume points)."""
@@ -74,9 +117,9 @@ class Relay:
     def subscribe(self, client: bytes, msg: protocol.Subscribe, now: float) -> None:
         """(Re)subscribe: from now on, or from the buffer's start minus what it has."""
         if msg.resume is None:
-            self.subscribers[client] = Subscriber(client, self.end, now)
+            self.subscribers[client] = Subscriber(client, self.end, now, batches=msg.batches)
             return
-        sub = Subscriber(client, self.first, now, resume=dict(msg.resume))
+        sub = Subscriber(client, self.first, now, resume=dict(msg.resume), batches=msg.batches)
         for index, item in enumerate(self.buffer, self.first):
             point = sub.resume.get(item.node_id)
             if point is not None and (item.boot, item.seq) == (point.boot, point.seq):
@@ -110,15 +153,49 @@ class Relay:
                 sub.cursor = self.first
             sent = 0
             while sub.cursor < self.end and sent < SENDS_PER_TURN:
-                item = self.buffer[sub.cursor - self.first]
-                if not sub.has(item, sub.cursor):
+                frame, count, after = self._next(sub, SENDS_PER_TURN - sent)
+                if frame is not None:
                     try:
-                        if not send(client, item.frame):
+                        if not send(client, frame):
                             break
                     except LookupError:  # gone, or (libzmq) full and not writable yet:
                         break            # tried again; a gone client expires when silent
-                    sent += 1
+                    sent += count
                     sub.last_sent = now
-                sub.cursor += 1
+                sub.cursor = after
             behind = behind or sub.cursor < self.end
         return behind
+
+    def _next(self, sub: Subscriber, most: int) -> tuple[bytes | None, int, int]:
+        """What to send `sub` next from its cursor: (frame or None when it has all of them,
+        how many events the frame holds, the cursor after them)."""
+        packed = protocol.EventsFrame(min(most, protocol.BATCH_EVENTS) if sub.batches else 1,
+                                      protocol.BATCH_BYTES)
+        index = sub.cursor
+        while index < self.end:
+            item = self.buffer[index - self.first]
+            if sub.has(item, index):
+                index += 1
+                continue
+            if sub.batches and self._whole_batch(sub, item, index, most):
+                if packed.frames:
+                    break                          # what is packed goes first
+                assert item.batch is not None
+                return item.batch.frame, item.batch.size, index + item.batch.size
+            frame = item.frame
+            if not packed.fits(frame):
+                break
+            packed.add(frame)
+            index += 1
+        count = len(packed.frames)
+        return (packed.take() if count else None), count, index
+
+    def _whole_batch(self, sub: Subscriber, item: Relayed, index: int, most: int) -> bool:
+        """Whether `item` starts a node's batch that `sub` lacks all of, within its share."""
+        batch = item.batch
+        if (batch is None or item.part != 0 or batch.size > min(most, protocol.BATCH_EVENTS)
+                or len(batch.frame) > protocol.BATCH_BYTES or index + batch.size > self.end):
+            return False
+        items = [self.buffer[i - self.first] for i in range(index, index + batch.size)]
+        return items[-1].batch is batch and not any(
+            sub.has(other, i) for i, other in enumerate(items, index))

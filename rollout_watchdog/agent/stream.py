@@ -5,7 +5,8 @@ The stream subscribes on its own DEALER and heartbeats to the coordinator about 
 (a subscription ends when the client is silent for 10 s). When it hears nothing for `silence_s`
 (3 s; the coordinator heartbeats every second) it takes the coordinator for gone and subscribes
 again on a fresh socket, with `resume` set to the last node event it got from each node, so the
-coordinator sends what it holds after those. Anything sent twice is dropped: per (node_id, boot)
+coordinator sends what it holds after those. It takes "events" frames (several events in one),
+and dedupes each of their events on its own. Anything sent twice is dropped: per (node_id, boot)
 the highest seq seen is kept, and an event at or below it is a duplicate. The coordinator's own
 `node_reachable`/`node_unreachable` events (numbered by the coordinator's boot and count) are
 deduplicated the same way but are never resume points.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -53,6 +55,7 @@ class EventStream:
         self.subscriptions = 0   # how often it subscribed: 1 + the coordinator's departures
         self.duplicates = 0      # events dropped as already delivered
         self._last: dict[tuple[str, str], int] = {}
+        self._ready: deque[FleetEvent] = deque()   # the rest of a received batch
         self._sock: zmq.Socket[bytes] | None = None
         self._heard = self._next_heartbeat = 0.0
         self._subscribe(time.monotonic())  # events from now on, not from the first next()
@@ -61,6 +64,8 @@ class EventStream:
         return self
 
     def __next__(self) -> FleetEvent:
+        if self._ready:
+            return self._ready.popleft()
         idle_until = None if self.idle_s is None else time.monotonic() + self.idle_s
         while True:
             now = time.monotonic()
@@ -79,9 +84,9 @@ class EventStream:
             if self._sock.poll(max(1, int((wake - now) * 1000))):
                 data = self._sock.recv()
                 self._heard = time.monotonic()
-                event = self._accept(data)
-                if event is not None:
-                    return event
+                self._ready.extend(self._accept(data))
+                if self._ready:
+                    return self._ready.popleft()
 
     def _send(self, message: protocol.Message) -> None:
         assert self._sock is not None
@@ -92,19 +97,26 @@ class EventStream:
         self.close()
         self._sock = self.client.socket()
         resume = dict(self.positions) if self.resume and self.subscriptions else None
-        self._send(protocol.Subscribe(resume))
+        self._send(protocol.Subscribe(resume, batches=True))
         self.subscriptions += 1
         self._heard = now
         self._next_heartbeat = now + self.heartbeat_s
 
-    def _accept(self, data: bytes) -> FleetEvent | None:
-        """The event in `data` if it is one not delivered yet; None for anything else."""
+    def _accept(self, data: bytes) -> list[FleetEvent]:
+        """The events in `data` not delivered yet; none for anything else."""
         try:
             message = protocol.decode(data)
         except protocol.ProtocolError:
-            return None
-        if not isinstance(message, protocol.Event):
-            return None  # a heartbeat: the coordinator is there
+            return []
+        if isinstance(message, protocol.Events):
+            return [e for m in message.events if (e := self._new(m)) is not None]
+        if isinstance(message, protocol.Event):
+            event = self._new(message)
+            return [] if event is None else [event]
+        return []  # a heartbeat: the coordinator is there
+
+    def _new(self, message: protocol.Event) -> FleetEvent | None:
+        """The event, unless it was delivered already (by its node, boot and seq)."""
         key = (message.node_id, message.boot)
         if message.seq <= self._last.get(key, 0):
             self.duplicates += 1
