@@ -23,12 +23,13 @@ from typing import Any
 
 import zmq
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.agent import protocol, queries
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
+from rollout_watchdog.agent.hub_socket import bind_hub
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
-from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind, curve_server
+from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
 from rollout_watchdog.agent.views import COORDINATOR_BOOT_PREFIX
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
@@ -39,15 +40,8 @@ HEARTBEAT_S = 1.0
 MAX_POLL_S = 0.1            # how soon stop() is noticed
 SWEEP_S = 0.1               # how often silent nodes and subscribers are looked for
 MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
-# Per peer. A subscriber behind by more waits in the relay buffer (its cursor), not in
-# libzmq's memory. A node whose frames pile up keeps them in its own outbox (backpressure):
-# libzmq's received frames can each pin an 8 KiB read buffer, so 1,000 nodes x 100 queued
-# frames cost 400 MB of RSS in a burst (measured), x 10 under 170 MB, at the same throughput.
-SEND_HWM = 10_000
-RECV_HWM = 10
 START_TIMEOUT_S = 10.0
 BOOT_PREFIX = COORDINATOR_BOOT_PREFIX
-LOCAL_COMMANDS = ("status", "ping")
 
 
 class Coordinator:
@@ -157,27 +151,11 @@ class Coordinator:
             except OSError as exc:
                 raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from None
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails, never vanishes
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted node takes its id back at once
-        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # bigger: dropped by zmq
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
-        # No ZMTP heartbeat timeout on this side, on purpose: it would drop a live client that
-        # is slow to read a burst (its unread PINGs), and the client would then lose its
-        # subscription. Nodes detect a dead coordinator with their own ZMTP heartbeats (which
-        # libzmq answers here by itself); the coordinator finds silent nodes by their
-        # heartbeats (node_timeout_s), and silent subscribers expire (relay.py).
         try:
-            if self.keys:
-                self._auth = curve_server(self._ctx, sock, self.keys)
-            sock.bind(self.bind)
-        except (zmq.ZMQError, ValueError) as exc:
-            sock.close(0)
-            self._stop_auth()
+            sock, self._auth = bind_hub(self._ctx, self.bind, self.keys)
+        except ValueError:
             self._ctx.term()
-            raise ValueError(f"cannot bind {self.bind}: {exc}") from None
+            raise
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
         if self.router is not None:
@@ -392,19 +370,19 @@ class Coordinator:
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
             return
-        if cmd.cmd in LOCAL_COMMANDS:  # read-only: nothing to remember for a repeat
-            self._send(client, protocol.encode(self._local(cmd)))
+        if cmd.cmd in queries.COMMANDS:  # read-only: nothing to remember for a repeat
+            self._send(client, protocol.encode(queries.answer(self, cmd)))
             return
         if cmd.cmd in refit.COMMANDS:
             self.refit.handle(self, client, cmd, now)
             return
         if cmd.node is not None and cmd.node not in self.view.nodes:
-            self.reply(client, _error(cmd, f"unknown node {cmd.node!r} (known: "
+            self.reply(client, queries.error(cmd, f"unknown node {cmd.node!r} (known: "
                                        f"{', '.join(sorted(self.view.nodes)) or 'none'})"))
             return
         if cmd.node is not None and not self.view.nodes[cmd.node].reachable:
             last = time.strftime("%H:%M:%S", time.localtime(self.view.nodes[cmd.node].last_seen))
-            self.reply(client, _error(cmd, f"node {cmd.node!r} is unreachable (last seen "
+            self.reply(client, queries.error(cmd, f"node {cmd.node!r} is unreachable (last seen "
                                             f"{last})"))
             return
         targets = [cmd.node] if cmd.node is not None else self.view.reachable()
@@ -422,28 +400,6 @@ class Coordinator:
         if self.fanout.settle(gathering):
             self._answer(gathering)
 
-    def _local(self, cmd: protocol.Command) -> protocol.Reply:
-        if cmd.cmd == "status":
-            if cmd.node is not None and cmd.node not in self.view.nodes:
-                return _error(cmd, f"unknown node {cmd.node!r}")
-            after = cmd.args.get("after")
-            if after is not None and not isinstance(after, str):
-                return _error(cmd, f"'after' must be a node id, got {str(after)[:40]!r}")
-            view = self.view.status(cmd.node, after)
-            for node in view["nodes"]:
-                for engine in node["engines"]:
-                    self.refit.book.decorate(node["node_id"], engine)
-            return protocol.Reply(cmd.request_id, "ok", None, view)
-        return protocol.Reply(cmd.request_id, "ok", None, {
-            "coordinator": self.boot, "nodes": len(self.view.nodes),
-            "reachable": len(self.view.reachable()), "subscribers": len(self.relay.subscribers),
-            "bad_messages": {**self.bad_messages, **self.view.refused},
-            "relay_skipped": self.relay.skipped_behind,
-            "relay_behind": max((self.relay.end - sub.cursor
-                                 for sub in self.relay.subscribers.values()), default=0),
-            "refit": self.refit.status(time.monotonic()),
-            "router": None if self.router is None else self.router.status()})
-
     def reply(self, client: bytes, reply: protocol.Reply) -> None:
         """Answer `client`; the reply is kept for a repeat of its request id."""
         self._send(client, self.fanout.remember(reply))
@@ -452,17 +408,9 @@ class Coordinator:
         self._sync_router()
 
     def _sync_router(self) -> None:
-        """The router holds exactly the serving engines, each checked (by the router's
-        thread) to report the version its refit committed before it is added."""
         if self.router is None:
             return
-        members: dict[str, str | None] = {}
-        for node_id, record in self.view.nodes.items():
-            for engine in record.engines.values():
-                url = engine.get("url")
-                if url and self.refit.book.serving(node_id, engine):
-                    members[url] = self.refit.book.version_of(node_id, engine["id"],
-                                                              engine.get("incarnation"))
+        members = self.refit.router_members(self.view)
         if members != self._router_members:
             self._router_members = members
             self.router.set_desired(members)
@@ -535,10 +483,6 @@ def _reencodes_small(frame: bytes) -> bool:
     frame: re-encoding ASCII JSON at most about quintuples it (a float written 1e9 comes back
     as 1000000000.0), and nodes send ASCII frames of at most BATCH_BYTES."""
     return len(frame) <= protocol.MAX_MESSAGE_BYTES // 8 and frame.isascii()
-
-
-def _error(cmd: protocol.Command, reason: str) -> protocol.Reply:
-    return protocol.Reply(cmd.request_id, "error", reason, None)
 
 
 def _with_wait(cmd: protocol.Command) -> protocol.Command:

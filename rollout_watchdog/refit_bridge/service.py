@@ -233,6 +233,18 @@ class RefitService:
                                 node_id, engine["id"], engine.get("incarnation"))})
         return out
 
+    def router_members(self, view: FleetView) -> dict[str, str | None]:
+        """What the router must hold: every serving engine's url, with the version it must
+        report before it is added (checked by the router's thread; None before any refit)."""
+        members: dict[str, str | None] = {}
+        for node_id, record in view.nodes.items():
+            for engine in record.engines.values():
+                url = engine.get("url")
+                if url and self.book.serving(node_id, engine):
+                    members[url] = self.book.version_of(node_id, engine["id"],
+                                                        engine.get("incarnation"))
+        return members
+
     def status(self, now: float) -> dict[str, Any]:
         lease = self.lock.lease
         return {"current_version": self.book.current,
