@@ -1,0 +1,180 @@
+"""Refit bridge: its cost over a raw broadcast, and how fast it fails and recovers (issue 7).
+
+One node daemon with 4 emulator engines (`--hidden-size`, ~100 MB of fp32 weights by default),
+an embedded coordinator with the real sglang-router, and this process as the trainer (rank 0)
+over gloo. Figures, each with its goal, measured side by side in one run:
+- the time a whole refit takes (`with fleet.refit(v) as r: r.update_weights(tensors)`: the lock,
+  the fleet-wide probe pause, generation paused, the broadcast, the version set and read back
+  on every engine, the commit, the release), with the weight-update group already built (it is
+  rebuilt only when membership changes), against the raw torch.distributed broadcast of the
+  same tensors from rank 0 to 4 plain receiver processes in a group built the same way: the
+  ratio (<= 1.1x). The first refit's group build is reported apart;
+- from an engine's SIGKILL in the middle of a refit's broadcast to the refit raising EngineLost
+  (<= 2 s);
+- from an engine's SIGKILL to its return to the router, through its relaunch by the watchdog and
+  the next refit (report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from _common import EngineSpec, Fleet, bench_main, goal, parse_args, step, summary, wait_for
+from router_harness import Router
+
+from rollout_watchdog import Coordinator, EngineLost, FleetClient
+from rollout_watchdog.emulator.model import build_model
+from rollout_watchdog.emulator.testing import free_port
+from rollout_watchdog.refit_bridge.router import normalize_url
+
+PROBE = {"health_interval_s": 1.0, "health_timeout_s": 30.0, "startup_timeout_s": 300.0}
+RESTART = {"backoff_initial_s": 0.0, "backoff_max_s": 0.0, "max_restarts": 1000}
+ENGINES = 4
+RECEIVER = r"""
+import datetime, sys, torch
+from rollout_watchdog.refit_bridge.process_group import init_custom_process_group
+from rollout_watchdog.emulator.model import build_model
+port, rank, world, hidden, rounds = (int(a) for a in sys.argv[1:6])
+pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", datetime.timedelta(minutes=5),
+                               world, rank, "raw-baseline")
+params = [p.detach().clone() for p in build_model(hidden_size=hidden).parameters()]
+for _ in range(rounds):
+    for p in params:
+        torch.distributed.broadcast(p, src=0, group=pg)
+    torch.distributed.barrier(group=pg)
+"""
+
+
+def tensors(seed: int, hidden: int) -> list[tuple[str, Any]]:
+    return [(n, p.detach()) for n, p in build_model(seed, hidden_size=hidden).named_parameters()]
+
+
+def raw_broadcast(weights: list[tuple[str, Any]], hidden: int, rounds: int) -> list[float]:
+    """Rank 0 broadcasting the same tensors to ENGINES receiver processes, `rounds` times."""
+    import datetime
+
+    import torch
+
+    from rollout_watchdog.refit_bridge.process_group import init_custom_process_group
+    port = free_port()
+    world = ENGINES + 1
+    procs = [subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(rank),
+                               str(world), str(hidden), str(rounds)]) for rank in range(1, world)]
+    try:
+        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}",
+                                       datetime.timedelta(minutes=5), world, 0, "raw-baseline")
+        times = []
+        for _ in range(rounds):
+            began = time.monotonic()
+            for _, tensor in weights:
+                torch.distributed.broadcast(tensor, src=0, group=pg)
+            torch.distributed.barrier(group=pg)   # every receiver has every tensor
+            times.append(time.monotonic() - began)
+        return times
+    finally:
+        for proc in procs:
+            proc.wait(60)
+
+
+def refit_once(fleet: FleetClient, version: str, weights: Any) -> float:
+    began = time.monotonic()
+    with fleet.refit(version, backend="gloo", timeout_s=300) as refit:
+        refit.update_weights(weights)
+    return time.monotonic() - began
+
+
+def main(args: argparse.Namespace) -> int:
+    hidden = args.hidden_size
+    weights = tensors(1, hidden)
+    size_mb = sum(t.numel() * t.element_size() for _, t in weights) / 1e6
+    print(f"weights: {len(weights)} tensors, {size_mb:.0f} MB; {ENGINES} engines; gloo")
+    router = Router.start()
+    try:
+        with Coordinator(bind="tcp://127.0.0.1:0", router_url=router.url) as coordinator, \
+                Fleet("refit", [EngineSpec(f"e{i}", flags=("--hidden-size", str(hidden)),
+                                           extra={"tp_size": 1}) for i in range(ENGINES)],
+                      probe=PROBE, restart=RESTART, top={"coordinator": coordinator.endpoint},
+                      keep=args.keep):
+            fleet = FleetClient(coordinator.endpoint)
+            step("waiting for 4 healthy engines")
+            fleet.wait_until(lambda v: len(v) == ENGINES and all(
+                e.state == "healthy" for e in v), 300)
+            first = refit_once(fleet, "warm-0", weights)
+            print(f"first refit (group built): {first:.2f} s")
+            refits, raws = [], []
+            for i in range(args.repeat):   # interleaved: the same load for both
+                refits.append(refit_once(fleet, f"v{i}", weights))
+                raws.extend(raw_broadcast(weights, hidden, 1))
+            ratio = statistics.median(refits) / statistics.median(raws)
+            summary("refit (group reused)", refits, "s", 3)
+            summary("raw broadcast", raws, "s", 3)
+            goal(f"refit / raw broadcast = {ratio:.2f}x (<= 1.1x)", ratio <= 1.1)
+
+            deaths, returns = [], []
+            for i in range(args.deaths):
+                lost_after, back_after = death_mid_refit(fleet, router.url, weights, i)
+                deaths.append(lost_after)
+                returns.append(back_after)
+            summary("engine SIGKILLed mid-broadcast -> EngineLost", deaths, "s", 3)
+            goal("death mid-refit -> raised error <= 2 s", max(deaths) <= 2.0)
+            summary("engine SIGKILLed -> back in the router after the next refit", returns,
+                    "s", 2)
+            return 0
+    finally:
+        router.stop()
+
+
+def death_mid_refit(fleet: FleetClient, router_url: str, weights: list[tuple[str, Any]],
+                    i: int) -> tuple[float, float]:
+    victim = next(e for e in fleet.engines() if e.id == "e1")
+    killed_at = 0.0
+
+    def killing() -> Iterator[tuple[str, Any]]:
+        nonlocal killed_at
+        for k, item in enumerate(weights):
+            if k == len(weights) // 2:
+                assert victim.pid is not None
+                killed_at = time.monotonic()
+                os.kill(victim.pid, signal.SIGKILL)
+            yield item
+    try:
+        with fleet.refit(f"d{i}", backend="gloo", timeout_s=300) as refit:
+            refit.update_weights(killing(), bucket_bytes=1)
+    except EngineLost:
+        lost_after = time.monotonic() - killed_at
+    else:
+        raise RuntimeError("the refit did not notice the SIGKILL")
+    url = normalize_url(str(victim.url))
+    fleet.wait_until(lambda v: any(e.name == victim.name and e.incarnation > victim.incarnation
+                                   and e.state == "healthy" for e in v), 300)
+    with fleet.refit(f"r{i}", backend="gloo", timeout_s=300) as refit:
+        refit.update_weights(weights)
+    wait_for(lambda: url in _router_urls(router_url), 60, "the engine back in the router")
+    return lost_after, time.monotonic() - killed_at
+
+
+def _router_urls(router_url: str) -> set[str]:
+    import json
+
+    from rollout_watchdog.emulator.testing import http_request
+    status, body = http_request(f"{router_url}/workers")
+    return {normalize_url(w["url"]) for w in json.loads(body)["workers"]} if status == 200 \
+        else set()
+
+
+if __name__ == "__main__":
+    def extra(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--hidden-size", type=int, default=3400,
+                            help="the emulator model's hidden size (3400: ~100 MB fp32)")
+        parser.add_argument("--deaths", type=int, default=3,
+                            help="engine deaths mid-refit to measure (default 3)")
+    bench_main(main, parse_args(__doc__ or "", repeat=5, quick_repeat=2, time_limit=1800,
+                                extra=extra))
