@@ -52,7 +52,7 @@ def first(pattern: str, text: str, after: int = 0) -> int:
 def test_fleet_demo_tells_the_story_and_leaves_nothing() -> None:
     tag = uuid.uuid4().hex
     out = subprocess.run([sys.executable, "-m", "rollout_watchdog", "demo", "--fleet"],
-                         capture_output=True, text=True, timeout=240, env=demo_env(tag))
+                         capture_output=True, text=True, timeout=300, env=demo_env(tag))
     text = out.stdout
     assert out.returncode == 0, text + out.stderr
     for node in ("node-a", "node-b"):
@@ -68,7 +68,11 @@ def test_fleet_demo_tells_the_story_and_leaves_nothing() -> None:
     first(r"node-b/e0#2 +adopted", text, gone)
     first(r"node-b/e1#1 +adopted", text, gone)
     first(r"node node-b: 2 engine\(s\), reachable", text, back)
-    assert "fleet-wide pause acknowledged by 2 nodes" in text
+    # refits: every engine synced at v1, the relaunched engine kept out until v2 synced it
+    v1 = first(r"refit v1: 4 engines synced in [\d.]+ s, each generating the same text at v1",
+               text)
+    first(r"node-b/e0#2 is healthy with pending weights, kept out of the router", text, v1)
+    first(r"refit v2: 4 engines synced .* at v2; the router lists all 4", text, crash)
     assert "engines adopted with the same incarnations: e0#2" in text
     assert "node daemons' exit codes: node-a 0, node-b 0" in text
     assert tagged(tag) == []

@@ -1,10 +1,13 @@
 """`rollout-watchdog demo --fleet`: a two-node fleet on this machine, over CURVE.
 
-A coordinator (embedded in this process, as a trainer would run it), two node daemons
-(`rollout-watchdog run`, each a process of its own over emulated engines) linked to it with
-keys made by `keygen`, and a `FleetClient` following the fleet's events. The demo pauses and
-resumes the whole fleet, SIGKILLs an engine, then SIGKILLs a node daemon and starts it again,
-and prints what the client saw. Everything is real: processes, signals, sockets, CURVE.
+A coordinator (embedded in this process, as a trainer would run it) with a real sglang-router
+(when the package is installed), two node daemons (`rollout-watchdog run`, each a process of its
+own over emulated engines) linked to it with keys made by `keygen`, and a `FleetClient`
+following the fleet's events. This process is also the trainer: it refits every engine to v1
+over a gloo weight-update group, SIGKILLs an engine (detected, relaunched, kept out of the
+router with pending weights), refits to v2 (the group rebuilt with the new incarnation, every
+engine synced and back in the router), then SIGKILLs a node daemon and starts it again, and
+prints what the client saw. Everything is real: processes, signals, sockets, CURVE, torch.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from rollout_watchdog.cli.demo import (
     stop_daemon,
     sweep,
 )
-from rollout_watchdog.cli.render import fleet_table, result_line
+from rollout_watchdog.cli.demo_refit import DemoRouter, generate, refit
+from rollout_watchdog.cli.render import fleet_table
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.errors import CoordinatorUnavailable, RolloutWatchdogError
+from rollout_watchdog.refit_bridge.router import normalize_url
 
 NODES = ("node-a", "node-b")
 VICTIM = "node-b"          # the node whose engine, then whose daemon, is SIGKILLed
@@ -144,8 +149,9 @@ class Story:
     """The demo's steps, each printing what it does and returning its summary line."""
 
     def __init__(self, timeline: FleetTimeline, client: FleetClient, daemons: Daemons,
-                 engines: int) -> None:
+                 engines: int, router: DemoRouter | None) -> None:
         self.timeline, self.client, self.daemons, self.engines = timeline, client, daemons, engines
+        self.router = router
 
     def start(self) -> str:
         self.timeline.say(f"starting node daemons {' and '.join(NODES)}: each launches "
@@ -156,19 +162,26 @@ class Story:
             self.client, {f"{node}/e{i}": 1 for node in NODES for i in range(self.engines)}))
         return f"{len(NODES)} nodes joined, {len(NODES) * self.engines} engines healthy"
 
-    def pause(self) -> str:
-        self.timeline.say("fleet-wide pause of deep probes (what a trainer does around a refit)")
-        began = time.monotonic()
-        paused = self.client.pause(all=True)
-        took = time.monotonic() - began
-        for node, reply in sorted(paused.nodes.items()):
-            self.timeline.say(f"{node}: {result_line(reply.result)}")
+    def refit(self, version: str, seed: int) -> str:
+        self.timeline.say(f"refit to {version}: lock, fleet-wide probe pause, weight-update "
+                          "group (gloo, this process as rank 0), broadcast, commit")
+        took, members = refit(self.client, version, seed)
         self.timeline.pump()
-        self.timeline.say("fleet-wide resume")
-        self.client.resume(all=True)
-        self.timeline.pump()
-        return (f"fleet-wide pause acknowledged by {len(paused.nodes)} nodes in "
-                f"{1000 * took:.0f} ms (no deep probe in flight anywhere when it returned)")
+        view = _engines(self.client)
+        texts = {name: generate(str(e.url)) for name, e in sorted(view.items())}
+        for name, (text, at) in texts.items():
+            self.timeline.say(f"{name} at {at}: {text!r}")
+        if {at for _, at in texts.values()} != {version} or len(
+                {text for text, _ in texts.values()}) != 1:
+            raise RuntimeError(f"the engines do not all generate alike at {version}: {texts}")
+        routed = ""
+        if self.router is not None:
+            router = self.router
+            want = {normalize_url(str(e.url)) for e in view.values()}
+            self.timeline.until("every engine in the router", lambda: router.workers() == want)
+            routed = f"; the router lists all {len(want)}"
+        return (f"refit {version}: {len(members)} engines synced in {took:.2f} s, each "
+                f"generating the same text at {version}{routed}")
 
     def crash(self) -> str:
         name = f"{VICTIM}/e0"
@@ -187,9 +200,20 @@ class Story:
             lambda e: _of(e, name) and e.to == "stopping", mark) or (0.0, None)
         if detected is None or detected.ts is None:
             raise RuntimeError(f"the client heard no crash of {name}")
+        reborn = _engines(self.client)[name]
+        if reborn.serving or reborn.weight_version is not None:
+            raise RuntimeError(f"{name} serves after its relaunch, without weights: {reborn}")
+        kept_out = ""
+        if self.router is not None:
+            if normalize_url(str(victim.url)) in self.router.workers():
+                raise RuntimeError(f"{name} is in the router with pending weights")
+            kept_out = ", kept out of the router"
+        self.timeline.say(f"{name}#{reborn.incarnation} is healthy with pending weights"
+                          f"{kept_out} until the next refit")
         return (f"crash of {name} detected {1000 * (detected.ts - killed_at):.1f} ms after the "
                 f"SIGKILL, heard by the client {1000 * (heard - killed_at):.1f} ms after; "
-                f"relaunched as incarnation {victim.incarnation + 1}")
+                f"relaunched as incarnation {victim.incarnation + 1} with pending "
+                f"weights{kept_out}")
 
     def node_restart(self) -> str:
         before = {e.id: (e.incarnation, e.pid) for e in self.client.engines(node=VICTIM)}
@@ -241,11 +265,17 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
     coordinator: Coordinator | None = None
     stream: EventStream | None = None
     daemons: Daemons | None = None
+    router: DemoRouter | None = None
     try:
         log_to(workdir / "coordinator.log")
         keys = make_keys(workdir / "keys")
+        if DemoRouter.available():
+            router = DemoRouter(workdir)
+        else:
+            print("(sglang-router is not installed: the demo runs without a router)")
         coordinator = Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys),
-                                  node_timeout_s=NODE_TIMEOUT_S)
+                                  node_timeout_s=NODE_TIMEOUT_S,
+                                  router_url=router.url if router else None)
         coordinator.start()
         client = FleetClient(coordinator.endpoint, key=str(keys / f"{CLIENT}.key_secret"),
                              coordinator_key=str(keys / "coordinator.key"))
@@ -253,8 +283,9 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
         timeline = FleetTimeline(stream)
         timeline.say(f"coordinator on {coordinator.endpoint}; keys in {keys}")
         daemons = Daemons(workdir, coordinator.endpoint, keys, args.engines)
-        story = Story(timeline, client, daemons, args.engines)
-        summary = [story.start(), story.pause(), story.crash(), story.node_restart()]
+        story = Story(timeline, client, daemons, args.engines, router)
+        summary = [story.start(), story.refit("v1", seed=1), story.crash(),
+                   story.refit("v2", seed=2), story.node_restart()]
         print("\nthe fleet, as the coordinator sees it:\n" + fleet_table(client.status()))
         timeline.say("stopping the node daemons (each stops its engines) and the coordinator")
         codes = daemons.stop()
@@ -275,6 +306,8 @@ def run_fleet_demo(args: argparse.Namespace) -> int:
                 stream.close()
             if coordinator is not None:
                 coordinator.stop()
+            if router is not None:
+                router.stop()
             sweep(workdir)
             if args.keep:
                 print(f"files kept in {workdir}")

@@ -1,0 +1,88 @@
+"""The refit part of `rollout-watchdog demo --fleet`: a real sglang-router (when installed),
+this process as the trainer (rank 0 of a gloo weight-update group), refits that sync every
+engine, and a crashed engine kept out of the router until the next refit gives it the weights."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout_watchdog.agent.client import FleetClient
+from rollout_watchdog.emulator.testing import free_port, http_request
+from rollout_watchdog.refit_bridge.router import normalize_url
+
+PROMPT = "The rollout fleet"
+ROUTER_START_S = 30.0
+
+
+class DemoRouter:
+    """`python -m sglang_router.launch_router`, with its own health checks off (the coordinator
+    owns membership), or None when the package is not installed."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log = open(workdir / "router.log", "ab")   # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", str(self.port), "--prometheus-port", str(free_port()),
+             "--policy", "round_robin", "--disable-health-check",
+             "--worker-startup-timeout-secs", "10", "--log-level", "warn"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + ROUTER_START_S
+        while http_request(f"{self.url}/workers", timeout=2.0)[0] != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"sglang-router did not start; see {workdir}/router.log")
+            time.sleep(0.1)
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("sglang_router") is not None
+
+    def workers(self) -> set[str]:
+        status, body = http_request(f"{self.url}/workers")
+        if status != 200:
+            return set()
+        return {normalize_url(w["url"]) for w in json.loads(body)["workers"]}
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def weights(seed: int) -> list[tuple[str, Any]]:
+    """The emulated model's parameters as a trainer would hold them after a step."""
+    from rollout_watchdog.emulator.model import build_model
+    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
+
+
+def refit(client: FleetClient, version: str, seed: int) -> tuple[float, list[str]]:
+    """One refit from this process; (seconds, the members' names)."""
+    began = time.monotonic()
+    with client.refit(version, backend="gloo", timeout_s=120) as session:
+        session.update_weights(weights(seed))
+        names = [e.name for e in session.engines]
+    return time.monotonic() - began, names
+
+
+def generate(url: str) -> tuple[str, str | None]:
+    """(text, weight_version) of one greedy generation at `url`."""
+    status, body = http_request(f"{url}/generate", "POST", {
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}},
+        timeout=10.0)
+    if status != 200:
+        return f"(HTTP {status})", None
+    answer = json.loads(body)
+    return str(answer["text"]), answer["meta_info"].get("weight_version")
