@@ -52,6 +52,21 @@ def tp_size(url: str, timeout_s: float) -> int:
     return size if isinstance(size, int) and size > 0 else 1
 
 
+def stuck(url: str, timeout_s: float) -> bool:
+    """Whether the engine's scheduler takes no control call: `/server_info` (which waits on the
+    scheduler) gets no answer within `timeout_s` while the server accepts the connection. An
+    engine blocked in a collective is stuck; a dead one is not (it is gone)."""
+    try:
+        requests.get(url.rstrip("/") + "/server_info", timeout=(timeout_s, timeout_s))
+    except requests.ConnectTimeout:
+        return False
+    except requests.Timeout:
+        return True
+    except requests.RequestException:
+        return False
+    return False
+
+
 def on_each(urls: list[str], call: Callable[[str], Any]) -> dict[str, str]:
     """Run `call(url)` for every url at once; {url: error} for those that raised."""
     errors: dict[str, str] = {}

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from rollout_watchdog.agent.client import FleetClient
-    from rollout_watchdog.refit_bridge.group import WeightUpdateGroup
+    from rollout_watchdog.refit_bridge.group import GroupMember, WeightUpdateGroup
 
 log = logging.getLogger(__name__)
 Member = tuple[str, str, int]
@@ -52,7 +52,7 @@ LOCK_RETRY_S = 0.5
 ACQUIRE_TIMEOUT_S = 40.0  # the fleet-wide pause waits for in-flight probes (up to 30 s)
 CALL_TIMEOUT_S = 10.0     # one control call to the coordinator or an engine
 GUARD_POLL_S = 0.1
-ABORT_GRACE_S = 5.0       # after an abort, for members' calls to fail by themselves
+ABORT_GRACE_S = 3.0       # after an abort: a member silent this long to a control call is stuck
 PAUSE_MODE = "retract"    # in-flight requests are set aside and resume after the refit
 
 
@@ -78,6 +78,8 @@ class Refit:
         self._lease_lost: str | None = None
         self._expired = False
         self._group: WeightUpdateGroup | None = None
+        self._aborted = False
+        self._pending_at_abort: list[GroupMember] = []
         self._paused = False
         self._stop = threading.Event()
         self._guard: threading.Thread | None = None
@@ -231,7 +233,7 @@ class Refit:
         set_cached_group(self.client, None)
         group = groups.WeightUpdateGroup(
             members, master_address=self.master_address, backend=self.backend,
-            http_timeout_s=max(1.0, self.deadline - time.monotonic()),
+            http_timeout_s=CALL_TIMEOUT_S,
             init_timeout_s=max(1.0, self.deadline - time.monotonic()))
         with self._lock:
             self._group = group
@@ -301,12 +303,17 @@ class Refit:
         except CoordinatorUnavailable as exc:   # its lease may still hold: try again
             log.warning("refit %r: lease not renewed: %s", self.version, exc)
 
-    def _abort_group(self, why: str) -> None:
+    def _abort_group(self, why: str, group: WeightUpdateGroup | None = None) -> None:
+        """Abort the group (once): its members' calls still out then are the candidates for
+        `wedged`."""
         with self._lock:
-            group = self._group
-        if group is not None and not self.committed:
-            log.warning("refit %r: aborting the weight-update group: %s", self.version, why)
-            group.abort()
+            group = group or self._group
+            if group is None or self.committed or self._aborted:
+                return
+            self._aborted = True
+            self._pending_at_abort = group.pending()
+        log.warning("refit %r: aborting the weight-update group: %s", self.version, why)
+        group.abort(why)
 
     # ------------------------------------------------------------------ the end
 
@@ -338,9 +345,9 @@ class Refit:
         with self._lock:
             group, self._group = self._group, None
         if group is not None:
-            group.abort()
-            wedged = self._still_pending(group)
+            self._abort_group("the refit failed", group)
             group.destroy()
+            wedged = self._wedged(self._pending_at_abort)
             set_cached_group(self.client, None)
         if self.token is None or self._lease_lost:
             return
@@ -353,17 +360,19 @@ class Refit:
                       "end and do it): %s", self.version, exc)
         self._continue_generation()
 
-    def _still_pending(self, group: WeightUpdateGroup) -> list[Member]:
-        """Members whose update call has not completed once the group is torn down (a gloo
-        peer's call fails as soon as the trainer's sockets close; NCCL's waits for its
-        timeout): wedged, lost, to be restarted by their watchdogs."""
-        deadline = time.monotonic() + ABORT_GRACE_S
-        while group.pending() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        wedged = [(m.node_id, m.engine, m.incarnation) for m in group.pending()]
+    def _wedged(self, candidates: list[GroupMember]) -> list[Member]:
+        """Of the members whose update call was still out when the group was torn down,
+        those that take no further control call: still blocked in the collective (a gloo
+        peer's call fails as soon as the trainer's sockets close; an NCCL one's waits out its
+        timeout). Lost, and restarted by their watchdogs."""
+        urls = [m.url for m in candidates]
+        silent: dict[str, bool] = {}
+        engine_http.on_each(urls, lambda url: silent.__setitem__(
+            url, engine_http.stuck(url, ABORT_GRACE_S)))
+        wedged = [(m.node_id, m.engine, m.incarnation) for m in candidates if silent.get(m.url)]
         for member in wedged:
-            self._lost.setdefault(member, "its update call did not complete (wedged in the "
-                                          "collective)")
+            self._lost.setdefault(member, "its update call did not complete and it takes no "
+                                          "control call (wedged in the collective)")
         return wedged
 
     def _finish(self) -> None:
