@@ -33,7 +33,28 @@ SLOT_TOKEN_LATENCY_MS = 2  # time one decode step costs
 SLOT_NUM_RUNNING = 3
 SLOT_NUM_QUEUE = 4
 SLOT_GEN_THROUGHPUT = 5
+# Fault hang_weight_update: 0 off, else one of HANG_STAGES (index + 1); read by the scheduler.
+SLOT_HANG_WEIGHT_UPDATE = 6
 SHARED_SLOTS = 8
+
+# Where a weight update hangs (fault hang_weight_update): instead of joining the broadcast, or
+# after receiving the tensors (before loading them and answering).
+HANG_STAGES = ("join", "finish")
+
+# First releases with a behaviour the emulator reproduces (see shared/SGLANG.md).
+WEIGHT_SESSION_SINCE = (0, 5, 21)  # begin_weight_update / end_weight_update
+FLUSH_FAILURE_ANSWERED_SINCE = (0, 5, 22)  # before: a refused flush crashes the server
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """"0.5.23" -> (0, 5, 23); raises ValueError naming the text (suffixes like rc1 refused)."""
+    try:
+        parts = tuple(int(p) for p in text.split("."))
+    except ValueError:
+        raise ValueError(f"not a version like 0.5.23: {text!r}") from None
+    if len(parts) < 2 or any(p < 0 for p in parts):
+        raise ValueError(f"not a version like 0.5.23: {text!r}")
+    return parts
 
 
 def encode(text: str) -> list[int]:

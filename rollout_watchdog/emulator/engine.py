@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from rollout_watchdog.emulator import protocol
@@ -27,7 +28,9 @@ from rollout_watchdog.emulator.common import (
     SLOT_NUM_QUEUE,
     SLOT_NUM_RUNNING,
     SLOT_TOKEN_LATENCY_MS,
+    WEIGHT_SESSION_SINCE,
     log,
+    version_tuple,
 )
 from rollout_watchdog.emulator.protocol import STARTING, UNHEALTHY, UP, BadRequest, ReqState
 
@@ -53,6 +56,10 @@ class Engine:
         self.health_generation = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
         self.served_model_name: str = args.served_model_name or args.model_path
         self.weight_version: str = args.weight_version
+        # SGLang 0.5.21+: weight updates bracketed by begin/end_weight_update
+        self.weight_session = version_tuple(args.sglang_version) >= WEIGHT_SESSION_SINCE
+        self.writers_waiting = 0  # model-update lock (writer side); readers are `inflight`
+        self.writer_active = False
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.rid_to_state: dict[str, ReqState] = {}
@@ -161,7 +168,7 @@ class Engine:
     def pass_pause_gate_and_submit(self, states: list[ReqState]) -> None:
         """Block while paused (forever if never continued, as in SGLang), then submit."""
         with self.cond:
-            while self.is_pause:
+            while self.is_pause or self.writer_active or self.writers_waiting:
                 self.cond.wait()
             for s in states:
                 self._submit_locked(s)
@@ -208,11 +215,37 @@ class Engine:
                     return
 
     def resume_generation(self) -> None:
-        """continue_generation."""
+        """continue_generation (waits for a weight update in progress, as in SGLang)."""
         with self.cond:
+            while self.writer_active:
+                self.cond.wait()
             self.is_pause = False
             self.cond.notify_all()
         self.send({"type": "continue"})
+
+    @contextlib.contextmanager
+    def model_update(self) -> Iterator[None]:
+        """SGLang's model-update lock around a weight update (no timeout).
+
+        Unpaused, it is the writer side: wait until no request is in flight, and hold new ones
+        at the gate until done (writers first). Paused, whoever paused holds it: run at once.
+        Either way continue_generation waits until the update is done.
+        """
+        with self.cond:
+            paused = self.is_pause
+            self.writers_waiting += 1
+            try:
+                while self.writer_active or (not paused and self.inflight > 0):
+                    self.cond.wait()
+            finally:
+                self.writers_waiting -= 1
+            self.writer_active = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.writer_active = False
+                self.cond.notify_all()
 
     def set_weight_version(self, version: str, abort_all: bool) -> None:
         """update_weight_version, optionally aborting every request first."""

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_watchdog.emulator.common import (
+    HANG_STAGES,
     ORPHAN_MARKER,
+    SLOT_HANG_WEIGHT_UPDATE,
     SLOT_IGNORE_SIGTERM,
     SLOT_STALL,
     SLOT_TOKEN_LATENCY_MS,
@@ -78,6 +80,23 @@ def _latency_ms(value: Any) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
         raise BadRequest("ms must be a number >= 0")
     return float(value)
+
+
+def _hang_stage(value: Any) -> str:
+    if value not in HANG_STAGES:
+        raise BadRequest(f"stage must be one of {', '.join(HANG_STAGES)}, not {value!r}")
+    return str(value)
+
+
+def _hang_weight_update(server: EmulatorServer, stage: str | None) -> Applied:
+    stage = stage or HANG_STAGES[0]
+    server.shared[SLOT_HANG_WEIGHT_UPDATE] = float(HANG_STAGES.index(stage) + 1)
+    return {"stage": stage}, None
+
+
+def _weight_update_hang_state(server: EmulatorServer) -> str | None:
+    slot = int(server.shared[SLOT_HANG_WEIGHT_UPDATE])
+    return HANG_STAGES[slot - 1] if slot else None
 
 
 def _crash(server: EmulatorServer, _: Any) -> Applied:
@@ -146,6 +165,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("stall_generation", "the scheduler stops producing output", _set_stall(True),
           timed=True, switch="ready", state=lambda s: s.shared[SLOT_STALL] >= 0.5),
     Fault("unstall", "the scheduler produces output again", _set_stall(False)),
+    Fault("hang_weight_update",
+          "the next update_weights_from_distributed never answers, nor any control call "
+          "after it, while generation and /health go on; STAGE join (default): it never "
+          "joins the broadcast, finish: it receives the tensors, then hangs",
+          _hang_weight_update, arg=FaultArg("stage", _hang_stage, default=HANG_STAGES[0]),
+          switch="start", state=_weight_update_hang_state),
     Fault("ignore_sigterm", "main process and scheduler ignore SIGTERM",
           _set_ignore_sigterm(True), switch="start", state=lambda s: s.ignore_sigterm),
     Fault("honor_sigterm", "SIGTERM works again", _set_ignore_sigterm(False)),

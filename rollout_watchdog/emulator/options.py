@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from rollout_watchdog.emulator import faults
+from rollout_watchdog.emulator.common import EMULATED_SGLANG_VERSION, version_tuple
 
 
 def _nonneg_float(text: str) -> float:
@@ -30,6 +31,14 @@ def _port(text: str) -> int:
     return value
 
 
+def _sglang_version(text: str) -> str:
+    try:
+        version_tuple(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add the emulator's options to ``parser`` (a new one, or a CLI subcommand parser)."""
     if parser is None:
@@ -43,6 +52,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--tokenizer-path", default=None, help="reported tokenizer path")
     parser.add_argument("--served-model-name", default=None, help="default: the model path")
     parser.add_argument("--weight-version", default="default", help="initial weight version")
+    parser.add_argument(
+        "--sglang-version",
+        type=_sglang_version,
+        default=EMULATED_SGLANG_VERSION,
+        help="SGLang release to behave as, reported in /server_info (default "
+        f"{EMULATED_SGLANG_VERSION}); below 0.5.21 there is no begin/end_weight_update, below "
+        "0.5.22 a flush refused after a weight update kills the server",
+    )
     parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
     parser.add_argument(
         "--enable-memory-saver",

@@ -136,7 +136,7 @@ def parse_weight_version(obj: dict[str, Any]) -> tuple[str, bool]:
     version = obj.get("new_version")
     if not isinstance(version, str):
         raise BadRequest("new_version is required and must be a string", True)
-    return version, bool(obj.get("abort_all_requests", False))
+    return version, bool(obj.get("abort_all_requests", True))
 
 
 def parse_generate(obj: dict[str, Any]) -> tuple[list[ReqState], bool]:

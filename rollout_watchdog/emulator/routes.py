@@ -20,8 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from rollout_watchdog.emulator import faults, protocol
-from rollout_watchdog.emulator.common import EMULATED_SGLANG_VERSION, log
+from rollout_watchdog.emulator import faults, protocol, weight_api
+from rollout_watchdog.emulator.common import log
 from rollout_watchdog.emulator.protocol import (
     FLUSH_CACHE_TEXT,
     MEMORY_TAGS,
@@ -55,6 +55,7 @@ ROUTES: dict[str, tuple[frozenset[str], str]] = {
     "/flush_cache": (frozenset({"GET", "POST"}), "flush_cache"),
     "/abort_request": (frozenset({"POST"}), "abort_request"),
     "/update_weight_version": (frozenset({"POST"}), "update_weight_version"),
+    **{path: (frozenset({"POST"}), "weights") for path in weight_api.OPS},
     "/metrics": (frozenset({"GET"}), "metrics"),
     "/v1/models": (frozenset({"GET"}), "models"),
     "/_emulator/info": (frozenset({"GET"}), "emu_info"),
@@ -211,7 +212,11 @@ class EmulatorHandler(BaseHTTPRequestHandler):
             self._bad_request(exc)
             return
         route = ROUTES.get(url.path)
-        if route is None or (url.path == "/metrics" and not emu.args.enable_metrics):
+        if (
+            route is None
+            or (url.path == "/metrics" and not emu.args.enable_metrics)
+            or (url.path in weight_api.SESSION_PATHS and not emu.weight_session)
+        ):
             self._json(404, {"detail": "Not Found"})
             return
         methods, name = route
@@ -261,7 +266,7 @@ class EmulatorHandler(BaseHTTPRequestHandler):
             **emu.scheduler_info,
             **sched,
             "internal_states": internal,
-            "version": EMULATED_SGLANG_VERSION,
+            "version": emu.args.sglang_version,
         })
 
     def h_generate(self, emu: EmulatorServer, body: bytes) -> None:
@@ -377,6 +382,11 @@ class EmulatorHandler(BaseHTTPRequestHandler):
         emu.set_weight_version(version, abort_all)
         self._json(200, {"success": True, "message": f"Weight version updated to {version}",
                          "new_version": version})
+
+    def h_weights(self, emu: EmulatorServer, body: bytes) -> None:
+        """The weight-update endpoints: blocks until the scheduler finished (no timeout)."""
+        code, answer = weight_api.handle(emu, self.url_path, protocol.json_body(body))
+        self._json(code, answer)
 
     def h_metrics(self, emu: EmulatorServer, body: bytes) -> None:
         self._send(200, emu.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8")

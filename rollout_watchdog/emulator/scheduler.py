@@ -13,11 +13,16 @@ main -> scheduler:
   {"type": "generate", "rid", "input_ids", "sampling": {...}, "is_health"}
   {"type": "abort", "rid", "abort_all"}
   {"type": "pause", "mode"} / {"type": "continue"}
-  {"type": "control", "id", "op", "args"}   (op: release, resume, flush_cache, server_info)
+  {"type": "control", "id", "op", "args"}   (op: release, resume, flush_cache, server_info,
+                                             and the weight-update ops of WEIGHT_OPS)
 scheduler -> main:
   {"type": "ready", "pid", "info"}
   {"type": "out", "items": [(rid, new_token_ids, finish_reason_or_None), ...]}
   {"type": "reply", "id", "result"}
+
+Control calls are answered in order. A weight update wedged by the fault hang_weight_update is
+never answered, and neither is any control call after it (they queue behind it), while
+generation goes on.
 """
 
 from __future__ import annotations
@@ -31,24 +36,43 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout_watchdog.emulator.common import (
     CONTEXT_LENGTH,
     EOS_TOKEN_ID,
+    FLUSH_FAILURE_ANSWERED_SINCE,
+    HANG_STAGES,
     MAX_RUNNING_REQUESTS,
     SLOT_GEN_THROUGHPUT,
+    SLOT_HANG_WEIGHT_UPDATE,
     SLOT_IGNORE_SIGTERM,
     SLOT_NUM_QUEUE,
     SLOT_NUM_RUNNING,
     SLOT_STALL,
     SLOT_TOKEN_LATENCY_MS,
+    WEIGHT_SESSION_SINCE,
     decode,
+    version_tuple,
 )
+
+if TYPE_CHECKING:
+    from rollout_watchdog.emulator.weight_sync import WeightSync
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 ALL_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+WEIGHT_OPS = (
+    "init_weights_update_group",
+    "destroy_weights_update_group",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_distributed",
+)
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running "
+    "or queued. Retract or finish them, then call /flush_cache."
+)
 
 
 def _prctl(option: int, arg: int | bytes) -> None:
@@ -91,6 +115,9 @@ class Scheduler:
         self.released: set[str] = set()
         self.weights_backup: Any = None
         self.model: Any = None
+        self.weight_sync: WeightSync | None = None  # made at the first weight op
+        self.version = version_tuple(str(config["sglang_version"]))
+        self.control_wedged = False  # a weight update hangs (fault): no control call answers
         self.sigterm_ignored: bool | None = None
         self.throughput_window: deque[tuple[float, int]] = deque()
         self.last_gen_throughput = 0.0
@@ -183,7 +210,13 @@ class Scheduler:
         elif kind == "continue":
             self.pause_mode = None
         elif kind == "control":
-            result = self._control(str(msg.get("op")), msg.get("args") or {})
+            if self.control_wedged:
+                return  # queued behind the wedged weight update: never answered either
+            op, args = str(msg.get("op")), msg.get("args") or {}
+            result = self._weight_op(op, args) if op in WEIGHT_OPS else self._control(op, args)
+            if result is None:
+                self.control_wedged = True
+                return
             self.send_conn.send({"type": "reply", "id": msg.get("id"), "result": result})
 
     def _add_request(self, msg: dict[str, Any]) -> None:
@@ -256,6 +289,54 @@ class Scheduler:
                 self._resume(tags)
             return {"success": True}
         return {"success": False, "message": f"unknown control op {op!r}"}
+
+    def _weight_op(self, op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """SGLang's scheduler weight updater; None: wedged (fault), never answered."""
+        sync = self._weight_sync()
+        if op == "init_weights_update_group":
+            ok, message = sync.init_group(args)
+        elif op == "destroy_weights_update_group":
+            ok, message = sync.destroy_group(str(args["group_name"]))
+        elif op == "begin_weight_update":
+            ok, message = sync.begin()
+        elif op == "end_weight_update":
+            ok, message = sync.end()
+        else:
+            answer = self._update_weights(args)
+            if answer is None:
+                return None
+            ok, message = answer
+        return {"success": ok, "message": message}
+
+    def _weight_sync(self) -> WeightSync:
+        if self.weight_sync is None:
+            from rollout_watchdog.emulator.weight_sync import WeightSync
+
+            self.weight_sync = WeightSync(self.model, self.version >= WEIGHT_SESSION_SINCE)
+        return self.weight_sync
+
+    def _update_weights(self, args: dict[str, Any]) -> tuple[bool, str] | None:
+        """Receive (blocking in the broadcast), load, flush; None: wedged by the fault."""
+        sync = self._weight_sync()
+        refused = sync.check_session()
+        if refused is not None:
+            return refused  # never joins the broadcast: rank 0 waits for us in vain
+        hang = int(self.shared[SLOT_HANG_WEIGHT_UPDATE])
+        if hang and HANG_STAGES[hang - 1] == "join":
+            return None
+        try:
+            weights = sync.receive(args)
+        except Exception as exc:  # noqa: BLE001 - answered, as SGLang does
+            return False, f"Failed to receive weights: {exc}"
+        if hang:
+            return None  # received the tensors, never loads them nor answers
+        ok, message = sync.load(weights)
+        if ok and args.get("flush_cache", True) and (self.waiting or self.running):
+            if self.version < FLUSH_FAILURE_ANSWERED_SINCE:
+                # Before 0.5.22 the refused flush is an assert in the scheduler: the server dies.
+                raise RuntimeError("flush_cache after a weight update with requests in flight")
+            return False, FLUSH_REFUSED
+        return ok, message
 
     def _release(self, tags: list[str]) -> None:
         if self.waiting or self.running:

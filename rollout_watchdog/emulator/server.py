@@ -5,7 +5,8 @@ scheduler child (multiprocessing "spawn") that runs a tiny torch model. Requests
 scheduler over a pipe (:mod:`engine`). Torch is never imported here, so the main process stays
 light.
 
-Behaviour follows SGLang 0.5.23 (see ``shared/SGLANG.md``): same paths, bodies, status codes and
+Behaviour follows SGLang 0.5.23, or the older release given with ``--sglang-version`` where
+the weight-update endpoints differ (see ``shared/SGLANG.md``): same paths, bodies, status codes and
 blocking behaviour, including the deliberate "forever" waits (paused requests, control calls on a
 stuck scheduler). Every other wait is bounded. Faults (:mod:`faults`) are available as start-up
 flags and through the private endpoint ``POST /_emulator/fault``.
@@ -26,7 +27,6 @@ from typing import Any, NoReturn
 from rollout_watchdog.emulator import faults, protocol
 from rollout_watchdog.emulator import scheduler as scheduler_mod
 from rollout_watchdog.emulator.common import (
-    EMULATED_SGLANG_VERSION,
     SLOT_TOKEN_LATENCY_MS,
     encode,
     log,
@@ -101,6 +101,7 @@ class EmulatorServer(Engine):
         config = {
             "parent_pid": os.getpid(),
             "startup_delay": float(self.args.startup_delay),
+            "sglang_version": self.args.sglang_version,
         }
         self.proc = self.ctx.Process(
             target=scheduler_mod.run_scheduler,
@@ -297,7 +298,7 @@ class EmulatorServer(Engine):
                 "weight_version": self.weight_version,
                 "health_check_timeout": self.health_timeout,
                 "torch_imported": "torch" in sys.modules,
-                "version": EMULATED_SGLANG_VERSION,
+                "version": self.args.sglang_version,
             }
 
     def server_args(self) -> dict[str, Any]:
