@@ -8,6 +8,7 @@ joining the collective (wedged, alive), and a SIGKILL while the trainer broadcas
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -23,7 +24,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rollout_watchdog.emulator.testing import wait_until  # noqa: E402
+from rollout_watchdog.emulator.model import build_model  # noqa: E402
+from rollout_watchdog.emulator.testing import (  # noqa: E402
+    free_port,
+    http_request,
+    inject_fault,
+    start_emulator,
+    stop_emulator,
+    wait_until,
+)
 from rollout_watchdog.refit_bridge.group import (  # noqa: E402
     GroupAborted,
     GroupMember,
@@ -34,7 +43,7 @@ from rollout_watchdog.refit_bridge.group import (  # noqa: E402
 BIG = 8 << 20  # floats: 32 MiB, more than the socket buffers hold, so a stalled peer blocks rank 0
 
 
-# ---- the peer (run as a script) -----------------------------------------------------------------
+# ---- the peer (run as a script) ----------------------------------------------------------
 
 def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in the subprocess
     import datetime
@@ -56,10 +65,13 @@ def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in 
         if fault == "stall_init":
             print("in-init", flush=True)
             time.sleep(3600)
-        groups[body["group_name"]] = init_custom_process_group(
-            body["backend"], f"tcp://{body['master_address']}:{body['master_port']}",
-            datetime.timedelta(seconds=60), body["world_size"], body["rank_offset"],
-            body["group_name"])
+        try:
+            groups[body["group_name"]] = init_custom_process_group(
+                body["backend"], f"tcp://{body['master_address']}:{body['master_port']}",
+                datetime.timedelta(seconds=60), body["world_size"], body["rank_offset"],
+                body["group_name"])
+        except Exception as exc:  # noqa: BLE001
+            return 400, f"Failed to initialize custom process group: {exc}."
         return 200, "Succeeded to initialize custom process group."
 
     def update(body: dict[str, Any]) -> tuple[int, str]:
@@ -73,12 +85,13 @@ def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in 
                    for d, s in zip(body["dtypes"], body["shapes"], strict=True)]
         try:
             if body["load_format"] == "flattened_bucket":
-                flat = torch.cat([t.flatten() for t in empties])
+                flat = torch.cat([t.flatten().view(torch.uint8) for t in empties])
                 dist.broadcast(flat, src=0, group=pg)
                 start = 0
                 for t in empties:
-                    t.copy_(flat[start:start + t.numel()].view(t.shape))
-                    start += t.numel()
+                    size = t.numel() * t.element_size()
+                    t.copy_(flat[start:start + size].clone().view(t.dtype).view(t.shape))
+                    start += size
             else:
                 for w in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in empties]:
                     w.wait()
@@ -142,7 +155,7 @@ def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in 
     server.serve_forever()
 
 
-# ---- test helpers ---------------------------------------------------------------------------------
+# ---- test helpers ---------------------------------------------------------------------
 
 class Peer:
     """A peer process; ``lines`` collects its stdout (``wait_line`` waits for one)."""
@@ -221,7 +234,7 @@ def _expected() -> dict[str, list[Any]]:
     return {name: t.tolist() for name, t in _weights()}
 
 
-# ---- tests ----------------------------------------------------------------------------------------
+# ---- tests --------------------------------------------------------------------------------
 
 def test_build_update_and_version_bucketed_then_flattened(peers: Callable[..., list[Peer]]) -> None:
     """Both transfer modes deliver the exact tensors; the version lands with the last bucket."""
@@ -258,14 +271,22 @@ def test_old_server_gets_no_begin_end(peers: Callable[..., list[Peer]]) -> None:
 def test_member_killed_mid_broadcast_is_named_and_retry_works(
         peers: Callable[..., list[Peer]]) -> None:
     """SIGKILL of a member while rank 0 is blocked sending to it: the update raises by itself,
-    naming it; the survivor's collective is freed, so a new group without the dead one works."""
+    naming it; a new group without the dead one works."""
     stalled, healthy = peers("stall_update", "none")
     group = _group([stalled, healthy])
     group.build()
-    killer = threading.Thread(target=lambda: (stalled.wait_line("in-update"), stalled.kill()))
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        stalled.wait_line("in-update")
+        killed_at.append(time.monotonic())
+        stalled.kill()
+
+    killer = threading.Thread(target=kill)
     killer.start()
     with pytest.raises(GroupMemberFailed) as caught:
         group.update_weights([("w", torch.ones(BIG))], weight_version="v1")
+    print(f"SIGKILL -> raise: {time.monotonic() - killed_at[0]:.4f} s")
     killer.join()
     assert [m.url for m in caught.value.members] == [stalled.url]
     assert caught.value.lost == [("n0", "e0", 1)]
@@ -314,8 +335,11 @@ def test_abort_frees_a_build_waiting_for_a_member(peers: Callable[..., list[Peer
     """A member that takes the init call and never joins the rendezvous: abort() frees build()."""
     stalled, healthy = peers("stall_init", "none")
     group = _group([stalled, healthy])
-    watcher = threading.Thread(
-        target=lambda: (stalled.wait_line("in-init"), group.abort("refit deadline")))
+    def deadline() -> None:
+        stalled.wait_line("in-init")
+        group.abort("refit deadline")
+
+    watcher = threading.Thread(target=deadline)
     watcher.start()
     with pytest.raises(GroupAborted) as caught:
         group.build()
@@ -336,6 +360,85 @@ def test_unreachable_member_fails_build_at_once(peers: Callable[..., list[Peer]]
         group.build()
     assert caught.value.members == [gone]
     assert "ConnectionRefusedError" in caught.value.detail  # not the rendezvous timeout
+    group.destroy()
+
+
+def _healthy(url: str) -> bool:
+    return http_request(url + "/health")[0] == 200
+
+
+@pytest.fixture
+def emulators() -> Iterator[Callable[..., list[str]]]:
+    """Emulator engines (started together: each loads torch); their URLs."""
+    procs: list[Any] = []
+
+    def start(*argsets: tuple[str, ...]) -> list[str]:
+        ports = [free_port() for _ in argsets]
+        procs.extend(start_emulator(p, *a, wait="none") for p, a in zip(ports, argsets,
+                                                                         strict=True))
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for url in urls:
+            wait_until(functools.partial(_healthy, url), 60, interval=0.1,
+                       what=f"{url} healthy")
+        return urls
+
+    yield start
+    for proc in procs:
+        stop_emulator(proc)
+
+
+def _emulator_info(url: str, path: str) -> dict[str, Any]:
+    status, raw = http_request(url + path, "POST" if path == "/generate" else "GET", {
+        "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 8,
+                                                          "temperature": 0}}
+        if path == "/generate" else None)
+    assert status == 200, raw
+    answer: dict[str, Any] = json.loads(raw)
+    return answer
+
+
+def test_emulators_take_the_weights_and_report_the_version(
+        emulators: Callable[..., list[str]]) -> None:
+    """Two 0.5.23 emulators and one 0.5.12 (no begin/end): bucketed then flattened, every
+    engine reports the version and generates the same text."""
+    urls = emulators((), (), ("--sglang-version", "0.5.12"))
+    members = [GroupMember(f"n{i}", "e0", 1, url, 1) for i, url in enumerate(urls)]
+    group = WeightUpdateGroup(members, master_address="127.0.0.1", http_timeout_s=5.0,
+                              init_timeout_s=60.0)
+    group.build()
+    assert list(group.session.values()) == [True, True, False]
+    for version, seed, flattened in (("v1", 1, False), ("v2", 2, True)):
+        named = [(n, p.detach().clone()) for n, p in build_model(seed).named_parameters()]
+        group.update_weights(named, weight_version=version, bucket_bytes=4096,
+                             flattened=flattened)
+        assert [_emulator_info(u, "/model_info")["weight_version"] for u in urls] == [version] * 3
+        outs = [_emulator_info(u, "/generate")["output_ids"] for u in urls]
+        assert outs[0] == outs[1] == outs[2]
+    group.destroy()
+
+
+def test_emulator_wedged_in_the_update_is_named_pending_at_abort(
+        emulators: Callable[..., list[str]]) -> None:
+    """The emulator's hang fault (alive, /health passing, never joining the broadcast): the
+    refit's deadline calls abort() and the blocked update raises naming it."""
+    wedged, healthy = emulators((), ())
+    group = WeightUpdateGroup([GroupMember("n0", "e0", 1, wedged, 1),
+                               GroupMember("n1", "e0", 1, healthy, 1)],
+                              master_address="127.0.0.1", http_timeout_s=5.0,
+                              init_timeout_s=60.0)
+    group.build()
+    inject_fault(wedged, "hang_weight_update")
+    def deadline() -> None:
+        wait_until(lambda: group.members[0] in group.pending(), 10.0, what="a pending call")
+        group.abort("refit deadline")
+
+    watcher = threading.Thread(target=deadline)
+    watcher.start()
+    with pytest.raises(GroupAborted) as caught:
+        group.update_weights([("w", torch.ones(BIG))], weight_version="v1")
+    watcher.join()
+    assert group.members[0] in caught.value.pending
+    assert http_request(wedged + "/health")[0] == 200
     group.destroy()
 
 

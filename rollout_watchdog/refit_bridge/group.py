@@ -92,15 +92,14 @@ def _free_port(address: str) -> int:
         return port
 
 
-def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int,
-             one_dtype: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of at most ``limit`` bytes (one tensor may exceed it alone); with
-    ``one_dtype``, a dtype change starts a new run (a flattened bucket has one dtype)."""
+def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+             limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of at most ``limit`` bytes (one tensor may exceed it alone)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > limit or (one_dtype and tensor.dtype != bucket[0][1].dtype)):
+        if bucket and size + nbytes > limit:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
@@ -116,6 +115,13 @@ def _with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
         current = next(items, None)
         yield previous, current is None
         previous = current
+
+
+def _gone(fut: Future[Any]) -> bool:
+    """A finished call that got no HTTP answer at all: its engine is likely dead."""
+    exc = fut.exception()
+    return exc is not None and not (isinstance(exc, engine_calls.EngineCallError)
+                                    and exc.answered)
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -213,8 +219,11 @@ class WeightUpdateGroup:
         trainer's broadcasts in ``names`` order, then every answer awaited). ``weight_version``
         goes with the last bucket only, so an engine that reports it has every bucket, and so
         does ``flush_cache``. ``flattened``: one broadcast per bucket (SGLang's
-        ``flattened_bucket`` load format: the tensors of one dtype, flattened and concatenated).
+        ``flattened_bucket`` load format: every tensor's bytes back to back, any dtypes, as its
+        ``FlattenedTensorBucket`` lays them out).
         On 0.5.21+ servers the whole update is bracketed by begin/end_weight_update."""
+        if self._abort_reason is not None:
+            raise GroupAborted(self._abort_reason, [])
         if self._pg is None:
             raise RuntimeError(f"group {self.group_name} is not built (call build() first)")
         if bucket_bytes < 1:
@@ -222,7 +231,7 @@ class WeightUpdateGroup:
         sessions = [m for m in self.members if self.session[m]]
         self._quick_all(sessions, "/begin_weight_update")
         sent = False
-        for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes, flattened)):
+        for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
             self._send_bucket(bucket, weight_version if last else None, last, flattened)
             sent = True
         if not sent:
@@ -298,7 +307,7 @@ class WeightUpdateGroup:
         calls = self._post_all("/update_weights_from_distributed",
                                {m: body for m in self.members}, blocking=True)
         if flattened:
-            tensors = [torch.cat([t.flatten() for t in tensors])]
+            tensors = [torch.cat([t.flatten().view(torch.uint8) for t in tensors])]
         works: list[Future[Any]] = []
         for tensor in tensors:
             fut: Future[Any] = Future()
@@ -393,9 +402,12 @@ class WeightUpdateGroup:
         if self._mark_aborted(f"{what} failed"):
             self._teardown_group()
         grace = time.monotonic() + FAILURE_GRACE_S
-        for fut in calls.values():
-            with contextlib.suppress(TimeoutError):
-                fut.exception(timeout=max(0.0, grace - time.monotonic()))
+        while time.monotonic() < grace:  # until every call ended or one is plainly gone
+            self._wake.clear()
+            ended = [f for f in calls.values() if f.done()]
+            if len(ended) == len(calls) or any(_gone(f) for f in ended):
+                break
+            self._wake.wait(max(0.0, grace - time.monotonic()))
         self._release_calls()
         gone: list[GroupMember] = []
         refused: list[GroupMember] = []
@@ -403,8 +415,7 @@ class WeightUpdateGroup:
             exc = fut.exception() if fut.done() else None
             if exc is None:
                 continue
-            answered = isinstance(exc, engine_calls.EngineCallError) and exc.answered
-            (refused if answered else gone).append(m)
+            (gone if _gone(fut) else refused).append(m)
             reasons.append(f"{m.label()}: {exc}")
         pending = [m for m, f in calls.items() if not f.done()]
         reasons += [f"{m.label()}: no answer" for m in pending]
