@@ -1,0 +1,101 @@
+"""The HTTP calls the trainer makes to SGLang engines during a refit (SGLANG.md, "Weight refit").
+
+Plain ``http.client`` so every call has its own socket with its own bounds: a connect timeout,
+then a read timeout that, for the calls that block until a collective completes, is as long as
+the group's timeout. The socket is handed to ``on_socket`` before the request goes out, so the
+caller can shut it down from another thread to free a call that would otherwise wait that long.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from rollout_watchdog.errors import RolloutWatchdogError
+
+# SGLang 0.5.21 brought begin_weight_update / end_weight_update, which it then requires.
+SESSION_SINCE = (0, 5, 21)
+
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)\.(\d+)")
+
+
+class EngineCallError(RolloutWatchdogError):
+    """One call to one engine failed. ``answered`` is False when no HTTP answer came at all
+    (refused, reset, timed out: the engine is likely gone), True for a 4xx/5xx or a
+    ``success: false`` answer (the engine is alive and said no)."""
+
+    def __init__(self, detail: str, *, answered: bool) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.answered = answered
+
+
+def split_url(url: str) -> tuple[str, int]:
+    """``http://host:port`` -> (host, port); anything else is a clear ValueError."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+        raise ValueError(f"engine url {url!r} is not of the form http://HOST:PORT")
+    return parts.hostname, parts.port
+
+
+def call(
+    url: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    *,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    on_socket: Callable[[socket.socket], None] | None = None,
+) -> dict[str, Any]:
+    """One request; returns the JSON answer. Raises EngineCallError on any failure, including
+    an answer ``{"success": false}`` (how SGLang reports a refused weight-update call)."""
+    host, port = split_url(url)
+    conn = http.client.HTTPConnection(host, port, timeout=connect_timeout_s)
+    where = f"{method} {url}{path}"
+    try:
+        try:
+            conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(read_timeout_s)
+            if on_socket is not None:
+                on_socket(conn.sock)
+            data = None if body is None else json.dumps(body).encode()
+            headers = {} if data is None else {"Content-Type": "application/json"}
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise EngineCallError(f"{where}: no answer ({type(exc).__name__}: {exc})",
+                                  answered=False) from exc
+        try:
+            answer = json.loads(raw) if raw else {}
+        except ValueError:
+            answer = {"message": raw[:200].decode(errors="replace")}
+        if not isinstance(answer, dict):
+            answer = {"message": str(answer)[:200]}
+        if resp.status != 200 or answer.get("success") is False:
+            raise EngineCallError(f"{where}: HTTP {resp.status}: {answer.get('message', '')}",
+                                  answered=True)
+        return answer
+    finally:
+        conn.close()
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """``0.5.21.post1`` -> (0, 5, 21); a string without major.minor.patch is a ValueError."""
+    match = _VERSION.match(version)
+    if match is None:
+        raise ValueError(f"cannot read an SGLang version from {version!r}")
+    major, minor, patch = (int(g) for g in match.groups())
+    return major, minor, patch
+
+
+def uses_session(version: str) -> bool:
+    """Whether a server of this version needs begin/end_weight_update around an update."""
+    return parse_version(version) >= SESSION_SINCE

@@ -1,0 +1,473 @@
+"""The trainer's side (rank 0) of an SGLang weight-update group, and the only way out of it
+that does not wait for the group timeout (DESIGN.md, "Refit bridge"; SGLANG.md, "Weight refit").
+
+Every engine call that blocks until a collective completes is sent from its own thread, the
+trainer's own part (the rendezvous, the broadcasts) runs beside them, and the calling thread
+only ever waits on an event that completions, failures and :meth:`WeightUpdateGroup.abort` all
+set. So the caller is never stuck inside torch: ``abort()`` from another thread (the refit's
+watcher or deadline) makes it raise at once, and then tears the group down so that torch's own
+threads and the engines' blocked calls are freed too (gloo: its sockets; NCCL: its abort).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rollout_watchdog.errors import RolloutWatchdogError
+from rollout_watchdog.refit_bridge import engine_calls, sockets
+from rollout_watchdog.refit_bridge.process_group import (
+    destroy_process_group,
+    init_custom_process_group,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_BUCKET_BYTES = 256 << 20
+# After the first failure, how long to keep collecting the other members' answers: a killed
+# engine's HTTP call fails within milliseconds, so this names it rather than a bystander.
+FAILURE_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """One engine in the group: who it is (for errors) and where it listens."""
+
+    node_id: str
+    engine: str
+    incarnation: int
+    url: str
+    tp_size: int
+
+    def label(self) -> str:
+        return f"{self.node_id}/{self.engine} (incarnation {self.incarnation})"
+
+
+class GroupMemberFailed(RolloutWatchdogError):
+    """Members' calls failed. ``members`` names the likely culprits: those that gave no answer at
+    all (gone), else those that answered with an error, else those whose calls never completed.
+    ``detail`` has every member's reason."""
+
+    def __init__(self, members: list[GroupMember], detail: str) -> None:
+        self.members = list(members)
+        self.detail = detail
+        names = ", ".join(m.label() for m in self.members) or "no member"
+        super().__init__(f"weight-update group failed at {names}: {detail}")
+
+    @property
+    def lost(self) -> list[tuple[str, str, int]]:
+        """(node_id, engine, incarnation) of each culprit, as EngineLost takes them."""
+        return [(m.node_id, m.engine, m.incarnation) for m in self.members]
+
+
+class GroupAborted(RolloutWatchdogError):
+    """:meth:`WeightUpdateGroup.abort` was called; ``pending`` lists the members whose calls had
+    not completed then (on a deadline: the wedged ones)."""
+
+    def __init__(self, reason: str, pending: list[GroupMember]) -> None:
+        self.reason = reason
+        self.pending = list(pending)
+        names = ", ".join(m.label() for m in pending) or "none"
+        super().__init__(f"weight-update group aborted ({reason}); calls pending at: {names}")
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+        probe.bind((address, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+             limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of at most ``limit`` bytes (one tensor may exceed it alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
+    """Each item with whether it is the last one (looks one ahead, so generators stay lazy)."""
+    previous = next(items, None)
+    while previous is not None:
+        current = next(items, None)
+        yield previous, current is None
+        previous = current
+
+
+def _gone(fut: Future[Any]) -> bool:
+    """A finished call that got no HTTP answer at all: its engine is likely dead."""
+    exc = fut.exception()
+    return exc is not None and not (isinstance(exc, engine_calls.EngineCallError)
+                                    and exc.answered)
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")  # SGLang does getattr(torch, name)
+
+
+class WeightUpdateGroup:
+    """Rank 0 of one weight-update group over ``members``; build once, update, destroy.
+
+    A group is never rebuilt in place: a new membership is a new ``WeightUpdateGroup`` (a fresh
+    name and port), as SGLang requires after any failure. ``init_timeout_s`` is the group's
+    timeout: it bounds the rendezvous, each collective and the engines' blocking calls;
+    ``http_timeout_s`` bounds connecting and every quick call. ``session`` forces the server
+    kind (True: 0.5.21+ with begin/end_weight_update); None reads it from ``/server_info``.
+    """
+
+    def __init__(self, members: list[GroupMember], *, master_address: str, master_port: int = 0,
+                 backend: str = "gloo", group_name: str | None = None,
+                 http_timeout_s: float, init_timeout_s: float,
+                 session: bool | None = None) -> None:
+        if not members:
+            raise ValueError("a weight-update group needs at least one member")
+        if len({(m.node_id, m.engine) for m in members}) != len(members):
+            raise ValueError("a weight-update group lists an engine twice")
+        for m in members:
+            engine_calls.split_url(m.url)
+            if m.tp_size < 1:
+                raise ValueError(f"{m.label()}: tp_size must be >= 1, not {m.tp_size}")
+        if http_timeout_s <= 0 or init_timeout_s <= 0:
+            raise ValueError("http_timeout_s and init_timeout_s must be positive")
+        self.members = list(members)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.group_name = group_name or f"rw-{uuid.uuid4().hex[:12]}"
+        self.http_timeout_s = http_timeout_s
+        self.init_timeout_s = init_timeout_s
+        self.world_size = 1 + sum(m.tp_size for m in members)
+        self.rank_offsets: dict[GroupMember, int] = {}
+        offset = 1
+        for m in members:
+            self.rank_offsets[m] = offset
+            offset += m.tp_size
+        self._session_given = session
+        self.session: dict[GroupMember, bool] = {}
+        self._pg: ProcessGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=len(members) + 1,
+                                        thread_name_prefix=f"wug-{self.group_name}")
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._abort_reason: str | None = None
+        self._inflight: dict[GroupMember, Future[dict[str, Any]]] = {}
+        self._http_socks: dict[int, socket.socket] = {}  # inode -> socket of a call under way
+        self._http_inodes: set[int] = set()  # every HTTP socket ever opened: not the group's
+        self._before: set[int] | None = None  # sockets open before the group was built
+        self._destroyed = False
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """Join every member and the trainer into the group; raises GroupMemberFailed naming
+        the members whose calls failed, GroupAborted after abort()."""
+        if self._pg is not None or self._destroyed:
+            raise RuntimeError(f"group {self.group_name} was already built")
+        self._detect_server_kinds()
+        if not self.master_port:
+            self.master_port = _free_port(self.master_address)
+        self._before = set(sockets.socket_inodes().values())
+        init_method = f"tcp://{self.master_address}:{self.master_port}"
+        if ":" in self.master_address:
+            init_method = f"tcp://[{self.master_address}]:{self.master_port}"
+        timeout = datetime.timedelta(seconds=self.init_timeout_s)
+
+        def own_side() -> ProcessGroup:
+            pg = init_custom_process_group(self.backend, init_method, timeout, self.world_size,
+                                           0, self.group_name)
+            if self._abort_reason is not None:  # too late: nobody will use it
+                self._destroy_pg_bounded(pg)
+            return pg
+
+        bodies = {m: {"master_address": self.master_address, "master_port": self.master_port,
+                      "rank_offset": self.rank_offsets[m], "world_size": self.world_size,
+                      "group_name": self.group_name, "backend": self.backend}
+                  for m in self.members}
+        calls = self._post_all("/init_weights_update_group", bodies, blocking=True)
+        local = self._pool.submit(own_side)
+        local.add_done_callback(lambda _f: self._wake.set())
+        self._await(calls, [local], "init_weights_update_group")
+        self._pg = local.result()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       weight_version: str | None = None,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, flattened: bool = False) -> None:
+        """Send the tensors to every member in buckets (each member's update call sent, then the
+        trainer's broadcasts in ``names`` order, then every answer awaited). ``weight_version``
+        goes with the last bucket only, so an engine that reports it has every bucket, and so
+        does ``flush_cache``. ``flattened``: one broadcast per bucket (SGLang's
+        ``flattened_bucket`` load format: every tensor's bytes back to back, any dtypes, as its
+        ``FlattenedTensorBucket`` lays them out).
+        On 0.5.21+ servers the whole update is bracketed by begin/end_weight_update."""
+        if self._abort_reason is not None:
+            raise GroupAborted(self._abort_reason, [])
+        if self._pg is None:
+            raise RuntimeError(f"group {self.group_name} is not built (call build() first)")
+        if bucket_bytes < 1:
+            raise ValueError("bucket_bytes must be positive")
+        sessions = [m for m in self.members if self.session[m]]
+        self._quick_all(sessions, "/begin_weight_update")
+        sent = False
+        for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
+            self._send_bucket(bucket, weight_version if last else None, last, flattened)
+            sent = True
+        if not sent:
+            raise ValueError("update_weights got no tensors")
+        self._quick_all(sessions, "/end_weight_update")
+
+    def pending(self) -> list[GroupMember]:
+        """Members whose current call has not completed (at a deadline: the wedged ones)."""
+        with self._lock:
+            return [m for m, f in self._inflight.items() if not f.done()]
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Free the thread that waits in build() or update_weights() (it raises GroupAborted),
+        then tear the group down. Safe from any thread, any number of times; never blocks on
+        the group. NCCL: the backend's abort. gloo: its sockets shut down (sockets.py), which
+        also fails the members' pending collectives, so their calls return."""
+        if self._mark_aborted(reason):
+            self._teardown_group()
+        self._release_calls()
+
+    def destroy(self) -> None:
+        """Destroy the trainer's group and ask every member to destroy theirs. Bounded by the
+        timeouts, never raises: errors are logged (a member may well be gone)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            self._destroy_pg_bounded(pg)
+        calls = self._post_all("/destroy_weights_update_group",
+                               {m: {"group_name": self.group_name} for m in self.members},
+                               blocking=False)
+        for m, fut in calls.items():
+            try:
+                fut.result(timeout=2 * self.http_timeout_s + 1)
+            except Exception as exc:  # noqa: BLE001 - destroy never raises
+                log.info("destroy_weights_update_group at %s: %s", m.label(), exc)
+        self._pool.shutdown(wait=False)
+
+    # ---- the pieces -------------------------------------------------------------------------
+
+    def _detect_server_kinds(self) -> None:
+        if self._session_given is not None:
+            self.session = {m: self._session_given for m in self.members}
+            return
+        infos = {m: self._pool.submit(self._call, m, "GET", "/server_info", None, False)
+                 for m in self.members}
+        failed: list[GroupMember] = []
+        reasons: list[str] = []
+        for m, fut in infos.items():
+            try:
+                self.session[m] = engine_calls.uses_session(str(fut.result().get("version", "")))
+            except (engine_calls.EngineCallError, ValueError) as exc:
+                failed.append(m)
+                reasons.append(f"{m.label()}: {exc} (pass session= to say the server kind)")
+        if failed:
+            raise GroupMemberFailed(failed, "; ".join(reasons))
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None,
+                     last: bool, flattened: bool) -> None:
+        import torch
+        import torch.distributed as dist
+
+        tensors = [t.detach().contiguous() for _, t in bucket]
+        body: dict[str, Any] = {
+            "names": [name for name, _ in bucket],
+            "dtypes": [_dtype_name(t) for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": self.group_name, "flush_cache": last,
+            "abort_all_requests": False, "weight_version": version,
+            "load_format": "flattened_bucket" if flattened else None,
+        }
+        calls = self._post_all("/update_weights_from_distributed",
+                               {m: body for m in self.members}, blocking=True)
+        if flattened:
+            tensors = [torch.cat([t.flatten().view(torch.uint8) for t in tensors])]
+        works: list[Future[Any]] = []
+        for tensor in tensors:
+            fut: Future[Any] = Future()
+            works.append(fut)
+            try:
+                work = dist.broadcast(tensor, src=0, group=self._pg, async_op=True)
+            except Exception as exc:  # noqa: BLE001 - a broken group: reported like a failure
+                fut.set_exception(exc)
+                break
+            assert work is not None
+            work.get_future().add_done_callback(lambda f, fut=fut: self._settle(fut, f))
+        self._await(calls, works, "update_weights_from_distributed")
+
+    def _settle(self, fut: Future[Any], torch_future: Any) -> None:
+        """A torch future's outcome, copied into a concurrent one, and the waiter woken."""
+        try:
+            fut.set_result(torch_future.value())
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(exc)
+        self._wake.set()
+
+    def _call(self, m: GroupMember, method: str, path: str, body: dict[str, Any] | None,
+              blocking: bool) -> dict[str, Any]:
+        """One call to one member; its socket is tracked while under way (abort shuts it)."""
+        inode = 0
+
+        def track(sock: socket.socket) -> None:
+            nonlocal inode
+            inode = sockets.inode_of(sock)
+            with self._lock:
+                self._http_inodes.add(inode)
+                self._http_socks[inode] = sock
+                aborted = self._abort_reason is not None
+            if aborted:
+                sock.shutdown(socket.SHUT_RDWR)
+
+        try:
+            return engine_calls.call(
+                m.url, method, path, body, connect_timeout_s=self.http_timeout_s,
+                read_timeout_s=self.init_timeout_s if blocking else self.http_timeout_s,
+                on_socket=track)
+        finally:
+            with self._lock:
+                self._http_socks.pop(inode, None)
+
+    def _post_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],
+                  blocking: bool) -> dict[GroupMember, Future[dict[str, Any]]]:
+        calls: dict[GroupMember, Future[dict[str, Any]]] = {}
+        for m, body in bodies.items():
+            fut = self._pool.submit(self._call, m, "POST", path, body, blocking)
+            fut.add_done_callback(lambda _f: self._wake.set())
+            calls[m] = fut
+        if blocking:
+            with self._lock:
+                self._inflight = dict(calls)
+        return calls
+
+    def _quick_all(self, members: list[GroupMember], path: str) -> None:
+        if members:
+            self._await(self._post_all(path, {m: {} for m in members}, blocking=False), [],
+                        path.strip("/"))
+
+    def _await(self, calls: dict[GroupMember, Future[dict[str, Any]]], local: list[Future[Any]],
+               what: str) -> None:
+        """Wait until every call and local part succeeded; raise at the first failure (after a
+        short grace to name the right member), on abort(), or at the group timeout."""
+        deadline = time.monotonic() + self.init_timeout_s + self.http_timeout_s
+        while True:
+            self._wake.clear()
+            if self._abort_reason is not None:
+                raise GroupAborted(self._abort_reason, self.pending())
+            failed = [m for m, f in calls.items() if f.done() and f.exception() is not None]
+            broken = [f for f in local if f.done() and f.exception() is not None]
+            if failed or broken:
+                self._fail(calls, broken, what)
+            if all(f.done() for f in calls.values()) and all(f.done() for f in local):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pending = self.pending() or list(calls)
+                self.abort(f"{what} did not complete within {self.init_timeout_s:g} s")
+                raise GroupMemberFailed(pending, f"{what}: no answer within the group timeout")
+            self._wake.wait(min(left, 1.0))
+
+    def _fail(self, calls: dict[GroupMember, Future[dict[str, Any]]],
+              broken: list[Future[Any]], what: str) -> None:
+        """Tear the group down, give the other calls a moment to end (the torn-down group fails
+        theirs too), and raise naming the culprits: the members whose calls failed before the
+        teardown, else those gone (no answer), else those that said no, else the silent."""
+        first = [m for m, f in calls.items() if f.done() and f.exception() is not None]
+        reasons = [f"trainer: {f.exception()}" for f in broken]
+        if self._mark_aborted(f"{what} failed"):
+            self._teardown_group()
+        grace = time.monotonic() + FAILURE_GRACE_S
+        while time.monotonic() < grace:  # until every call ended or one is plainly gone
+            self._wake.clear()
+            ended = [f for f in calls.values() if f.done()]
+            if len(ended) == len(calls) or any(_gone(f) for f in ended):
+                break
+            self._wake.wait(max(0.0, grace - time.monotonic()))
+        self._release_calls()
+        gone: list[GroupMember] = []
+        refused: list[GroupMember] = []
+        for m, fut in calls.items():
+            exc = fut.exception() if fut.done() else None
+            if exc is None:
+                continue
+            (gone if _gone(fut) else refused).append(m)
+            reasons.append(f"{m.label()}: {exc}")
+        pending = [m for m, f in calls.items() if not f.done()]
+        reasons += [f"{m.label()}: no answer" for m in pending]
+        first.sort(key=lambda m: m not in gone)
+        culprits = first or gone or refused or pending
+        raise GroupMemberFailed(culprits, f"{what}: " + "; ".join(reasons))
+
+    def _mark_aborted(self, reason: str) -> bool:
+        """Record the first reason and wake the waiter; False if already aborted."""
+        with self._lock:
+            if self._abort_reason is not None:
+                return False
+            self._abort_reason = reason
+        self._wake.set()
+        log.warning("aborting weight-update group %s: %s", self.group_name, reason)
+        return True
+
+    def _teardown_group(self) -> None:
+        """Fail every pending collective, here and at the members (module docstring)."""
+        if self._pg is not None and self.backend == "nccl":
+            try:
+                self._pg.abort()
+            except Exception as exc:  # noqa: BLE001 - abort is best effort by nature
+                log.warning("NCCL abort of %s failed: %s", self.group_name, exc)
+        if self._before is None:
+            return
+        with self._lock:
+            keep = set(self._http_inodes)
+        count = sockets.shutdown_new_sockets(self._before, keep)
+        log.info("weight-update group %s: %d sockets shut down", self.group_name, count)
+
+    def _release_calls(self) -> None:
+        """Shut the sockets of the calls under way, so their threads end now."""
+        with self._lock:
+            http = list(self._http_socks.values())
+        for sock in http:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _destroy_pg_bounded(self, pg: ProcessGroup) -> None:
+        """destroy_process_group, given http_timeout_s: a group with a hung collective may hang
+        its destruction (SGLANG.md), and that must not hang the trainer."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                destroy_process_group(pg)
+            except Exception as exc:  # noqa: BLE001 - destroy never raises
+                log.info("destroying group %s: %s", self.group_name, exc)
+            done.set()
+
+        threading.Thread(target=run, name=f"destroy-{self.group_name}", daemon=True).start()
+        if not done.wait(self.http_timeout_s):
+            log.warning("group %s not destroyed within %.1f s; left behind", self.group_name,
+                        self.http_timeout_s)

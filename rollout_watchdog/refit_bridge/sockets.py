@@ -1,0 +1,90 @@
+"""Tearing down a gloo group's sockets from another thread: the only thing that frees it.
+
+Measured with torch 2.13 (CPU, gloo): a rank-0 broadcast whose peer is alive but never joins
+waits out the whole group timeout; ``ProcessGroup.abort()``, ``shutdown()`` and the backend's
+``abort()`` return at once and free nothing. ``shutdown(SHUT_RDWR)`` of the group's connected
+sockets makes gloo fail the pending work within milliseconds ("Connection closed by peer"), on
+both sides. The same frees a rank 0 stuck in the rendezvous (its TCPStore connections).
+Listening sockets are left alone: gloo aborts the whole process when its listener fails.
+
+The group's sockets are found as the ones this process opened since a snapshot taken before
+the group was built (Linux ``/proc``; elsewhere nothing is torn down), TCP only, minus
+listeners and minus the sockets the caller says are not the group's (its own HTTP calls).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+_FD_DIR = Path("/proc/self/fd")
+_TCP_TABLES = (Path("/proc/self/net/tcp"), Path("/proc/self/net/tcp6"))
+_LISTEN = "0A"
+
+
+def socket_inodes() -> dict[int, int]:
+    """fd -> socket inode for every socket this process has open ({} without /proc)."""
+    found: dict[int, int] = {}
+    try:
+        fds = os.listdir(_FD_DIR)
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(_FD_DIR / fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(fd)] = int(target[8:-1])
+    return found
+
+
+def _connected_tcp_inodes() -> set[int]:
+    """Inodes of this network namespace's TCP sockets that are not listening."""
+    connected: set[int] = set()
+    for table in _TCP_TABLES:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] != _LISTEN:
+                connected.add(int(fields[9]))
+    return connected
+
+
+def inode_of(sock: socket.socket) -> int:
+    """The inode that identifies this socket in /proc/self/fd."""
+    return os.fstat(sock.fileno()).st_ino
+
+
+def shutdown_new_sockets(before: set[int], keep: set[int]) -> int:
+    """Shut down (both directions) every open, non-listening TCP socket whose inode is neither
+    in ``before`` nor in ``keep``; returns how many. Never closes a descriptor it does not own."""
+    wanted = _connected_tcp_inodes() - before - keep
+    count = 0
+    for fd, inode in socket_inodes().items():
+        if inode not in wanted:
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            if os.fstat(dup).st_ino != inode:  # the fd was closed and reused meanwhile
+                continue
+            sock = socket.socket(fileno=dup)
+            dup = -1  # owned by sock now
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:
+                pass  # not connected (any more): nothing to free
+            finally:
+                sock.close()
+        finally:
+            if dup >= 0:
+                os.close(dup)
+    return count
