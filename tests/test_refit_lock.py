@@ -59,6 +59,10 @@ def test_weight_book_serving_pending_and_stale() -> None:
     book.stale([("n", "e1", 1)])
     assert not book.serving("n", {"id": "e1", "state": "healthy", "incarnation": 1})
     assert not book.serving("n", {**healthy, "state": "starting"})
+    fresh = WeightBook()
+    fresh.stale([("n", "e0", 1)])                   # an aborted first refit reached it
+    assert not fresh.serving("n", healthy)
+    assert fresh.serving("n", {**healthy, "incarnation": 2})   # relaunched from disk
 
 
 def test_refit_state_survives_a_restart_and_a_broken_file_is_named(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import json
 import re
 import socket
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -99,3 +100,54 @@ def parse_version(version: str) -> tuple[int, int, int]:
 def uses_session(version: str) -> bool:
     """Whether a server of this version needs begin/end_weight_update around an update."""
     return parse_version(version) >= SESSION_SINCE
+
+
+# ---------------------------------------------------------------------- the refit's quick calls
+
+MAX_PARALLEL = 64
+
+
+def post(url: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    return call(url, "POST", path, body, connect_timeout_s=timeout_s, read_timeout_s=timeout_s)
+
+
+def get(url: str, path: str, timeout_s: float) -> dict[str, Any]:
+    return call(url, "GET", path, None, connect_timeout_s=timeout_s, read_timeout_s=timeout_s)
+
+
+def weight_version(url: str, timeout_s: float) -> str | None:
+    version = get(url, "/model_info", timeout_s).get("weight_version")
+    return version if isinstance(version, str) else None
+
+
+def tp_size(url: str, timeout_s: float) -> int:
+    """The ranks the engine takes in a weight-update group: its `tp_size`, else 1."""
+    size = get(url, "/server_info", timeout_s).get("tp_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+
+
+def responsiveness(url: str, timeout_s: float) -> str:
+    """"ok" when the engine answers a control call within `timeout_s` (`/server_info` waits on
+    the scheduler), "stuck" when it accepts the connection but does not answer (blocked in a
+    collective), "gone" when nothing accepts it (dead)."""
+    try:
+        get(url, "/server_info", timeout_s)
+    except EngineCallError as exc:
+        if exc.answered:
+            return "ok"
+        return "stuck" if isinstance(exc.__cause__, TimeoutError) else "gone"
+    return "ok"
+
+
+def on_each(urls: list[str], action: Callable[[str], Any]) -> dict[str, str]:
+    """Run `action(url)` for every url at once; {url: error} for those that raised."""
+    errors: dict[str, str] = {}
+    if not urls:
+        return errors
+    with ThreadPoolExecutor(min(MAX_PARALLEL, len(urls))) as pool:
+        futures = {url: pool.submit(action, url) for url in urls}
+        for url, future in futures.items():
+            exc = future.exception()
+            if exc is not None:
+                errors[url] = str(exc)
+    return errors

@@ -178,6 +178,7 @@ class WeightUpdateGroup:
         self._http_inodes: set[int] = set()  # every HTTP socket ever opened: not the group's
         self._before: set[int] | None = None  # sockets open before the group was built
         self._destroyed = False
+        self._open_sessions: list[GroupMember] = []   # begun, not ended (closed by destroy)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -229,6 +230,7 @@ class WeightUpdateGroup:
         if bucket_bytes < 1:
             raise ValueError("bucket_bytes must be positive")
         sessions = [m for m in self.members if self.session[m]]
+        self._open_sessions = sessions
         self._quick_all(sessions, "/begin_weight_update")
         sent = False
         for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
@@ -237,6 +239,7 @@ class WeightUpdateGroup:
         if not sent:
             raise ValueError("update_weights got no tensors")
         self._quick_all(sessions, "/end_weight_update")
+        self._open_sessions = []
 
     def pending(self) -> list[GroupMember]:
         """Members whose current call has not completed (at a deadline: the wedged ones)."""
@@ -252,24 +255,34 @@ class WeightUpdateGroup:
             self._teardown_group()
         self._release_calls()
 
-    def destroy(self) -> None:
-        """Destroy the trainer's group and ask every member to destroy theirs. Bounded by the
-        timeouts, never raises: errors are logged (a member may well be gone)."""
+    def destroy(self, wait_s: float = 2.0) -> None:
+        """Destroy the trainer's group and ask every member to destroy theirs (and to end an
+        update session an abort left open), waiting at most `wait_s` for their answers. Never
+        raises: errors are logged (a member may well be gone, or stuck)."""
         if self._destroyed:
             return
         self._destroyed = True
         pg, self._pg = self._pg, None
         if pg is not None:
             self._destroy_pg_bounded(pg)
-        calls = self._post_all("/destroy_weights_update_group",
-                               {m: {"group_name": self.group_name} for m in self.members},
-                               blocking=False)
+        # An aborted update leaves its session open, and a 0.5.21+ server refuses the next
+        # begin_weight_update until it is ended.
+        deadline = time.monotonic() + wait_s
+        self._ask_all("/end_weight_update", {m: {} for m in self._open_sessions}, deadline)
+        self._open_sessions = []
+        self._ask_all("/destroy_weights_update_group",
+                      {m: {"group_name": self.group_name} for m in self.members}, deadline)
+        self._pool.shutdown(wait=False)
+
+    def _ask_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],
+                 deadline: float) -> None:
+        """Best effort, until `deadline`: errors are logged, not raised."""
+        calls = self._post_all(path, bodies, blocking=False, cleanup=True)
         for m, fut in calls.items():
             try:
-                fut.result(timeout=2 * self.http_timeout_s + 1)
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - destroy never raises
-                log.info("destroy_weights_update_group at %s: %s", m.label(), exc)
-        self._pool.shutdown(wait=False)
+                log.info("%s at %s: %s", path.strip("/"), m.label(), exc or "no answer")
 
     # ---- the pieces -------------------------------------------------------------------------
 
@@ -330,8 +343,9 @@ class WeightUpdateGroup:
         self._wake.set()
 
     def _call(self, m: GroupMember, method: str, path: str, body: dict[str, Any] | None,
-              blocking: bool) -> dict[str, Any]:
-        """One call to one member; its socket is tracked while under way (abort shuts it)."""
+              blocking: bool, cleanup: bool = False) -> dict[str, Any]:
+        """One call to one member; its socket is tracked while under way (abort shuts it,
+        except a `cleanup` call's: those are what comes after an abort)."""
         inode = 0
 
         def track(sock: socket.socket) -> None:
@@ -339,6 +353,8 @@ class WeightUpdateGroup:
             inode = sockets.inode_of(sock)
             with self._lock:
                 self._http_inodes.add(inode)
+                if cleanup:
+                    return
                 self._http_socks[inode] = sock
                 aborted = self._abort_reason is not None
             if aborted:
@@ -354,10 +370,11 @@ class WeightUpdateGroup:
                 self._http_socks.pop(inode, None)
 
     def _post_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],
-                  blocking: bool) -> dict[GroupMember, Future[dict[str, Any]]]:
+                  blocking: bool, cleanup: bool = False
+                  ) -> dict[GroupMember, Future[dict[str, Any]]]:
         calls: dict[GroupMember, Future[dict[str, Any]]] = {}
         for m, body in bodies.items():
-            fut = self._pool.submit(self._call, m, "POST", path, body, blocking)
+            fut = self._pool.submit(self._call, m, "POST", path, body, blocking, cleanup)
             fut.add_done_callback(lambda _f: self._wake.set())
             calls[m] = fut
         if blocking:

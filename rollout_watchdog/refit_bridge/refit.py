@@ -37,7 +37,7 @@ from rollout_watchdog.errors import (
     LeaseLost,
     RolloutWatchdogError,
 )
-from rollout_watchdog.refit_bridge import engine_http
+from rollout_watchdog.refit_bridge import engine_calls
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,12 @@ LOCK_RETRY_S = 0.5
 ACQUIRE_TIMEOUT_S = 40.0  # the fleet-wide pause waits for in-flight probes (up to 30 s)
 CALL_TIMEOUT_S = 10.0     # one control call to the coordinator or an engine
 GUARD_POLL_S = 0.1
-ABORT_GRACE_S = 3.0       # after an abort: a member silent this long to a control call is stuck
+# Deep probes paused by the lock come back by themselves this long after the refit's deadline
+# (a safety net, should nothing resume them): never before the refit has ended its way.
+PAUSE_MARGIN_S = 60.0
+# After an abort: a member whose /server_info is not answered this long is stuck in the
+# collective (a gloo peer freed by the teardown answers within half a second).
+ABORT_GRACE_S = 1.0
 PAUSE_MODE = "retract"    # in-flight requests are set aside and resume after the refit
 
 
@@ -79,7 +84,6 @@ class Refit:
         self._expired = False
         self._group: WeightUpdateGroup | None = None
         self._aborted = False
-        self._pending_at_abort: list[GroupMember] = []
         self._paused = False
         self._stop = threading.Event()
         self._guard: threading.Thread | None = None
@@ -133,7 +137,7 @@ class Refit:
         group, built first if the membership changed since the last refit."""
         self._check()
         if not self._paused:
-            self._each("pause_generation", lambda url: engine_http.post(
+            self._each("pause_generation", lambda url: engine_calls.post(
                 url, "/pause_generation", {"mode": self.pause_mode}, self._call_timeout()))
             self._paused = True
         group = self._ensure_group()
@@ -151,14 +155,14 @@ class Refit:
             return
         self._check()
         timeout = self._call_timeout()
-        self._each("update_weight_version", lambda url: engine_http.post(
+        self._each("update_weight_version", lambda url: engine_calls.post(
             url, "/update_weight_version",
             {"new_version": self.version, "abort_all_requests": False}, timeout))
         self._continue_generation()
         wrong: list[tuple[EngineView, str]] = []
         for engine in self.engines:
             try:
-                got = engine_http.weight_version(str(engine.url), timeout)
+                got = engine_calls.weight_version(str(engine.url), timeout)
             except RolloutWatchdogError as exc:
                 wrong.append((engine, str(exc)))
                 continue
@@ -171,7 +175,7 @@ class Refit:
         if wrong:
             for engine, why in wrong:
                 self._lost[_member(engine)] = why
-            raise EngineLost(sorted(self._lost), "; ".join(
+            raise EngineLost(list(self._lost), "; ".join(
                 f"{e.name}: {why}" for e, why in wrong) + " (the others committed)")
 
     # ------------------------------------------------------------------ the lock
@@ -182,7 +186,7 @@ class Refit:
             try:
                 _, result = self.client.call("refit_acquire", {
                     "holder": self.holder, "version": self.version, "lease_s": self.lease_s,
-                    "deadline_s": self.timeout_s}, timeout_s=min(ACQUIRE_TIMEOUT_S, left))
+                    "deadline_s": self.timeout_s + PAUSE_MARGIN_S}, timeout_s=min(ACQUIRE_TIMEOUT_S, left))
                 return dict(result)
             except CommandRefused as exc:
                 if "refit lock is held" not in exc.reason:
@@ -221,7 +225,7 @@ class Refit:
     def _ensure_group(self) -> WeightUpdateGroup:
         from rollout_watchdog.refit_bridge import group as groups
         members = [groups.GroupMember(e.node_id, e.id, e.incarnation, str(e.url),
-                                      e.tp_size or engine_http.tp_size(str(e.url),
+                                      e.tp_size or engine_calls.tp_size(str(e.url),
                                                                         self._call_timeout()))
                    for e in self.engines]
         cached = cached_group(self.client)
@@ -304,14 +308,11 @@ class Refit:
             log.warning("refit %r: lease not renewed: %s", self.version, exc)
 
     def _abort_group(self, why: str, group: WeightUpdateGroup | None = None) -> None:
-        """Abort the group (once): its members' calls still out then are the candidates for
-        `wedged`."""
         with self._lock:
             group = group or self._group
             if group is None or self.committed or self._aborted:
                 return
             self._aborted = True
-            self._pending_at_abort = group.pending()
         log.warning("refit %r: aborting the weight-update group: %s", self.version, why)
         group.abort(why)
 
@@ -319,22 +320,20 @@ class Refit:
 
     def _check(self) -> None:
         if self._lost:
-            raise EngineLost(sorted(self._lost), "; ".join(self._lost.values()))
+            raise EngineLost(list(self._lost), "; ".join(self._lost.values()))
         if self._lease_lost:
             raise LeaseLost(self._lease_lost)
         if self._expired or time.monotonic() >= self.deadline:
             raise TimeoutError(f"refit {self.version!r} ran past its {self.timeout_s:g} s")
 
     def _translate(self, exc: BaseException) -> BaseException:
-        """The error the block raises: EngineLost when members were lost (also the ones a
-        group call named, and at the deadline those whose calls never completed)."""
+        """The error the block raises: EngineLost naming every member the refit lost (dead,
+        or wedged in the collective), with what went wrong; else the error itself."""
         if isinstance(exc, (EngineLost, LeaseLost)):
             return exc
-        lost = dict(self._lost)
-        for member in getattr(exc, "members", []) or []:
-            lost.setdefault((member.node_id, member.engine, member.incarnation), str(exc))
-        if lost:
-            return EngineLost(sorted(lost), "; ".join(sorted(set(lost.values()))))
+        if self._lost:
+            return EngineLost(list(self._lost), "; ".join(dict.fromkeys(
+                [*self._lost.values(), str(exc)])))
         if self._lease_lost:
             return LeaseLost(self._lease_lost)
         return exc
@@ -346,8 +345,9 @@ class Refit:
             group, self._group = self._group, None
         if group is not None:
             self._abort_group("the refit failed", group)
+            wedged = self._wedged([m for m in group.members if (
+                m.node_id, m.engine, m.incarnation) not in self._lost])
             group.destroy()
-            wedged = self._wedged(self._pending_at_abort)
             set_cached_group(self.client, None)
         if self.token is None or self._lease_lost:
             return
@@ -361,18 +361,23 @@ class Refit:
         self._continue_generation()
 
     def _wedged(self, candidates: list[GroupMember]) -> list[Member]:
-        """Of the members whose update call was still out when the group was torn down,
-        those that take no further control call: still blocked in the collective (a gloo
-        peer's call fails as soon as the trainer's sockets close; an NCCL one's waits out its
-        timeout). Lost, and restarted by their watchdogs."""
-        urls = [m.url for m in candidates]
-        silent: dict[str, bool] = {}
-        engine_http.on_each(urls, lambda url: silent.__setitem__(
-            url, engine_http.stuck(url, ABORT_GRACE_S)))
-        wedged = [(m.node_id, m.engine, m.incarnation) for m in candidates if silent.get(m.url)]
-        for member in wedged:
-            self._lost.setdefault(member, "its update call did not complete and it takes no "
-                                          "control call (wedged in the collective)")
+        """Once the group is torn down, the members (not known lost) that take no further
+        control call: still blocked in the collective (a gloo peer is usually freed by the
+        teardown, but one waiting on a dead peer in gloo's tree is not; an NCCL one waits out
+        its timeout). They are lost and restarted by their watchdogs; members that are gone
+        are lost too. Those that answer are only stale."""
+        state: dict[str, str] = {}
+        engine_calls.on_each([m.url for m in candidates], lambda url: state.__setitem__(
+            url, engine_calls.responsiveness(url, ABORT_GRACE_S)))
+        wedged = []
+        for m in candidates:
+            member = (m.node_id, m.engine, m.incarnation)
+            if state.get(m.url) == "stuck":
+                wedged.append(member)
+                self._lost.setdefault(member, "its update call did not complete and it takes "
+                                              "no control call (wedged in the collective)")
+            elif state.get(m.url) == "gone":
+                self._lost.setdefault(member, "gone (its server refuses connections)")
         return wedged
 
     def _finish(self) -> None:
@@ -386,13 +391,13 @@ class Refit:
 
     def _continue_generation(self) -> None:
         if self._paused:
-            self._each("continue_generation", lambda url: engine_http.post(
+            self._each("continue_generation", lambda url: engine_calls.post(
                 url, "/continue_generation", {}, self._call_timeout()), strict=False)
             self._paused = False
 
     def _each(self, what: str, call: Any, strict: bool = True) -> None:
         """Run `call(url)` on every member concurrently; a member that fails is lost."""
-        errors = engine_http.on_each([str(e.url) for e in self.engines], call)
+        errors = engine_calls.on_each([str(e.url) for e in self.engines], call)
         for engine in self.engines:
             error = errors.get(str(engine.url))
             if error is not None:

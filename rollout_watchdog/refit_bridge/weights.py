@@ -42,10 +42,11 @@ class WeightBook:
     def serving(self, node: str, engine: dict[str, Any]) -> bool:
         if engine.get("state") not in SERVING_STATES:
             return False
-        if self.current is None:
-            return True
-        return self.version_of(node, str(engine.get("id")), engine.get("incarnation")) \
-            == self.current
+        engine_id, incarnation = str(engine.get("id")), engine.get("incarnation")
+        if self.current is None:   # disk weights, unless an aborted refit reached it
+            held = self.held.get((node, engine_id))
+            return held is None or held.incarnation != incarnation or held.version is not None
+        return self.version_of(node, engine_id, incarnation) == self.current
 
     def decorate(self, node: str, engine: dict[str, Any]) -> None:
         """Set an engine view's `weight_version` and `serving` (in place)."""
