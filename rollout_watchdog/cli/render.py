@@ -20,8 +20,10 @@ def _ago(ts: float | None, now: float) -> str:
 
 def status_table(status: dict[str, Any], now: float | None = None) -> str:
     now = time.time() if now is None else now
-    header = ("ENGINE", "STATE", "PROBES", "PID", "INC", "RESTARTS", "SINCE", "LAST FAILURE")
-    rows = [header]
+    fleet = any("serving" in e for e in status["engines"])   # the coordinator's view
+    header = ("ENGINE", "STATE", "PROBES", "PID", "INC", "RESTARTS", "SINCE",
+              *(("WEIGHTS",) if fleet else ()), "LAST FAILURE")
+    rows: list[tuple[str, ...]] = [header]
     for e in status["engines"]:
         state = e["state"]
         if e.get("deferred_waiting"):
@@ -35,13 +37,23 @@ def status_table(status: dict[str, Any], now: float | None = None) -> str:
         name = e["id"] + (" (ext)" if e.get("external") else "")
         rows.append((name, state, probes,
                      str(e["pid"] or "-"), str(e["incarnation"]), str(e["restarts"]),
-                     _ago(e.get("since"), now), failure_text))
+                     _ago(e.get("since"), now), *((_weights(e),) if fleet else ()),
+                     failure_text))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     lines = [f"node {status['node_id']}: {len(status['engines'])} engine(s)"]
     for row in rows:
         cells = "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False))
         lines.append(f"{cells}  {row[-1]}")
     return "\n".join(lines)
+
+
+def _weights(engine: dict[str, Any]) -> str:
+    """What the refit bridge knows of an engine's weights: the version its incarnation holds
+    and whether it serves (in the router), or pending for an incarnation no refit reached."""
+    version = engine.get("weight_version")
+    if version is None:
+        return "from disk" if engine.get("serving") else "pending"
+    return f"{version}" + ("" if engine.get("serving") else " (out)")
 
 
 def event_line(event: dict[str, Any]) -> str:

@@ -186,7 +186,8 @@ class Refit:
             try:
                 _, result = self.client.call("refit_acquire", {
                     "holder": self.holder, "version": self.version, "lease_s": self.lease_s,
-                    "deadline_s": self.timeout_s + PAUSE_MARGIN_S}, timeout_s=min(ACQUIRE_TIMEOUT_S, left))
+                    "deadline_s": self.timeout_s + PAUSE_MARGIN_S},
+                    timeout_s=min(ACQUIRE_TIMEOUT_S, left))
                 return dict(result)
             except CommandRefused as exc:
                 if "refit lock is held" not in exc.reason:

@@ -30,6 +30,7 @@ it committed) followed by a release.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -128,6 +129,10 @@ class RefitService:
 
         def finish(gathering: Gathering) -> protocol.Reply:
             paused = gathering.reply()
+            for node_id, engine in self.relaunched:   # a starting engine needs its probes
+                resume = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "resume", {},
+                                          node_id, engine, RELEASE_TIMEOUT_S)
+                core.gather(None, resume, [node_id], time.monotonic())
             return protocol.Reply(cmd.request_id, "ok", None, {
                 "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
                 "members": self.members(core, lease), "relaunched": self.relaunched,

@@ -1,0 +1,97 @@
+"""The refit's other paths (issue 7): the group kept while membership holds and rebuilt when it
+changes, a `deferred` engine relaunched by the refit and synced by it, the path for frameworks
+that move weights themselves (commit only), and the generation hooks around a refit."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from daemon_harness import EngineSpec, Node
+from refit_harness import all_healthy, by_name, generate, start_fleet
+
+from rollout_watchdog import Coordinator, FleetClient
+from rollout_watchdog.emulator.model import build_model
+
+pytest.importorskip("torch")
+
+
+def weights(seed: int) -> list[tuple[str, Any]]:
+    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
+
+
+@pytest.fixture
+def coordinator() -> Iterator[Coordinator]:
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coord:
+        yield coord
+
+
+def test_the_group_is_kept_while_membership_holds_and_rebuilt_when_it_changes(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    fleet = FleetClient(coordinator.endpoint)
+    start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+    fleet.wait_until(all_healthy(2), 90)
+    with fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
+        refit.update_weights(weights(1))
+    first = fleet.weight_group
+    with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:
+        refit.update_weights(weights(2), flattened=True)
+    assert fleet.weight_group is first                  # same members: same group
+    victim = by_name(fleet)["node0/e0"]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    fleet.wait_until(lambda v: any(e.name == victim.name and e.incarnation > victim.incarnation
+                                   and e.state == "healthy" for e in v), 60)
+    with fleet.refit("v3", backend="gloo", timeout_s=60) as refit:
+        refit.update_weights(weights(3))
+    assert fleet.weight_group is not first
+    assert fleet.weight_group.group_name != first.group_name
+    engines = by_name(fleet)
+    assert {(e.weight_version, e.serving) for e in engines.values()} == {("v3", True)}
+    assert len({generate(str(e.url))[1] for e in engines.values()}) == 1
+
+
+def test_a_deferred_engine_is_relaunched_by_the_refit_and_joins_it(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    fleet = FleetClient(coordinator.endpoint)
+    node = make_node([EngineSpec("e0", extra={"tp_size": 1}),
+                      EngineSpec("colo", extra={"tp_size": 1, "restart_policy": "deferred"})],
+                     node_id="node0", top={"coordinator": coordinator.endpoint},
+                     probe={"health_interval_s": 0.5})
+    node.start()
+    fleet.wait_until(all_healthy(2), 90)
+    colocated = by_name(fleet)["node0/colo"]
+    assert colocated.pid is not None
+    os.kill(colocated.pid, signal.SIGKILL)
+    fleet.wait_until(lambda v: any(e.name == colocated.name and e.raw.get("deferred_waiting")
+                                   for e in v), 30)
+    with fleet.refit("v1", backend="gloo", timeout_s=90) as refit:
+        members = {e.name: e.incarnation for e in refit.engines}
+        refit.update_weights(weights(1))
+    assert members == {"node0/e0": 1, "node0/colo": colocated.incarnation + 1}
+    engines = by_name(fleet)
+    assert {(e.weight_version, e.serving) for e in engines.values()} == {("v1", True)}
+
+
+def test_frameworks_that_move_weights_themselves_only_commit_and_the_hooks_pause_probes(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    fleet = FleetClient(coordinator.endpoint)
+    start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+    fleet.wait_until(all_healthy(2), 90)
+    fleet.finish_generation()
+    assert all(e.paused for e in fleet.engines())
+    with fleet.refit("ipc-1", backend="gloo", timeout_s=60) as refit:
+        assert {e.name for e in refit.engines} == {"node0/e0", "node0/e1"}
+        refit.commit()          # the weights went over CUDA IPC, say: only the version is ours
+        assert refit.committed
+    assert fleet.weight_group is None                   # no group was built
+    engines = by_name(fleet)
+    assert {(e.weight_version, e.serving) for e in engines.values()} == {("ipc-1", True)}
+    assert {generate(str(e.url))[1] for e in engines.values()} == {"ipc-1"}
+    # The refit's release leaves alone what finish_generation() paused ...
+    assert all(e.paused for e in fleet.engines())
+    fleet.prepare_for_generation()                      # ... until the rollout comes back
+    assert not any(e.paused for e in fleet.engines())
