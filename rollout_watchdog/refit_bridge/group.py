@@ -255,10 +255,10 @@ class WeightUpdateGroup:
             self._teardown_group()
         self._release_calls()
 
-    def destroy(self, wait_s: float = 2.0) -> None:
-        """Destroy the trainer's group and ask every member to destroy theirs (and to end an
-        update session an abort left open), waiting at most `wait_s` for their answers. Never
-        raises: errors are logged (a member may well be gone, or stuck)."""
+    def destroy(self, wait_s: float = 2.0, skip: Iterable[GroupMember] = ()) -> None:
+        """Destroy the trainer's group and ask every member but `skip` (stuck ones, to be
+        restarted) to destroy theirs and to end an update session an abort left open, waiting
+        at most `wait_s` for their answers. Never raises: errors are logged."""
         if self._destroyed:
             return
         self._destroyed = True
@@ -268,10 +268,13 @@ class WeightUpdateGroup:
         # An aborted update leaves its session open, and a 0.5.21+ server refuses the next
         # begin_weight_update until it is ended.
         deadline = time.monotonic() + wait_s
-        self._ask_all("/end_weight_update", {m: {} for m in self._open_sessions}, deadline)
+        skipped = set(skip)
+        self._ask_all("/end_weight_update",
+                      {m: {} for m in self._open_sessions if m not in skipped}, deadline)
         self._open_sessions = []
         self._ask_all("/destroy_weights_update_group",
-                      {m: {"group_name": self.group_name} for m in self.members}, deadline)
+                      {m: {"group_name": self.group_name} for m in self.members
+                       if m not in skipped}, deadline)
         self._pool.shutdown(wait=False)
 
     def _ask_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],

@@ -348,7 +348,8 @@ class Refit:
             self._abort_group("the refit failed", group)
             wedged = self._wedged([m for m in group.members if (
                 m.node_id, m.engine, m.incarnation) not in self._lost])
-            group.destroy()
+            group.destroy(skip=[m for m in group.members
+                                if (m.node_id, m.engine, m.incarnation) in self._lost])
             set_cached_group(self.client, None)
         if self.token is None or self._lease_lost:
             return
@@ -382,7 +383,10 @@ class Refit:
         return wedged
 
     def _finish(self) -> None:
-        self._stop_guard()
+        """Release the lock. The guard thread is told to stop and not waited for: it ends
+        within GUARD_POLL_S, and past a commit or an abort it can change nothing."""
+        self._stop.set()
+        self._guard = None
         if self.token is not None and not self._lease_lost:
             try:
                 self._call("refit_release", {})
