@@ -90,7 +90,7 @@ def test_frameworks_that_move_weights_themselves_only_commit_and_the_hooks_pause
     assert fleet.weight_group is None                   # no group was built
     engines = by_name(fleet)
     assert {(e.weight_version, e.serving) for e in engines.values()} == {("ipc-1", True)}
-    assert {generate(str(e.url))[1] for e in engines.values()} == {"ipc-1"}
+    assert {generate(str(e.url))[2] for e in engines.values()} == {"ipc-1"}
     # The refit's release leaves alone what finish_generation() paused ...
     assert all(e.paused for e in fleet.engines())
     fleet.prepare_for_generation()                      # ... until the rollout comes back
