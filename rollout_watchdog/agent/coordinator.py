@@ -63,7 +63,8 @@ class Coordinator:
         self.fanout = Fanout()
         self.refit = refit.RefitService(state_dir, holder_timeout_s)  # raises for bad state
         self.router = RouterSync(router_url) if router_url else None
-        self._router_members: dict[str, str | None] | None = None
+        self._router_members: dict[str, str | None] | None = None   # None: not started
+        self._started_at = 0.0
         self.bad_messages: Counter[str] = Counter()
         self.own_seq = 0
         self._stop = threading.Event()
@@ -158,8 +159,7 @@ class Coordinator:
             raise
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
-        if self.router is not None:
-            self.router.start()
+        self._started_at = time.monotonic()
 
     def _close(self) -> None:
         if self.router is not None:
@@ -408,12 +408,23 @@ class Coordinator:
         self._sync_router()
 
     def _sync_router(self) -> None:
+        """The router's membership, once the fleet view is warm: every node known from the
+        journal has said hello again, or a node timeout has passed since the start (a
+        restarted coordinator must not empty the router before its nodes are back)."""
         if self.router is None:
+            return
+        if self._router_members is None and not (
+                all(n in self.view.nodes for n in self.view.journaled)
+                and (self.view.journaled or time.monotonic() - self._started_at
+                     >= self.view.node_timeout_s)):
             return
         members = self.refit.router_members(self.view)
         if members != self._router_members:
+            first = self._router_members is None
             self._router_members = members
             self.router.set_desired(members)
+            if first:
+                self.router.start()
 
     def _answer(self, gathering: Gathering) -> None:
         reply = gathering.final

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollout_watchdog.errors import RolloutWatchdogError
 from rollout_watchdog.refit_bridge import engine_calls, sockets
+from rollout_watchdog.refit_bridge.buckets import buckets, dtype_name, with_last
 from rollout_watchdog.refit_bridge.process_group import (
     destroy_process_group,
     init_custom_process_group,
@@ -92,40 +94,11 @@ def _free_port(address: str) -> int:
         return port
 
 
-def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
-             limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of at most ``limit`` bytes (one tensor may exceed it alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def _with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
-    """Each item with whether it is the last one (looks one ahead, so generators stay lazy)."""
-    previous = next(items, None)
-    while previous is not None:
-        current = next(items, None)
-        yield previous, current is None
-        previous = current
-
-
 def _gone(fut: Future[Any]) -> bool:
     """A finished call that got no HTTP answer at all: its engine is likely dead."""
     exc = fut.exception()
     return exc is not None and not (isinstance(exc, engine_calls.EngineCallError)
                                     and exc.answered)
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")  # SGLang does getattr(torch, name)
 
 
 class WeightUpdateGroup:
@@ -177,6 +150,7 @@ class WeightUpdateGroup:
         self._http_socks: dict[int, socket.socket] = {}  # inode -> socket of a call under way
         self._http_inodes: set[int] = set()  # every HTTP socket ever opened: not the group's
         self._before: set[int] | None = None  # sockets open before the group was built
+        self._own_sockets: set[int] | None = None  # the group's, once built
         self._destroyed = False
         self._open_sessions: list[GroupMember] = []   # begun, not ended (closed by destroy)
 
@@ -212,6 +186,11 @@ class WeightUpdateGroup:
         local.add_done_callback(lambda _f: self._wake.set())
         self._await(calls, [local], "init_weights_update_group")
         self._pg = local.result()
+        # The group's own connections: what an abort shuts down later (not whatever else the
+        # trainer opens meanwhile: Ray, NCCL, other clients).
+        with self._lock:
+            http = set(self._http_inodes)
+        self._own_sockets = sockets.connected_tcp_inodes() - self._before - http
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        weight_version: str | None = None,
@@ -229,17 +208,22 @@ class WeightUpdateGroup:
             raise RuntimeError(f"group {self.group_name} is not built (call build() first)")
         if bucket_bytes < 1:
             raise ValueError("bucket_bytes must be positive")
+        runs = with_last(buckets(named_tensors, bucket_bytes))
+        first = next(runs, None)
+        if first is None:   # before any session is opened: a caller's mistake costs nothing
+            raise ValueError("update_weights got no tensors")
         sessions = [m for m in self.members if self.session[m]]
         self._open_sessions = sessions
         self._quick_all(sessions, "/begin_weight_update")
-        sent = False
-        for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
+        for bucket, last in itertools.chain([first], runs):
             self._send_bucket(bucket, weight_version if last else None, last, flattened)
-            sent = True
-        if not sent:
-            raise ValueError("update_weights got no tensors")
         self._quick_all(sessions, "/end_weight_update")
         self._open_sessions = []
+
+    @property
+    def aborted(self) -> bool:
+        """Torn down by abort(): never to be used again."""
+        return self._abort_reason is not None
 
     def pending(self) -> list[GroupMember]:
         """Members whose current call has not completed (at a deadline: the wedged ones)."""
@@ -314,7 +298,7 @@ class WeightUpdateGroup:
         tensors = [t.detach().contiguous() for _, t in bucket]
         body: dict[str, Any] = {
             "names": [name for name, _ in bucket],
-            "dtypes": [_dtype_name(t) for t in tensors],
+            "dtypes": [dtype_name(t) for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
             "group_name": self.group_name, "flush_cache": last,
             "abort_all_requests": False, "weight_version": version,
@@ -464,7 +448,7 @@ class WeightUpdateGroup:
             return
         with self._lock:
             keep = set(self._http_inodes)
-        count = sockets.shutdown_new_sockets(self._before, keep)
+        count = sockets.shutdown_new_sockets(self._before, keep, only=self._own_sockets)
         log.info("weight-update group %s: %d sockets shut down", self.group_name, count)
 
     def _release_calls(self) -> None:

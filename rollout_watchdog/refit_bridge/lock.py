@@ -45,6 +45,14 @@ class Lease:
     # Nodes whose deep probes the lock paused (and resumes at its end); nodes already paused
     # (finish_generation before the refit) stay paused until prepare_for_generation.
     paused_nodes: list[str] = field(default_factory=list)
+    # Until the acquisition's pause is answered the holder has no token to renew with: the
+    # lease is held, its clock starts with the answer (`granted`).
+    granting: bool = True
+
+    def granted(self, now: float) -> None:
+        self.granting = False
+        self.heard = now
+        self.expires = now + self.lease_s
 
 
 class RefitLock:
@@ -87,7 +95,7 @@ class RefitLock:
     def expire(self, now: float) -> tuple[Lease, str] | None:
         """End a lease that ran out or whose holder went silent: (the lease, why)."""
         lease = self.lease
-        if lease is None:
+        if lease is None or lease.granting:
             return None
         if now >= lease.expires:
             why = f"its lease of {lease.lease_s:g} s ran out"
@@ -99,6 +107,6 @@ class RefitLock:
         return lease, why
 
     def next_deadline(self) -> float | None:
-        if self.lease is None:
+        if self.lease is None or self.lease.granting:
             return None
         return min(self.lease.expires, self.lease.heard + self.holder_timeout_s)

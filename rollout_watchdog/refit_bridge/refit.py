@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -58,7 +58,9 @@ PAUSE_MARGIN_S = 60.0
 # After an abort: a member whose /server_info is not answered this long is stuck in the
 # collective (a gloo peer freed by the teardown answers within half a second).
 ABORT_GRACE_S = 1.0
-PAUSE_MODE = "retract"    # in-flight requests are set aside and resume after the refit
+# In-flight requests are aborted (they end with finish_reason "abort", as slime does): the
+# cache flush after an update needs an empty queue, which `retract` does not give.
+PAUSE_MODE = "abort"
 
 
 class Refit:
@@ -73,9 +75,11 @@ class Refit:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.client, self.version, self.lease_s = client, version, lease_s
         self.timeout_s, self.backend, self.pause_mode = timeout_s, backend, pause_mode
-        self.master_address = master_address or address_toward(client.address)
+        self._master_address = master_address
+        self.master_address = master_address or "127.0.0.1"
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.engines: list[EngineView] = []
+        self._by_key: dict[tuple[str, str], EngineView] = {}
         self.token: int | None = None
         self.deadline = 0.0
         self.committed = False
@@ -84,6 +88,7 @@ class Refit:
         self._expired = False
         self._group: WeightUpdateGroup | None = None
         self._aborted = False
+        self._guard_failed: str | None = None
         self._paused = False
         self._stop = threading.Event()
         self._guard: threading.Thread | None = None
@@ -92,6 +97,8 @@ class Refit:
     # ------------------------------------------------------------------ the block
 
     def __enter__(self) -> Refit:
+        if self.deadline:
+            raise RuntimeError("a Refit is entered once: call fleet.refit() for the next one")
         self.deadline = time.monotonic() + self.timeout_s
         self._start_guard()
         try:
@@ -100,10 +107,16 @@ class Refit:
             members = result["members"]
             if result.get("relaunched"):
                 members = self._wait_for_relaunched(result["relaunched"])
-            self.engines = [EngineView.from_json(m["node_id"], True, {**m, "state": "healthy"})
-                            for m in members]
+            engines = [EngineView.from_json(m["node_id"], True, {**m, "state": "healthy"})
+                       for m in members]
+            self._by_key = {(e.node_id, e.id): e for e in engines}
+            self.engines = engines
+            if self._master_address is None:
+                self.master_address = address_toward(
+                    str(engines[0].url) if engines else self.client.address)
         except BaseException:
             self._stop_guard()
+            self._finish()
             raise
         log.info("refit %r: lock taken (token %s), %d engine(s)", self.version, self.token,
                  len(self.engines))
@@ -137,9 +150,9 @@ class Refit:
         group, built first if the membership changed since the last refit."""
         self._check()
         if not self._paused:
+            self._paused = True   # first: whatever fails, the members are continued
             self._each("pause_generation", lambda url: engine_calls.post(
                 url, "/pause_generation", {"mode": self.pause_mode}, self._call_timeout()))
-            self._paused = True
         group = self._ensure_group()
         kwargs: dict[str, Any] = {"weight_version": self.version, "flattened": flattened}
         if bucket_bytes is not None:
@@ -169,6 +182,7 @@ class Refit:
             if got != self.version:
                 wrong.append((engine, f"reports weight_version {got!r}"))
         ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
+        self._check()   # a death or the deadline during the checks: no commit
         self._call("refit_commit", {"version": self.version,
                                     "members": [[e.node_id, e.id, e.incarnation] for e in ok]})
         self.committed = True
@@ -230,7 +244,8 @@ class Refit:
                                                                         self._call_timeout()))
                    for e in self.engines]
         cached = cached_group(self.client)
-        if cached is not None and cached.members == members and cached.backend == self.backend:
+        if cached is not None and cached.members == members and cached.backend == self.backend \
+                and not cached.aborted:
             self._group = cached
             return cached
         if cached is not None:
@@ -242,6 +257,8 @@ class Refit:
             init_timeout_s=max(1.0, self.deadline - time.monotonic()))
         with self._lock:
             self._group = group
+        if self._lost or self._expired or self._lease_lost:   # heard before the group existed
+            self._abort_group("the refit failed before its group was built")
         group.build()
         set_cached_group(self.client, group)
         return group
@@ -263,41 +280,52 @@ class Refit:
 
     def _run_guard(self, ready: threading.Event) -> None:
         """Renew the lease, follow members' events, watch the deadline; abort the group when
-        any of them says the refit cannot complete."""
+        any of them says the refit cannot complete. A failure of the guard itself aborts the
+        refit too (nothing would watch it any more)."""
+        try:
+            with self.client.events(resume=True, idle_s=GUARD_POLL_S) as stream:
+                ready.set()
+                self._guard_loop(stream)
+        except Exception as exc:   # noqa: BLE001 - reported through _check()
+            log.exception("refit %r: the guard thread failed", self.version)
+            self._guard_failed = f"the refit's guard thread failed: {exc}"
+            self._abort_group(self._guard_failed)
+        finally:
+            ready.set()
+
+    def _guard_loop(self, stream: Iterable[FleetEvent]) -> None:
         early: list[FleetEvent] = []   # heard before the members were known
         next_renew = time.monotonic() + RENEW_EVERY_S
-        with self.client.events(resume=True, idle_s=GUARD_POLL_S) as stream:
-            ready.set()
-            while not self._stop.is_set():
-                for event in stream:
-                    if not self.engines:
-                        early.append(event)
-                        continue
+        while not self._stop.is_set():
+            for event in stream:   # ends after GUARD_POLL_S without an event
+                if not self._by_key:
+                    early.append(event)
+                else:
                     for queued in early:
                         self._heard(queued)
                     early.clear()
                     self._heard(event)
-                    if self._stop.is_set():
-                        return
-                now = time.monotonic()
-                if now >= self.deadline and not self._expired:
-                    self._expired = True
-                    self._abort_group(f"the refit's deadline of {self.timeout_s:g} s passed")
-                if self.token is not None and now >= next_renew and not self.committed:
-                    next_renew = now + RENEW_EVERY_S
-                    self._renew()
+                if self._stop.is_set() or time.monotonic() >= next_renew:
+                    break          # the timers below are due even in a stream of events
+            now = time.monotonic()
+            if now >= self.deadline and not self._expired:
+                self._expired = True
+                self._abort_group(f"the refit's deadline of {self.timeout_s:g} s passed")
+            if self.token is not None and now >= next_renew and not self.committed:
+                next_renew = now + RENEW_EVERY_S
+                self._renew()
 
     def _heard(self, event: FleetEvent) -> None:
-        for engine in self.engines:
-            if (event.node_id, event.engine) != (engine.node_id, engine.id):
-                continue
-            gone = event.kind == "state" and event.to not in ("healthy", "suspect") \
-                and event.incarnation == engine.incarnation
-            replaced = event.incarnation is not None and event.incarnation > engine.incarnation
-            if gone or replaced:
-                why = f"{event.kind} {event.to or ''} ({event.cause or event.detail})".strip()
-                self._lost.setdefault(_member(engine), why)
-                self._abort_group(f"{engine.name} (incarnation {engine.incarnation}): {why}")
+        engine = self._by_key.get((event.node_id, str(event.engine)))
+        if engine is None:
+            return
+        gone = event.kind == "state" and event.to not in ("healthy", "suspect") \
+            and event.incarnation == engine.incarnation
+        replaced = event.incarnation is not None and event.incarnation > engine.incarnation
+        if gone or replaced:
+            why = f"{event.kind} {event.to or ''} ({event.cause or event.detail})".strip()
+            self._lost.setdefault(_member(engine), why)
+            self._abort_group(f"{engine.name} (incarnation {engine.incarnation}): {why}")
 
     def _renew(self) -> None:
         try:
@@ -316,10 +344,13 @@ class Refit:
             self._aborted = True
         log.warning("refit %r: aborting the weight-update group: %s", self.version, why)
         group.abort(why)
+        set_cached_group(self.client, None)
 
     # ------------------------------------------------------------------ the end
 
     def _check(self) -> None:
+        if self._guard_failed:
+            raise RolloutWatchdogError(self._guard_failed)
         if self._lost:
             raise EngineLost(list(self._lost), "; ".join(self._lost.values()))
         if self._lease_lost:
@@ -351,6 +382,7 @@ class Refit:
             group.destroy(skip=[m for m in group.members
                                 if (m.node_id, m.engine, m.incarnation) in self._lost])
             set_cached_group(self.client, None)
+        self._continue_generation()
         if self.token is None or self._lease_lost:
             return
         try:
@@ -360,7 +392,6 @@ class Refit:
         except RolloutWatchdogError as exc:
             log.error("refit %r: the coordinator did not record the abort (its lease will "
                       "end and do it): %s", self.version, exc)
-        self._continue_generation()
 
     def _wedged(self, candidates: list[GroupMember]) -> list[Member]:
         """Once the group is torn down, the members (not known lost) that take no further
@@ -395,15 +426,20 @@ class Refit:
                           self.version, exc)
 
     def _continue_generation(self) -> None:
+        """Let the members that are not lost generate again (a wedged one would not answer)."""
         if self._paused:
-            self._each("continue_generation", lambda url: engine_calls.post(
-                url, "/continue_generation", {}, self._call_timeout()), strict=False)
             self._paused = False
+            self._each("continue_generation", lambda url: engine_calls.post(
+                url, "/continue_generation", {}, self._call_timeout()), strict=False,
+                members=[e for e in self.engines if _member(e) not in self._lost])
 
-    def _each(self, what: str, call: Any, strict: bool = True) -> None:
-        """Run `call(url)` on every member concurrently; a member that fails is lost."""
-        errors = engine_calls.on_each([str(e.url) for e in self.engines], call)
-        for engine in self.engines:
+    def _each(self, what: str, call: Callable[[str], Any], strict: bool = True,
+              members: list[EngineView] | None = None) -> None:
+        """Run `call(url)` on every member (or `members`) concurrently; with `strict`, one
+        that fails is lost."""
+        members = self.engines if members is None else members
+        errors = engine_calls.on_each([str(e.url) for e in members], call)
+        for engine in members:
             error = errors.get(str(engine.url))
             if error is not None:
                 if strict:

@@ -129,6 +129,7 @@ class RefitService:
 
         def finish(gathering: Gathering) -> protocol.Reply:
             paused = gathering.reply()
+            lease.granted(time.monotonic())   # (the pause is bounded by PAUSE_WAIT_S)
             for node_id, engine in self.relaunched:   # a starting engine needs its probes
                 resume = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "resume", {},
                                           node_id, engine, RELEASE_TIMEOUT_S)
@@ -168,7 +169,8 @@ class RefitService:
         members = members_of(cmd.args.get("members", [list(m) for m in lease.members]))
         wedged = members_of(cmd.args.get("wedged", []))
         reason = str(cmd.args.get("reason") or "aborted by its holder")[:500]
-        self.book.stale(members + lease.members)
+        if not lease.committed:   # (an abort after a commit whose answer was lost)
+            self.book.stale(members + lease.members)
         lease.members = []
         self._save()
         core.weights_changed()
@@ -177,7 +179,7 @@ class RefitService:
         for node, engine, incarnation in wedged:
             restart = protocol.Command(
                 f"refit-wedged-{uuid.uuid4().hex}", "restart",
-                {"cause": "refit_wedged",
+                {"cause": "refit_wedged", "incarnation": incarnation,
                  "detail": f"wedged in refit {lease.version!r} (incarnation {incarnation}): "
                            f"{reason}"[:500]},
                 node, engine, RELEASE_TIMEOUT_S)
@@ -239,10 +241,13 @@ class RefitService:
         return out
 
     def router_members(self, view: FleetView) -> dict[str, str | None]:
-        """What the router must hold: every serving engine's url, with the version it must
-        report before it is added (checked by the router's thread; None before any refit)."""
+        """What the router must hold: every serving engine of a reachable node, with the
+        version it must report before it is added (checked by the router's thread; None
+        before any refit)."""
         members: dict[str, str | None] = {}
         for node_id, record in view.nodes.items():
+            if not record.reachable:   # its engines may be dead: nobody would tell the router
+                continue
             for engine in record.engines.values():
                 url = engine.get("url")
                 if url and self.book.serving(node_id, engine):

@@ -40,7 +40,7 @@ def socket_inodes() -> dict[int, int]:
     return found
 
 
-def _connected_tcp_inodes() -> set[int]:
+def connected_tcp_inodes() -> set[int]:
     """Inodes of this network namespace's TCP sockets that are not listening."""
     connected: set[int] = set()
     for table in _TCP_TABLES:
@@ -60,10 +60,14 @@ def inode_of(sock: socket.socket) -> int:
     return os.fstat(sock.fileno()).st_ino
 
 
-def shutdown_new_sockets(before: set[int], keep: set[int]) -> int:
+def shutdown_new_sockets(before: set[int], keep: set[int], only: set[int] | None = None
+                         ) -> int:
     """Shut down (both directions) every open, non-listening TCP socket whose inode is neither
-    in ``before`` nor in ``keep``; returns how many. Never closes a descriptor it does not own."""
-    wanted = _connected_tcp_inodes() - before - keep
+    in ``before`` nor in ``keep`` (and is in ``only``, if given); returns how many. Never closes
+    a descriptor it does not own."""
+    wanted = connected_tcp_inodes() - before - keep
+    if only is not None:
+        wanted &= only
     count = 0
     for fd, inode in socket_inodes().items():
         if inode not in wanted:

@@ -238,7 +238,8 @@ def restart(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     With `"cause": "refit_wedged"` (the coordinator, for an engine stuck in an aborted refit)
     the running engine is failed with that cause instead: killed, then relaunched as after any
     failure (backoff, restart budget, `deferred` policy).
-    args: {"engine": ID, "cause"?: "refit_wedged", "detail"?: TEXT}.
+    args: {"engine": ID, "cause"?: "refit_wedged", "incarnation"?: N, "detail"?: TEXT}
+    (with `incarnation`, only that incarnation is failed; a newer one is left alone).
     result: {"engine": ID, "action": TEXT}
     """
     engine = one_engine(node, args)
@@ -250,6 +251,10 @@ def restart(node: Node, args: dict[str, Any]) -> dict[str, Any]:
                            f"{str(cause)[:40]!r}")
     if engine.kill is not None or not engine.state.running:
         return {"engine": engine.id, "action": f"not running ({engine.state}): nothing to do"}
+    wanted = args.get("incarnation")
+    if wanted is not None and wanted != engine.incarnation:
+        return {"engine": engine.id, "action": f"incarnation {engine.incarnation} is not the "
+                                               f"wedged {wanted}: nothing to do"}
     node.fail(engine, Cause.REFIT_WEDGED, str(args.get("detail") or "wedged in a refit")[:500],
               node.clock.monotonic())
     return {"engine": engine.id, "action": "failed (refit_wedged): killing, then recovering"}
