@@ -26,6 +26,8 @@ def test_one_holder_at_a_time_and_a_late_holder_is_fenced() -> None:
     lock = RefitLock(next_token=7, holder_timeout_s=5.0)
     first = lock.acquire("trainer-a", "v1", lease_s=10.0, now=0.0)
     assert first.token == 7
+    assert lock.expire(now=30.0) is None          # its fleet-wide pause is not answered yet
+    first.granted(0.0)
     with pytest.raises(LockHeld, match="held by trainer-a"):
         lock.acquire("trainer-b", "v1", lease_s=10.0, now=1.0)
     lock.renew(7, now=4.0)
@@ -34,6 +36,7 @@ def test_one_holder_at_a_time_and_a_late_holder_is_fenced() -> None:
     ended = lock.expire(now=13.5)                 # ... but silent since 8, for 5.5 s
     assert ended is not None and "silent" in ended[1]
     second = lock.acquire("trainer-b", "v2", lease_s=10.0, now=14.0)
+    second.granted(14.0)
     assert second.token == 8
     with pytest.raises(Fenced, match="lease lost: token 7"):
         lock.renew(7, now=14.5)
