@@ -34,7 +34,7 @@ from _common import EngineSpec, Fleet, bench_main, goal, parse_args, step, summa
 from router_harness import Router
 
 from rollout_watchdog import Coordinator, EngineLost, FleetClient
-from rollout_watchdog.emulator.model import build_model
+from rollout_watchdog.emulator.model import named_weights
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.router import normalize_url
 
@@ -44,7 +44,7 @@ ENGINES = 4
 RECEIVER = r"""
 import datetime, sys, torch
 from rollout_watchdog.refit_bridge.process_group import init_custom_process_group
-from rollout_watchdog.emulator.model import build_model
+from rollout_watchdog.emulator.model import named_weights
 port, rank, world, hidden, rounds, load = (int(a) for a in sys.argv[1:7])
 pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", datetime.timedelta(minutes=30),
                                world, rank, sys.argv[7])
@@ -57,10 +57,6 @@ for _ in range(rounds):
             p.copy_(received)
     torch.distributed.barrier(group=pg)
 """
-
-
-def tensors(seed: int, hidden: int) -> list[tuple[str, Any]]:
-    return [(n, p.detach()) for n, p in build_model(seed, hidden_size=hidden).named_parameters()]
 
 
 class RawBroadcast:
@@ -104,7 +100,7 @@ def refit_once(fleet: FleetClient, version: str, weights: Any) -> float:
 
 def main(args: argparse.Namespace) -> int:
     hidden = args.hidden_size
-    weights = tensors(1, hidden)
+    weights = named_weights(1, hidden)
     size_mb = sum(t.numel() * t.element_size() for _, t in weights) / 1e6
     print(f"weights: {len(weights)} tensors, {size_mb:.0f} MB; {ENGINES} engines; gloo")
     router = Router.start()

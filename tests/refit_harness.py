@@ -21,6 +21,11 @@ TRAINER = Path(__file__).with_name("refit_trainer.py")
 PROMPT = "The rollout fleet"
 
 
+def weights(seed: int) -> list[tuple[str, Any]]:
+    from rollout_watchdog.emulator.model import named_weights
+    return list(named_weights(seed))
+
+
 def start_fleet(make_node: Callable[..., Node], endpoint: str, nodes: int, engines: int,
                 flags: tuple[str, ...] = ()) -> list[Node]:
     out = []

@@ -14,11 +14,7 @@ import sys
 import time
 
 from rollout_watchdog import EngineLost, FleetClient, RolloutWatchdogError
-from rollout_watchdog.emulator.model import build_model
-
-
-def weights(seed: int) -> list[tuple[str, object]]:
-    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
+from rollout_watchdog.emulator.model import named_weights
 
 
 def main() -> int:
@@ -38,7 +34,7 @@ def main() -> int:
                 print(json.dumps({"token": refit.token}), flush=True)
                 while True:
                     time.sleep(1)
-            refit.update_weights(weights(args.seed))  # type: ignore[arg-type]
+            refit.update_weights(named_weights(args.seed))
             members = [e.name for e in refit.engines]
     except EngineLost as exc:
         print(json.dumps({"error": "EngineLost", "lost": exc.lost, "message": str(exc)}))

@@ -14,17 +14,12 @@ from typing import Any
 
 import pytest
 from daemon_harness import Node, wait_for
-from refit_harness import TRAINER, all_healthy, by_name, generate, start_fleet
+from refit_harness import TRAINER, all_healthy, by_name, generate, start_fleet, weights
 
 from rollout_watchdog import CommandRefused, Coordinator, EngineLost, FleetClient
-from rollout_watchdog.emulator.model import build_model
 from rollout_watchdog.emulator.testing import inject_fault
 
 torch = pytest.importorskip("torch")
-
-
-def weights(seed: int) -> list[tuple[str, Any]]:
-    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
 
 
 @pytest.fixture

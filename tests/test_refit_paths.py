@@ -7,20 +7,14 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 from daemon_harness import EngineSpec, Node
-from refit_harness import all_healthy, by_name, generate, start_fleet
+from refit_harness import all_healthy, by_name, generate, start_fleet, weights
 
 from rollout_watchdog import Coordinator, FleetClient
-from rollout_watchdog.emulator.model import build_model
 
 pytest.importorskip("torch")
-
-
-def weights(seed: int) -> list[tuple[str, Any]]:
-    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from rollout_watchdog.agent.client import FleetClient
 from rollout_watchdog.emulator.testing import free_port, http_request
@@ -62,17 +61,12 @@ class DemoRouter:
             self.proc.wait(10)
 
 
-def weights(seed: int) -> list[tuple[str, Any]]:
-    """The emulated model's parameters as a trainer would hold them after a step."""
-    from rollout_watchdog.emulator.model import build_model
-    return [(name, p.detach()) for name, p in build_model(seed).named_parameters()]
-
-
 def refit(client: FleetClient, version: str, seed: int) -> tuple[float, list[str]]:
     """One refit from this process; (seconds, the members' names)."""
+    from rollout_watchdog.emulator.model import named_weights
     began = time.monotonic()
     with client.refit(version, backend="gloo", timeout_s=120) as session:
-        session.update_weights(weights(seed))
+        session.update_weights(named_weights(seed))
         names = [e.name for e in session.engines]
     return time.monotonic() - began, names
 

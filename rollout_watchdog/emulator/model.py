@@ -98,3 +98,10 @@ def restore_weights(model: TinyLM, backup: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(backup[name])
+
+
+def named_weights(seed: int, hidden_size: int = HIDDEN_SIZE) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters as a trainer holds them after a step (what a refit sends): the
+    same seed, the same weights, and the same greedy outputs on every engine that got them."""
+    return [(name, p.detach()) for name, p in
+            build_model(seed, hidden_size=hidden_size).named_parameters()]
