@@ -44,7 +44,7 @@ ENGINES = 4
 RECEIVER = r"""
 import datetime, sys, torch
 from rollout_watchdog.refit_bridge.process_group import init_custom_process_group
-from rollout_watchdog.emulator.model import named_weights
+from rollout_watchdog.emulator.model import build_model
 port, rank, world, hidden, rounds, load = (int(a) for a in sys.argv[1:7])
 pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", datetime.timedelta(minutes=30),
                                world, rank, sys.argv[7])
@@ -158,7 +158,7 @@ def death_mid_refit(fleet: FleetClient, router_url: str, weights: list[tuple[str
     def killing() -> Iterator[tuple[str, Any]]:
         nonlocal killed_at
         for k, item in enumerate(weights):
-            if k == len(weights) // 2:
+            if k == len(weights) - 1:   # read one ahead: buckets 0-2 are sent by now
                 assert victim.pid is not None
                 killed_at = time.monotonic()
                 os.kill(victim.pid, signal.SIGKILL)
