@@ -1,9 +1,10 @@
 """Fleet at scale: 1,000 simulated nodes x 8 engines against one coordinator (issue 6).
 
 The coordinator is a real `rollout-watchdog coordinator` process. The nodes are real `NodeLink`s
-over fake engine state (bench/_fleet_sim.py), spread over --workers processes, each one loop
-that runs only the nodes with work, so that the figures are the coordinator's and not the
-simulation's. One subscribed client (a thread of this process) follows every event.
+over fake engine state (bench/_fleet_sim.py), spread over --workers processes (2: more only
+add context switches on a 2-core machine), each one loop that runs only the nodes with work, so
+that the figures are the coordinator's and not the simulation's. One subscribed client (a
+thread of this process) follows every event.
 
 Figures, each with its goal:
 - convergence: the coordinator SIGKILLed and started again on the same port; from the new
@@ -82,7 +83,7 @@ RESTART = {"grace_s": 5.0, "backoff_initial_s": 0.0, "backoff_max_s": 0.0, "max_
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=None, help="simulated nodes (1000)")
     parser.add_argument("--engines", type=int, default=8, help="engines per node (8)")
-    parser.add_argument("--workers", type=int, default=None, help="node processes (4)")
+    parser.add_argument("--workers", type=int, default=None, help="node processes (2)")
     parser.add_argument("--event-rate", type=float, default=None,
                         help="offered events/s in the throughput phase (30000)")
     parser.add_argument("--event-seconds", type=float, default=None, help="its length (5)")
@@ -243,17 +244,16 @@ class CpuMeter:
         self.nodes: list[psutil.Process] = []
         self.subscriber: int | None = None   # the subscriber thread's native id
         self.peak_rss = 0
-        self.phases: list[tuple[str, dict[str, float]]] = []
+        self.phases: list[tuple[str, float, dict[str, float]]] = []  # name, seconds, CPU s
 
     def attach(self, pid: int) -> None:
         self.proc = psutil.Process(pid)
 
     def measure(self, name: str, fn: Any, *fargs: Any) -> Any:
-        before, started = self._seconds(), time.monotonic()
+        before, started = self.seconds(), time.monotonic()
         result = fn(*fargs)
-        after, elapsed = self._seconds(), time.monotonic() - started
-        self.phases.append((name, {k: 100 * (after[k] - before[k]) / max(elapsed, 1e-9)
-                                   for k in self.PARTS}))
+        after, elapsed = self.seconds(), time.monotonic() - started
+        self.phases.append((name, elapsed, {k: after[k] - before[k] for k in self.PARTS}))
         self.sample()
         return result
 
@@ -263,10 +263,15 @@ class CpuMeter:
 
     def report(self) -> None:
         print(f"  {'CPU, % of one core, during':<44}" + "".join(f"{k:>12}" for k in self.PARTS))
-        for name, parts in self.phases:
-            print(f"  {name:<44}" + "".join(f"{parts[k]:12.1f}" for k in self.PARTS))
+        for name, elapsed, used in self.phases:
+            self.line(name, elapsed, used)
 
-    def _seconds(self) -> dict[str, float]:
+    def line(self, name: str, elapsed: float, used: dict[str, float]) -> None:
+        print(f"  {name:<44}" + "".join(f"{100 * used[k] / max(elapsed, 1e-9):12.1f}"
+                                        for k in self.PARTS))
+
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by each part."""
         assert self.proc is not None
         machine = psutil.cpu_times()
         thread = [t for t in psutil.Process().threads() if t.id == self.subscriber]
@@ -309,7 +314,7 @@ def fleet_ready(coord: CoordinatorProcess, nodes: int, engines: int, timeout: fl
 def main(args: argparse.Namespace) -> int:
     quick = args.quick
     nodes = args.nodes or (40 if quick else 1000)
-    n_workers = args.workers or (2 if quick else 4)
+    n_workers = args.workers or 2  # on 2 cores, 4 cost the nodes ~25 % more CPU per event
     rate = args.event_rate or (2000.0 if quick else 30000.0)
     seconds = args.event_seconds or (1.0 if quick else 5.0)
     flips = args.flips or (4 if quick else 30)
@@ -440,14 +445,17 @@ def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: Cp
            repeat: int) -> bool:
     conn = coord.connect()
     rtts, resumes = [], []
+    used = dict.fromkeys(CpuMeter.PARTS, 0.0)   # CPU seconds within the pause round trips
     try:
         def one() -> None:
             for _ in range(repeat):
                 workers.wait_acked(60)
-                started = time.monotonic()
+                before, started = cpu.seconds(), time.monotonic()
                 reply = conn.call("pause", {"deadline_s": 60, "all": True}, timeout_s=30,
                                   gather_s=10)
                 rtts.append(1000 * (time.monotonic() - started))
+                for part, spent in cpu.seconds().items():
+                    used[part] += spent - before[part]
                 assert reply.status == "ok" and not reply.result["missing"], reply
                 workers.wait_acked(60)
                 started = time.monotonic()
@@ -461,6 +469,10 @@ def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: Cp
     s = summary("pause, every node acknowledged", rtts, "ms", 1)
     summary("resume", resumes, "ms", 1)
     p99 = sorted(rtts)[min(len(rtts) - 1, int(0.99 * len(rtts)))]
+    print(f"  CPU per pause: coordinator {1000 * used['coordinator'] / repeat:.0f} ms, nodes "
+          f"{1000 * used['nodes'] / repeat:.0f} ms, subscriber "
+          f"{1000 * used['subscriber'] / repeat:.0f} ms; % of one core within the round trips:")
+    cpu.line("pause round trips", sum(rtts) / 1000, used)
     print(f"  pause p99 {p99:.1f} ms")
     if _sequential_ms:
         ratio = statistics.median(_sequential_ms) / s.median
@@ -490,6 +502,7 @@ def throughput(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu
         return sub.count - before
     emitted, acked_at = cpu.measure("throughput: offered, until all acknowledged", offer)
     got = cpu.measure("throughput: then until the subscriber has all", drain)
+    spent = {k: sum(used[k] for _, _, used in cpu.phases[-2:]) for k in CpuMeter.PARTS}
     conn = coord.connect()
     try:
         skipped = conn.result("ping", {}, timeout_s=5)["relay_skipped"]
@@ -503,6 +516,8 @@ def throughput(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu
     print(f"  {label:<45}{out:10.0f} events/s")
     print(f"  the coordinator skipped {skipped} event(s) for a subscriber behind its buffer "
           "(since it started)")
+    print("  CPU per event (both parts), us: " + ", ".join(
+        f"{k} {1e6 * spent[k] / emitted:.1f}" for k in CpuMeter.PARTS))
     return goal(">= 20,000 events/s in and out, every event received",
                 min(into, out) >= 20_000 and got == emitted)
 
