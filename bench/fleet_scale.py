@@ -68,6 +68,7 @@ from _common import (
     summary,
     wait_for,
 )
+from _cpu import CpuMeter
 from _fleet_sim import worker_main
 from fleet_harness import CoordinatorConnection, CoordinatorProcess, start_coordinator_process
 
@@ -231,60 +232,6 @@ def control_call(sock: zmq.Socket[bytes], cmd: str, args: dict[str, Any]) -> Any
     if reply["status"] != "ok":
         raise RuntimeError(f"{cmd}: {reply['reason']}")
     return reply["result"]
-
-
-class CpuMeter:
-    """CPU by phase (% of one core) of the coordinator, the node processes together, the
-    subscriber's thread and the whole machine; the coordinator's peak RSS."""
-
-    PARTS = ("coordinator", "nodes", "subscriber", "machine")
-
-    def __init__(self) -> None:
-        self.proc: psutil.Process | None = None
-        self.nodes: list[psutil.Process] = []
-        self.subscriber: int | None = None   # the subscriber thread's native id
-        self.peak_rss = 0
-        self.phases: list[tuple[str, float, dict[str, float]]] = []  # name, seconds, CPU s
-
-    def attach(self, pid: int) -> None:
-        self.proc = psutil.Process(pid)
-
-    def measure(self, name: str, fn: Any, *fargs: Any) -> Any:
-        before, started = self.seconds(), time.monotonic()
-        result = fn(*fargs)
-        after, elapsed = self.seconds(), time.monotonic() - started
-        self.phases.append((name, elapsed, {k: after[k] - before[k] for k in self.PARTS}))
-        self.sample()
-        return result
-
-    def sample(self) -> None:
-        if self.proc is not None:
-            self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
-
-    def report(self) -> None:
-        print(f"  {'CPU, % of one core, during':<44}" + "".join(f"{k:>12}" for k in self.PARTS))
-        for name, elapsed, used in self.phases:
-            self.line(name, elapsed, used)
-
-    def line(self, name: str, elapsed: float, used: dict[str, float]) -> None:
-        """One row; "-" for a phase too short for the 10 ms accounting of CPU time."""
-        print(f"  {name:<44}" + "".join(
-            f"{100 * used[k] / elapsed:12.1f}" if elapsed >= 0.1 else f"{'-':>12}"
-            for k in self.PARTS))
-
-    def seconds(self) -> dict[str, float]:
-        """CPU seconds used so far by each part."""
-        assert self.proc is not None
-        machine = psutil.cpu_times()
-        thread = [t for t in psutil.Process().threads() if t.id == self.subscriber]
-        return {"coordinator": _busy(self.proc.cpu_times()),
-                "nodes": sum(_busy(p.cpu_times()) for p in self.nodes),
-                "subscriber": sum(t.user_time + t.system_time for t in thread),
-                "machine": sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)}
-
-
-def _busy(times: Any) -> float:
-    return float(times.user + times.system)
 
 
 def fleet_ready(coord: CoordinatorProcess, nodes: int, engines: int, timeout: float
