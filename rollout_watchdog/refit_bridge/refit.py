@@ -88,6 +88,7 @@ class Refit:
         self._expired = False
         self._group: WeightUpdateGroup | None = None
         self._aborted = False
+        self._version_sent = False
         self._guard_failed: str | None = None
         self._paused = False
         self._stop = threading.Event()
@@ -158,6 +159,7 @@ class Refit:
         if bucket_bytes is not None:
             kwargs["bucket_bytes"] = bucket_bytes
         group.update_weights(named_tensors, **kwargs)
+        self._version_sent = True   # with the last bucket: every member reports it now
         self._check()
 
     def commit(self) -> None:
@@ -168,9 +170,10 @@ class Refit:
             return
         self._check()
         timeout = self._call_timeout()
-        self._each("update_weight_version", lambda url: engine_calls.post(
-            url, "/update_weight_version",
-            {"new_version": self.version, "abort_all_requests": False}, timeout))
+        if not self._version_sent:   # the weights came another way (CUDA IPC, say)
+            self._each("update_weight_version", lambda url: engine_calls.post(
+                url, "/update_weight_version",
+                {"new_version": self.version, "abort_all_requests": False}, timeout))
         self._continue_generation()
         wrong: list[tuple[EngineView, str]] = []
         for engine in self.engines:
