@@ -408,15 +408,12 @@ class Coordinator:
         self._sync_router()
 
     def _sync_router(self) -> None:
-        """The router's membership, once the fleet view is warm: every node known from the
-        journal has said hello again, or a node timeout has passed since the start (a
-        restarted coordinator must not empty the router before its nodes are back)."""
+        """The router's membership, once the fleet view is warm (a restarted coordinator must
+        not empty the router before its nodes are back)."""
         if self.router is None:
             return
-        if self._router_members is None and not (
-                all(n in self.view.nodes for n in self.view.journaled)
-                and (self.view.journaled or time.monotonic() - self._started_at
-                     >= self.view.node_timeout_s)):
+        if self._router_members is None and not self.view.warm(self._started_at,
+                                                               time.monotonic()):
             return
         members = self.refit.router_members(self.view)
         if members != self._router_members:

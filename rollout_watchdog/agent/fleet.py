@@ -142,6 +142,13 @@ class FleetView:
 
     # ------------------------------------------------------------------ questions
 
+    def warm(self, started: float, now: float) -> bool:
+        """Whether the view is whole again after a start: every node known from the journal
+        has said hello, or a node timeout has passed (a node still silent then may be gone)."""
+        if self.journaled and all(n in self.nodes for n in self.journaled):
+            return True
+        return now - started >= self.node_timeout_s
+
     def reachable(self) -> list[str]:
         return [n for n, r in self.nodes.items() if r.reachable]
 
