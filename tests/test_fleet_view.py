@@ -290,3 +290,16 @@ def test_a_part_being_restarted_is_not_restarted_again_by_a_second_failure() -> 
                          status=engine("e0", state="stopping", group="g1"))
     view.event(second, "n2", T0, WALL0)
     assert view.group_restarts("n2", second.event) == []
+
+
+def test_the_view_is_warm_once_every_journaled_node_is_back_or_a_timeout_passed() -> None:
+    """Until then a restarted coordinator leaves the router alone: emptying it because no node
+    has said hello yet would take every engine out of service."""
+    view = FleetView(node_timeout_s=5.0)
+    assert not view.warm(started=0.0, now=1.0) and view.warm(started=0.0, now=5.0)
+    view.journaled = {"n1": ("b1", 3), "n2": ("b2", 9)}
+    view.expected = {"n1", "n2"}
+    view.hello(hello("n1"), "n1", now=1.0, wall=1.0)
+    assert not view.warm(started=0.0, now=1.0)      # n2 not back yet
+    view.hello(hello("n2", boot="b2"), "n2", now=1.5, wall=1.5)
+    assert view.warm(started=0.0, now=1.5)

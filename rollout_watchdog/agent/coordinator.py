@@ -149,6 +149,7 @@ class Coordinator:
                     self.relay.add(item)
                     if not item.boot.startswith(BOOT_PREFIX):
                         self.view.journaled[item.node_id] = (item.boot, item.seq)
+                        self.view.expected.add(item.node_id)
             except OSError as exc:
                 raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from None
         self._ctx = zmq.Context()

@@ -60,6 +60,7 @@ class FleetView:
         # node -> (boot, seq) of the last event relayed before a coordinator restart (the
         # journal): what the node resends of it is not new
         self.journaled: dict[str, tuple[str, int]] = {}
+        self.expected: set[str] = set()   # the nodes the journal knew at the start
 
     # ------------------------------------------------------------------ node messages
 
@@ -145,7 +146,7 @@ class FleetView:
     def warm(self, started: float, now: float) -> bool:
         """Whether the view is whole again after a start: every node known from the journal
         has said hello, or a node timeout has passed (a node still silent then may be gone)."""
-        if self.journaled and all(n in self.nodes for n in self.journaled):
+        if self.expected and self.expected <= self.nodes.keys():
             return True
         return now - started >= self.node_timeout_s
 
