@@ -79,6 +79,10 @@ def test_refit_state_survives_a_restart_and_a_broken_file_is_named(tmp_path: Pat
     (tmp_path / "refit.json").write_text("{not json")
     with pytest.raises(ValueError, match="refit.json"):
         state.load()
+    (tmp_path / "refit.json").write_text(json.dumps(
+        {"next_token": 3, "weights": {"current": "v1", "held": [["n", "e0", "one", "v1"]]}}))
+    with pytest.raises(ValueError, match="refit.json.*incarnation"):
+        state.load()
 
 
 # ---------------------------------------------------------------------- the coordinator

@@ -74,10 +74,12 @@ class WeightBook:
         current = data.get("current")
         book.current = current if isinstance(current, str) else None
         for row in data.get("held", []):
-            if (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
                     and isinstance(row[1], str) and isinstance(row[2], int)
                     and (row[3] is None or isinstance(row[3], str))):
-                book.held[(row[0], row[1])] = Held(row[2], row[3])
+                raise ValueError(f"not a [node, engine, incarnation, version]: "
+                                 f"{str(row)[:80]}")
+            book.held[(row[0], row[1])] = Held(row[2], row[3])
         return book
 
 
