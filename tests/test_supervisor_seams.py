@@ -299,14 +299,20 @@ def test_a_kill_looks_again_soon_not_only_at_its_deadline(tmp_path: Path) -> Non
     """The grace period is a bound, not a wait: a kill looks again every CHECK_INTERVAL_S and
     completes once the processes are gone, long before a 30 s grace would end."""
     clock = FakeClock()
-    # an engine that takes a moment to stop on SIGTERM
-    slow_stop = ["sh", "-c", 'trap "sleep 0.3; exit 0" TERM; while :; do sleep 0.05; done']
+    # an engine that takes a moment to stop on SIGTERM (once its trap is set: it says so)
+    ready = tmp_path / "trap-set"
+    slow_stop = ["sh", "-c", f'trap "sleep 0.3; exit 0" TERM; touch {ready}; '
+                 'while :; do sleep 0.05; done']
     daemon = make_daemon(tmp_path, clock=clock, command=slow_stop,
                          restart={"grace_s": 30.0, "kill_timeout_s": 10.0})
     engine = daemon.engines["e0"]
     sup = daemon.supervisor
     sup.launch(engine, Cause.LAUNCHED)
     try:
+        set_by = time.monotonic() + 10.0
+        while not ready.exists():   # a SIGTERM before the trap would end it at once
+            assert time.monotonic() < set_by, "the engine's shell never set its trap"
+            time.sleep(0.01)
         sup.start_kill(engine, Cause.COMMANDED, "test", AfterKill.STOP)
         assert engine.state == S.STOPPING
         wake = timers.next_deadline(engine)
