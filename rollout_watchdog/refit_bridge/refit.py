@@ -61,6 +61,7 @@ ABORT_GRACE_S = 1.0
 # In-flight requests are aborted (they end with finish_reason "abort", as slime does): the
 # cache flush after an update needs an empty queue, which `retract` does not give.
 PAUSE_MODE = "abort"
+LOOPBACK = ("localhost", "127.0.0.1", "::1", "*", "0.0.0.0")
 
 
 class Refit:
@@ -113,8 +114,8 @@ class Refit:
             self._by_key = {(e.node_id, e.id): e for e in engines}
             self.engines = engines
             if self._master_address is None:
-                self.master_address = address_toward(
-                    str(engines[0].url) if engines else self.client.address)
+                self.master_address = master_address_for(
+                    self.client.address, [str(e.url) for e in engines])
         except BaseException:
             self._stop_guard()
             self._finish()
@@ -462,9 +463,9 @@ def _member(engine: EngineView) -> Member:
 
 
 def address_toward(endpoint: str) -> str:
-    """This host's address on the route to the coordinator (where engines can reach us)."""
+    """This host's address on the route to `endpoint`'s host (a tcp:// or http:// URL)."""
     host = urlparse(endpoint.replace("tcp://", "http://", 1)).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1", "*", "0.0.0.0"):
+    if host in LOOPBACK:
         return "127.0.0.1"
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -472,6 +473,17 @@ def address_toward(endpoint: str) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return socket.gethostbyname(socket.gethostname())
+
+
+def master_address_for(coordinator: str, engine_urls: list[str]) -> str:
+    """Where engines reach the trainer's rendezvous: this host's address toward the
+    coordinator (DESIGN.md), unless that is loopback while an engine is on another host (a
+    coordinator embedded in the trainer, engines elsewhere): then the address toward it."""
+    toward = address_toward(coordinator)
+    if toward != "127.0.0.1":
+        return toward
+    remote = [u for u in engine_urls if (urlparse(u).hostname or "127.0.0.1") not in LOOPBACK]
+    return address_toward(remote[0]) if remote else toward
 
 
 def cached_group(client: FleetClient) -> WeightUpdateGroup | None:
@@ -485,4 +497,4 @@ def set_cached_group(client: FleetClient, group: WeightUpdateGroup | None) -> No
     client.weight_group = group
 
 
-__all__ = ["Refit", "address_toward"]
+__all__ = ["Refit", "address_toward", "master_address_for"]
