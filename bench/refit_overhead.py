@@ -36,7 +36,7 @@ from router_harness import Router
 from rollout_watchdog import Coordinator, EngineLost, FleetClient
 from rollout_watchdog.emulator.model import named_weights
 from rollout_watchdog.emulator.testing import free_port
-from rollout_watchdog.refit_bridge.router import normalize_url
+from rollout_watchdog.refit_bridge.router import RouterClient, normalize_url
 
 PROBE = {"health_interval_s": 1.0, "health_timeout_s": 30.0, "startup_timeout_s": 300.0}
 RESTART = {"backoff_initial_s": 0.0, "backoff_max_s": 0.0, "max_restarts": 1000}
@@ -175,17 +175,8 @@ def death_mid_refit(fleet: FleetClient, router_url: str, weights: list[tuple[str
                                    and e.state == "healthy" for e in v), 300)
     with fleet.refit(f"r{i}", backend="gloo", timeout_s=300) as refit:
         refit.update_weights(weights)
-    wait_for(lambda: url in _router_urls(router_url), 60, "the engine back in the router")
+    wait_for(lambda: url in RouterClient(router_url).urls(), 60, "the engine back in the router")
     return lost_after, time.monotonic() - killed_at
-
-
-def _router_urls(router_url: str) -> set[str]:
-    import json
-
-    from rollout_watchdog.emulator.testing import http_request
-    status, body = http_request(f"{router_url}/workers")
-    return {normalize_url(w["url"]) for w in json.loads(body)["workers"]} if status == 200 \
-        else set()
 
 
 if __name__ == "__main__":

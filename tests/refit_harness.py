@@ -15,7 +15,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 from rollout_watchdog import FleetClient
 from rollout_watchdog.agent.views import EngineView
 from rollout_watchdog.emulator.testing import http_request
-from rollout_watchdog.refit_bridge.router import normalize_url
+from rollout_watchdog.refit_bridge.router import RouterClient, normalize_url
 
 TRAINER = Path(__file__).with_name("refit_trainer.py")
 PROMPT = "The rollout fleet"
@@ -70,9 +70,7 @@ def generate(url: str, prompt: str = PROMPT, timeout: float = 10.0
 
 
 def router_urls(router_url: str) -> set[str]:
-    status, body = http_request(f"{router_url}/workers")
-    assert status == 200, body
-    return {normalize_url(w["url"]) for w in json.loads(body)["workers"]}
+    return RouterClient(router_url).urls()
 
 
 def wait_router(router_url: str, urls: set[str], what: str, timeout: float = 30.0) -> None:

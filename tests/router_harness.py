@@ -16,15 +16,12 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from rollout_watchdog.emulator.testing import free_port, http_request
-
-ROUTER_FLAGS = ("--policy", "round_robin", "--disable-health-check",
-                "--worker-startup-timeout-secs", "10", "--log-level", "warn")
+from rollout_watchdog.refit_bridge.router import launch_argv
 
 
 class Router:
@@ -52,9 +49,7 @@ class Router:
 
     def restart(self, timeout: float = 30.0) -> None:
         """Start the process (again) on the same ports and wait until it answers."""
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                "--port", str(self.port), "--prometheus-port", str(self.prometheus_port),
-                *ROUTER_FLAGS]
+        argv = launch_argv("127.0.0.1", self.port, self.prometheus_port)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                          start_new_session=True)

@@ -65,6 +65,7 @@ class Coordinator:
         self.router = RouterSync(router_url) if router_url else None
         self._router_members: dict[str, str | None] | None = None   # None: not started
         self._started_at = 0.0
+        self._view_changed = True     # since the router was last told
         self.bad_messages: Counter[str] = Counter()
         self.own_seq = 0
         self._stop = threading.Event()
@@ -268,6 +269,7 @@ class Coordinator:
             return
         try:
             if isinstance(msg, protocol.Hello):
+                self._view_changed = True   # a snapshot: engines may differ, no event says so
                 self._own_events(self.view.hello(msg, peer, now, wall))
                 self._acks.add(peer)
             elif isinstance(msg, protocol.Event):
@@ -406,6 +408,7 @@ class Coordinator:
         self._send(client, self.fanout.remember(reply))
 
     def weights_changed(self) -> None:
+        self._view_changed = True
         self._sync_router()
 
     def _sync_router(self) -> None:
@@ -413,9 +416,12 @@ class Coordinator:
         not empty the router before its nodes are back)."""
         if self.router is None:
             return
-        if self._router_members is None and not self.view.warm(self._started_at,
-                                                               time.monotonic()):
+        if self._router_members is None:
+            if not self.view.warm(self._started_at, time.monotonic()):
+                return
+        elif not self._view_changed:   # (a sweep must not walk every engine for nothing)
             return
+        self._view_changed = False
         members = self.refit.router_members(self.view)
         if members != self._router_members:
             first = self._router_members is None
@@ -457,6 +463,7 @@ class Coordinator:
                                 protocol.encode(message)))
 
     def _relay(self, item: Relayed) -> None:
+        self._view_changed = True   # every change of the view comes with an event
         self.relay.add(item)
         if self.journal is not None:
             self._unjournaled.append(item)

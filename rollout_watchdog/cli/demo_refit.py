@@ -10,13 +10,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from rollout_watchdog.agent.client import FleetClient
 from rollout_watchdog.emulator.testing import free_port, http_request
-from rollout_watchdog.refit_bridge.router import normalize_url
+from rollout_watchdog.refit_bridge.router import RouterClient, launch_argv
 
 PROMPT = "The rollout fleet"
 ROUTER_START_S = 30.0
@@ -30,12 +29,9 @@ class DemoRouter:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log = open(workdir / "router.log", "ab")   # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(self.port), "--prometheus-port", str(free_port()),
-             "--policy", "round_robin", "--disable-health-check",
-             "--worker-startup-timeout-secs", "10", "--log-level", "warn"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        self.proc = subprocess.Popen(launch_argv("127.0.0.1", self.port, free_port()),
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     start_new_session=True)
         log.close()
         deadline = time.monotonic() + ROUTER_START_S
         while http_request(f"{self.url}/workers", timeout=2.0)[0] != 200:
@@ -49,10 +45,8 @@ class DemoRouter:
         return importlib.util.find_spec("sglang_router") is not None
 
     def workers(self) -> set[str]:
-        status, body = http_request(f"{self.url}/workers")
-        if status != 200:
-            return set()
-        return {normalize_url(w["url"]) for w in json.loads(body)["workers"]}
+        """The (normalized) URLs of the workers it lists."""
+        return RouterClient(self.url).urls()
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -22,6 +22,7 @@ the client's timeout.
 
 from __future__ import annotations
 
+import sys
 import urllib.parse
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -48,6 +49,17 @@ class RouterError(RolloutWatchdogError):
         self.detail = detail
         self.status = status
         super().__init__(f"router {router_url}: {action} failed: {detail}")
+
+
+# The flags of the module docstring, with a round-robin policy and quiet logs.
+LAUNCH_FLAGS = ("--policy", "round_robin", "--disable-health-check",
+                "--worker-startup-timeout-secs", "10", "--log-level", "warn")
+
+
+def launch_argv(host: str, port: int, prometheus_port: int) -> list[str]:
+    """The command that starts sglang-router 0.3.x the way the coordinator expects."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+            "--port", str(port), "--prometheus-port", str(prometheus_port), *LAUNCH_FLAGS]
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,10 @@ class RouterClient:
             workers.append(RouterWorker(entry["id"], entry["url"],
                                         bool(entry.get("is_healthy", False))))
         return workers
+
+    def urls(self) -> set[str]:
+        """The normalized URLs of the workers listed."""
+        return {normalize_url(w.url) for w in self.workers()}
 
     def add(self, url: str) -> None:
         """Ask the router to register ``url`` (normalized); it does so in the background."""
