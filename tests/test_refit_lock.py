@@ -117,9 +117,9 @@ def test_lock_commit_abort_and_wedged_restart_against_real_nodes(
             assert held is not None and held.status == "error"
             assert "trainer-a" in str(held.reason) and held.result["holder"] == "trainer-a"
 
-            ok(client.call("refit_commit", args={"token": token, "version": "v1",
-                                                 "members": members(taken)}))
-            ok(client.call("refit_release", args={"token": token}))
+            committed = ok(client.call("refit_commit", args={
+                "token": token, "version": "v1", "members": members(taken), "release": True}))
+            assert committed["released"] == token   # the lock too, in the same call
             view = engines_of(client.fleet())
             assert {(e["weight_version"], e["serving"]) for e in view.values()} == {("v1", True)}
             wait_for(lambda: not any(e["paused"] for e in engines_of(client.fleet()).values()),

@@ -31,8 +31,10 @@ def test_the_group_is_kept_while_membership_holds_and_rebuilt_when_it_changes(
     with fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
         refit.update_weights(weights(1))
     first = fleet.weight_group
-    with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:
-        refit.update_weights(weights(2), flattened=True)
+    with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:   # two updates, one session
+        named = list(weights(2))
+        refit.update_weights(named[:2], flattened=True)
+        refit.update_weights(named[2:])
     assert fleet.weight_group is first                  # same members: same group
     victim = by_name(fleet)["node0/e0"]
     assert victim.pid is not None

@@ -84,6 +84,7 @@ class Refit:
         self.token: int | None = None
         self.deadline = 0.0
         self.committed = False
+        self.released = False   # the commit releases the lock too
         self._lost: dict[Member, str] = {}     # member -> why
         self._lease_lost: str | None = None
         self._expired = False
@@ -151,21 +152,22 @@ class Refit:
         """Broadcast `named_tensors` (in that order) to every member over the weight-update
         group, built first if the membership changed since the last refit."""
         self._check()
-        if not self._paused:
-            self._paused = True   # first: whatever fails, the members are continued
-            self._each("pause_generation", lambda url: engine_calls.post(
-                url, "/pause_generation", {"mode": self.pause_mode}, self._call_timeout()))
         group = self._ensure_group()
-        kwargs: dict[str, Any] = {"weight_version": self.version, "flattened": flattened}
+        kwargs: dict[str, Any] = {"weight_version": self.version, "flattened": flattened,
+                                  "keep_session": True}   # ended by the commit
         if bucket_bytes is not None:
             kwargs["bucket_bytes"] = bucket_bytes
+        if not self._paused:   # generation paused in the same round trip as the session begun
+            self._paused = True   # whatever fails from here, the members are continued
+            kwargs["before"] = ("/pause_generation", {"mode": self.pause_mode})
         group.update_weights(named_tensors, **kwargs)
         self._version_sent = True   # with the last bucket: every member reports it now
         self._check()
 
     def commit(self) -> None:
         """Commit now (leaving the block does it otherwise): set the version on every member,
-        read it back, record it at the coordinator. For frameworks that moved the weights
+        continue their generation, read the version back, record it at the coordinator and
+        release the lock (one call). For frameworks that moved the weights
         themselves (e.g. CUDA IPC to colocated engines) this is the whole of the refit."""
         if self.committed:
             return
@@ -175,21 +177,40 @@ class Refit:
             self._each("update_weight_version", lambda url: engine_calls.post(
                 url, "/update_weight_version",
                 {"new_version": self.version, "abort_all_requests": False}, timeout))
-        self._continue_generation()
+        paused, self._paused = self._paused, False
+        group = self._group if self._version_sent else None
+        in_group = {m.url: m for m in group.members} if group is not None else {}
+        reported: dict[str, str | None] = {}
+
+        def close(url: str) -> None:   # one round trip: session ended, generation continued,
+            failed: RolloutWatchdogError | None = None   # the version read back
+            if group is not None and url in in_group:
+                try:
+                    group.end_session(in_group[url])
+                except RolloutWatchdogError as exc:
+                    failed = exc
+            if paused:
+                self._continue(url, timeout)
+            if failed is not None:
+                raise failed
+            reported[url] = engine_calls.weight_version(url, timeout)
+
+        errors = engine_calls.on_each([str(e.url) for e in self.engines], close)
         wrong: list[tuple[EngineView, str]] = []
         for engine in self.engines:
-            try:
-                got = engine_calls.weight_version(str(engine.url), timeout)
-            except RolloutWatchdogError as exc:
-                wrong.append((engine, str(exc)))
-                continue
-            if got != self.version:
-                wrong.append((engine, f"reports weight_version {got!r}"))
+            url = str(engine.url)
+            if url in errors:
+                wrong.append((engine, errors[url]))
+            elif reported.get(url) != self.version:
+                wrong.append((engine, f"reports weight_version {reported.get(url)!r}"))
         ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
         self._check()   # a death or the deadline during the checks: no commit
-        self._call("refit_commit", {"version": self.version,
+        self._call("refit_commit", {"version": self.version, "release": True,
                                     "members": [[e.node_id, e.id, e.incarnation] for e in ok]})
-        self.committed = True
+        self.committed = self.released = True
+        if wrong and group is not None:   # not reused with a member in an unknown state
+            set_cached_group(self.client, None)
+            group.destroy(skip=[in_group[str(e.url)] for e, _ in wrong if str(e.url) in in_group])
         if wrong:
             for engine, why in wrong:
                 self._lost[_member(engine)] = why
@@ -422,7 +443,7 @@ class Refit:
         within GUARD_POLL_S, and past a commit or an abort it can change nothing."""
         self._stop.set()
         self._guard = None
-        if self.token is not None and not self._lease_lost:
+        if self.token is not None and not self._lease_lost and not self.released:
             try:
                 self._call("refit_release", {})
             except RolloutWatchdogError as exc:
@@ -433,26 +454,26 @@ class Refit:
         """Let the members that are not lost generate again (a wedged one would not answer)."""
         if self._paused:
             self._paused = False
-            self._each("continue_generation", lambda url: engine_calls.post(
-                url, "/continue_generation", {}, self._call_timeout()), strict=False,
-                members=[e for e in self.engines if _member(e) not in self._lost])
+            timeout = self._call_timeout()
+            members = [str(e.url) for e in self.engines if _member(e) not in self._lost]
+            engine_calls.on_each(members, lambda url: self._continue(url, timeout))
 
-    def _each(self, what: str, call: Callable[[str], Any], strict: bool = True,
-              members: list[EngineView] | None = None) -> None:
-        """Run `call(url)` on every member (or `members`) concurrently; with `strict`, one
-        that fails is lost."""
-        members = self.engines if members is None else members
-        errors = engine_calls.on_each([str(e.url) for e in members], call)
-        for engine in members:
+    def _continue(self, url: str, timeout_s: float) -> None:
+        """Continue generation on one member; a failure is logged (the member is not lost for
+        it: its weights are what counts)."""
+        try:
+            engine_calls.post(url, "/continue_generation", {}, timeout_s)
+        except RolloutWatchdogError as exc:
+            log.warning("refit %r: continue_generation: %s", self.version, exc)
+
+    def _each(self, what: str, call: Callable[[str], Any]) -> None:
+        """Run `call(url)` on every member concurrently; one that fails is lost."""
+        errors = engine_calls.on_each([str(e.url) for e in self.engines], call)
+        for engine in self.engines:
             error = errors.get(str(engine.url))
             if error is not None:
-                if strict:
-                    self._lost.setdefault(_member(engine), f"{what}: {error}")
-                else:
-                    log.warning("refit %r: %s on %s: %s", self.version, what, engine.name,
-                                error)
-        if strict:
-            self._check()
+                self._lost.setdefault(_member(engine), f"{what}: {error}")
+        self._check()
 
     def _call_timeout(self) -> float:
         return max(0.1, min(CALL_TIMEOUT_S, self.deadline - time.monotonic()))
