@@ -31,6 +31,7 @@ out per request. Verbs: endpoints, emit, flip, outbox, stats, stop.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import random
 import resource
@@ -121,10 +122,11 @@ class SimNode:
         if cmd != "pause":
             raise CommandError(f"unknown command {cmd!r} (simulated node)")
         deadline = self.clock.wall() + float(args.get("deadline_s", 600))
-        for i in ids:
-            if not self.engines[i]["paused"]:
-                self.emit(i, "paused", detail="deep probes paused")
+        for i in ids:   # as the daemon does: the status changes, then the event goes with it
+            fresh = not self.engines[i]["paused"]
             self.engines[i].update(paused=True, pause_deadline=deadline)
+            if fresh:
+                self.emit(i, "paused", detail="deep probes paused")
         result = {"paused": ids, "deadline": deadline}
         if self.rng.random() >= PROBE_IN_FLIGHT_SHARE:
             return result
@@ -317,5 +319,9 @@ def worker_main(pipe: Connection, endpoint: str, first: int, count: int, engines
                 seed: int, control: bool) -> None:
     """A worker process: build the nodes, say "ready", serve the loop until "stop"."""
     worker = Worker(endpoint, first, count, engines, seed, control)
+    # One process holds the state of hundreds of nodes: a full collection of its cyclic GC
+    # would stall all of them at once (hundreds of ms), which no real node's daemon does.
+    # The nodes' long-lived state is kept out of it; young objects are collected as usual.
+    gc.freeze()
     pipe.send("ready")
     worker.run(pipe)

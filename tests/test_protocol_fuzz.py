@@ -172,6 +172,26 @@ def test_a_bad_event_in_a_batch_refuses_the_batch_naming_it(batch: list[Event], 
         raise AssertionError("a batch with a bad event was accepted")
 
 
+@FAST
+@given(events, st.one_of(json_values, st.lists(st.one_of(
+    st.integers(-1, 3), st.booleans(), st.floats(0, 2)), max_size=3)))
+def test_an_event_in_a_batch_is_judged_as_it_would_be_alone(event: Event, version: Any) -> None:
+    """The batch's quick envelope check agrees with a lone event's full one, error included."""
+    inner = {**event.to_json(), "v": version}
+    alone: Any
+    try:
+        alone = decode(json.dumps(inner).encode())
+    except ProtocolError as exc:
+        alone = f"events[0]: {exc}"
+    data = json.dumps({"v": [MAJOR, 1], "kind": "events", "events": [inner]}).encode()
+    try:
+        batched: Any = decode(data)
+    except ProtocolError as exc:
+        assert str(exc) == alone
+    else:
+        assert batched.events == [alone]
+
+
 def test_an_empty_batch_is_refused() -> None:
     for empty in ([], None, {}):
         data = json.dumps({"v": [MAJOR, 1], "kind": "events", "events": empty}).encode()

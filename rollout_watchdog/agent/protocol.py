@@ -181,13 +181,20 @@ class Event(_Message):
     engine_status: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        status = self.engine_status
+        if (type(self.node_id) is str and self.node_id and type(self.boot) is str and self.boot
+                and type(self.seq) is int and 1 <= self.seq < _INT_LIMIT
+                and type(self.event) is dict
+                and (status is None or (type(status) is dict and type(status.get("id")) is str
+                                        and status["id"]))):
+            return   # the common case, checked in one go (the coordinator's hot path)
         _check_str(self.KIND, "node_id", self.node_id)
         _check_str(self.KIND, "boot", self.boot)
         _check_int(self.KIND, "seq", self.seq, 1)
         _check_object(self.KIND, "event", self.event)
-        if self.engine_status is not None:
-            _check_object(self.KIND, "engine_status", self.engine_status)
-            _check_str(self.KIND, "engine_status.id", self.engine_status.get("id"))
+        if status is not None:
+            _check_object(self.KIND, "engine_status", status)
+            _check_str(self.KIND, "engine_status.id", status.get("id"))
 
 
 @dataclass(frozen=True)
@@ -217,13 +224,23 @@ class Events(_Message):
         events = []
         for i, item in enumerate(raw):
             try:
-                message = from_json(item)
+                message = Event.from_json(item) if _is_event_envelope(item) else from_json(item)
             except ProtocolError as exc:
                 raise ProtocolError(f"events[{i}]: {exc}") from None
             if not isinstance(message, Event):
                 raise ProtocolError(f"events[{i}]: an {message.KIND!r} message, not an event")
             events.append(message)
         return cls(events)
+
+
+def _is_event_envelope(item: object) -> bool:
+    """Whether `item` plainly has an event's envelope (the common case, checked quickly;
+    anything else gets from_json's full check and its exact error)."""
+    if type(item) is not dict or item.get("kind") != Event.KIND:
+        return False
+    version = item.get("v")
+    return (type(version) is list and len(version) == 2 and version[0] == MAJOR
+            and type(version[0]) is int and type(version[1]) is int and version[1] >= 0)
 
 
 @dataclass(frozen=True)
@@ -353,7 +370,7 @@ KINDS: dict[str, type[Message]] = {
 def encode(msg: Message) -> bytes:
     """One frame for `msg`; ProtocolError if it holds something JSON cannot carry or is too big."""
     try:
-        text = json.dumps(msg.to_json(), allow_nan=False, separators=(",", ":"))
+        text = _ENCODER.encode(msg.to_json())
     except (TypeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"{msg.KIND}: cannot encode: {exc}") from None
     data = text.encode("ascii")  # ensure_ascii: lone surrogates stay valid as escapes
@@ -377,6 +394,8 @@ def _parse_constant(text: str) -> Any:
 # One decoder, built once (json.loads with hooks builds one per call). Floats are checked as
 # they are parsed: 1e999 would otherwise become infinity, which JSON cannot carry onwards.
 _DECODER = json.JSONDecoder(parse_float=_parse_float, parse_constant=_parse_constant)
+# Messages are made by this package: no cycles to look for (a RecursionError says so anyway).
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), check_circular=False)
 
 
 def from_json(obj: object) -> Message:
