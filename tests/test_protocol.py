@@ -184,3 +184,16 @@ def test_constructing_an_invalid_message_is_refused_too() -> None:
         Ack(boot="b", seq=-1)
     with pytest.raises(ProtocolError, match="must be a resume point"):
         Subscribe(resume={"n1": {"boot": "b", "seq": 1}})  # type: ignore[dict-item]
+
+
+def test_the_event_s_own_json_mapping_is_the_generic_one() -> None:
+    """Event writes its to_json/from_json out (the hot path); they must say what the generic
+    mapping of its fields says, so a field added later cannot be dropped on the wire."""
+    from rollout_watchdog.agent.protocol import _Message
+    event = Event("n1", "boot-1", 7, EVENT, ENGINE)
+    assert event.to_json() == _Message.to_json(event)
+    assert Event.from_json(event.to_json()) == _Message.from_json.__func__(Event, event.to_json())
+    for missing in ("node_id", "boot", "seq", "event"):
+        obj = {k: v for k, v in event.to_json().items() if k != missing}
+        with pytest.raises(ProtocolError, match=f"event: missing required field '{missing}'"):
+            decode(json.dumps(obj).encode())

@@ -310,17 +310,21 @@ class Coordinator:
         as the node's frame when all are new (one ACK for all, as for any turn's events)."""
         new: list[protocol.Event] = []
         restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
+        taken = False
         for event in msg.events:
             try:
                 fresh, own = self.view.event(event, peer, now, wall)
             except Refused as exc:
                 self._bad(exc.reason, str(exc))
                 continue
-            self._own_events(own)
-            self._acks.add(peer)
+            taken = True
+            if own:
+                self._own_events(own)
             if fresh:   # restarts decided in turn, as for single events; sent after the relay
                 new.append(event)
                 restarts += [(event, target) for target in self._restarts(peer, event)]
+        if taken:
+            self._acks.add(peer)
         if len(new) == len(msg.events) and _reencodes_small(frame):
             for item in batch_items(new, frame):   # kept together: relayed as it came
                 self._relay(item)

@@ -196,6 +196,20 @@ class Event(_Message):
             _check_object(self.KIND, "engine_status", status)
             _check_str(self.KIND, "engine_status.id", status.get("id"))
 
+    # The two below are _Message's, written out: every event passes through them.
+    def to_json(self) -> dict[str, Any]:
+        return {"v": list(VERSION), "kind": self.KIND, "node_id": self.node_id,
+                "boot": self.boot, "seq": self.seq, "event": self.event,
+                "engine_status": self.engine_status}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Event:
+        try:
+            return cls(obj["node_id"], obj["boot"], obj["seq"], obj["event"],
+                       obj.get("engine_status"))
+        except KeyError as exc:   # the first missing one, in field order, as _Message says
+            raise ProtocolError(f"{cls.KIND}: missing required field {exc.args[0]!r}") from None
+
 
 @dataclass(frozen=True)
 class Events(_Message):
