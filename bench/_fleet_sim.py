@@ -126,7 +126,7 @@ class SimNode:
             fresh = not self.engines[i]["paused"]
             self.engines[i].update(paused=True, pause_deadline=deadline)
             if fresh:
-                self.emit(i, "paused", detail="deep probes paused")
+                self.emit(i, "paused", detail="deep probes paused", extra={"deadline": deadline})
         result = {"paused": ids, "deadline": deadline}
         if self.rng.random() >= PROBE_IN_FLIGHT_SHARE:
             return result

@@ -190,9 +190,14 @@ def test_commands_fan_out_and_name_what_failed(make_node: Callable[..., Node],
     paused = client.call("pause", args={"all": True})
     assert paused is not None and paused.status == "ok", paused
     assert set(paused.result["nodes"]) == {"node0", "node1"}
-    assert all(engine["paused"] for engine in engines_of(client.fleet()).values())
+    # Pause events come without the engine's status: the view takes what they say.
+    deadlines = {n: r["result"]["deadline"] for n, r in paused.result["nodes"].items()}
+    view = engines_of(client.fleet())
+    assert all(e["paused"] and e["pause_deadline"] == deadlines[name.split("/")[0]]
+               for name, e in view.items()), view
     resumed = client.call("resume", args={"all": True})
     assert resumed is not None and resumed.status == "ok"
+    assert not any(e["paused"] or e["pause_deadline"] for e in engines_of(client.fleet()).values())
 
     before = engines_of(client.fleet())["node0/e0"]["incarnation"]
     restarted = client.call("restart", node="node0", engine="e0")

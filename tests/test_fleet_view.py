@@ -150,16 +150,19 @@ def test_engine_status_replaces_the_engine_entry() -> None:
 
 
 def test_an_event_without_engine_status_updates_what_it_says() -> None:
-    """An older node sends bare events: the state and pause they report still show."""
+    """Bare events (an older node's, and pause events): the state and pause they report show."""
     view = FleetView()
     joined(view, "n1")
     view.event(state_event("n1", 1, "e0", "healthy", "suspect", "probe_failed"), "n1",
                T0, WALL0)
     paused = {"ts": WALL0, "node_id": "n1", "engine": "e0", "incarnation": 1,
               "kind": "paused", "from": None, "to": None, "cause": None, "detail": ""}
-    view.event(Event("n1", "b1", 2, paused), "n1", T0, WALL0)
+    view.event(Event("n1", "b1", 2, {**paused, "deadline": WALL0 + 60}), "n1", T0, WALL0)
     (e0,) = view.status()["nodes"][0]["engines"]
-    assert (e0["state"], e0["paused"]) == ("suspect", True)
+    assert (e0["state"], e0["paused"], e0["pause_deadline"]) == ("suspect", True, WALL0 + 60)
+    view.event(Event("n1", "b1", 3, {**paused, "kind": "pause_expired"}), "n1", T0, WALL0)
+    (e0,) = view.status()["nodes"][0]["engines"]
+    assert (e0["paused"], e0["pause_deadline"]) == (False, None)
 
 
 # ---------------------------------------------------------------------- silence

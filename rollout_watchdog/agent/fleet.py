@@ -199,7 +199,8 @@ class FleetView:
 
 def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None:
     """Bring one engine's entry up to date: the status the node sent along replaces it; an
-    event without one (an older node) updates what the event itself says."""
+    event without one (a pause event, or any event of an older node) updates what the event
+    itself says."""
     if msg.engine_status is not None:
         engines[msg.engine_status["id"]] = dict(msg.engine_status)
         return
@@ -212,8 +213,9 @@ def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None
     kind = event.get("kind")
     if kind == "state" and isinstance(event.get("to"), str):
         engine["state"] = event["to"]
-    elif kind in ("paused", "resumed", "pause_expired"):
+    elif kind in protocol.PAUSE_KINDS:   # sent without a status: they say all they change
         engine["paused"] = kind == "paused"
+        engine["pause_deadline"] = event.get("deadline") if kind == "paused" else None
 
 
 def engine_view(engine: dict[str, Any], reachable: bool) -> dict[str, Any]:

@@ -140,7 +140,8 @@ class NodeLink:
     def on_event(self, event: Event) -> None:
         """A subscriber of the node's publish point: every event goes to the outbox."""
         self.seq += 1
-        status = self._engine_status(event.engine) if event.engine is not None else None
+        status = None if event.engine is None or event.kind in protocol.PAUSE_KINDS \
+            else self._engine_status(event.engine)
         message = protocol.Event(self.node_id, self.boot, self.seq, event.to_json(), status)
         self.outbox.append(message)
         if len(self.outbox) > self.outbox_limit:

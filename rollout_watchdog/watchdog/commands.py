@@ -192,7 +192,8 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
         engine.paused = Pause(deadline, clock.monotonic() + deadline_s)
         engine.progress_tokens = None  # paused generation is not a stall
         if fresh:
-            node.emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s")
+            node.emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s",
+                      deadline=deadline)
     node.dirty = True
 
     def inflight() -> list[str]:
