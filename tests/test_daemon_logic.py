@@ -56,6 +56,23 @@ def test_pause_is_acknowledged_only_after_the_inflight_probe(tmp_path: Path) -> 
     assert result is not None and result["paused"] == ["e0"]
 
 
+def test_a_pause_never_shortens_one_in_place(tmp_path: Path) -> None:
+    """finish_generation's long pause, then a refit's shorter one: the longer holds (the
+    engine may have no KV cache until prepare_for_generation); a longer pause extends it, and
+    resume ends it whatever its deadline."""
+    daemon = make_daemon(tmp_path)
+    engine = healthy(daemon)
+    run_command(daemon, "pause", engine="e0", deadline_s=600.0, wait_s=0.0).poll()
+    assert engine.paused is not None
+    long = engine.paused
+    run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0).poll()
+    assert engine.paused == long
+    run_command(daemon, "pause", engine="e0", deadline_s=900.0, wait_s=0.0).poll()
+    assert engine.paused.expires > long.expires
+    run_command(daemon, "resume", engine="e0")
+    assert engine.paused is None
+
+
 def test_late_probe_result_of_an_abandoned_probe_is_ignored(tmp_path: Path) -> None:
     daemon = make_daemon(tmp_path)
     engine = healthy(daemon)

@@ -175,7 +175,9 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     args: {"engine": ID} or {"all": true}, optional "deadline_s" (default 600), optional
     "wait_s": how long to wait for in-flight probes before answering with an error (the pause
     stays recorded). Answered only once no probe of those engines is in flight, so no probe
-    can overlap a release_memory_occupation that follows. Liveness is never paused.
+    can overlap a release_memory_occupation that follows. Liveness is never paused. A pause
+    never shortens one already in place (the later deadline holds: a refit's pause must not
+    cut short `finish_generation`'s, whose engine may have no KV cache yet); `resume` ends both.
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
     deadline_s = _number(args, "deadline_s", DEFAULT_PAUSE_S)
@@ -186,10 +188,12 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     ids = engine_ids(node, args)
     clock = node.clock
     deadline = clock.wall() + deadline_s
+    expires = clock.monotonic() + deadline_s
     for engine_id in ids:
         engine = node.engines[engine_id]
         fresh = engine.paused is None
-        engine.paused = Pause(deadline, clock.monotonic() + deadline_s)
+        if engine.paused is None or engine.paused.expires < expires:
+            engine.paused = Pause(deadline, expires)
         engine.progress_tokens = None  # paused generation is not a stall
         if fresh:
             node.emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s",
