@@ -57,6 +57,14 @@ class Engines:
             wait_until(functools.partial(ready, url), 60.0, what=f"emulator {url} ready")
         return urls
 
+    def start_booting(self, boot_s: float) -> str:
+        """One engine still booting for ``boot_s`` (its /health fails until then); at once."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        self.procs[url] = start_emulator(port, "--weight-version", "v1", "--startup-delay",
+                                         str(boot_s), wait="none")
+        return url
+
     def kill(self, url: str) -> None:
         stop_emulator(self.procs[url])
 
@@ -193,6 +201,23 @@ def test_killed_engine_leaves_router_and_survivors_serve(
         status, body = http_request(f"{router.url}/generate", "POST", PROMPT, timeout=30.0)
         assert status == 200, body[:300]
         assert b'"weight_version": "v1"' in body
+
+
+def test_a_pending_registration_is_not_doubled_and_a_removal_holds(
+        router: Router, engines: Engines, make_sync: Callable[..., RouterSync]) -> None:
+    """The router registers a worker in the background, once its /health passes, and a DELETE
+    does not cancel that. An engine still booting is posted once (not every retry_s while the
+    router does not list it yet), and after its removal the sync is in sync only once a listing
+    shows it gone: nothing re-adds it later."""
+    booting = engines.start_booting(1.5)
+    sync = make_sync(router.url)   # retry_s 0.2: seven retries within the boot
+    sync.set_desired({booting: None})
+    sync.start()
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert sync.status()["adds"] == 1, sync.status()
+    sync.set_desired({})
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert listed_urls(RouterClient(router.url)) == set()
 
 
 def test_router_killed_and_restarted_reconverges(router: Router, engines: Engines,

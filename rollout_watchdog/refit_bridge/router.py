@@ -52,8 +52,12 @@ class RouterError(RolloutWatchdogError):
 
 
 # The flags of the module docstring, with a round-robin policy and quiet logs.
+# How long the router's background job for one POST /workers may stay pending (its
+# --worker-startup-timeout-secs): a DELETE does not cancel it, so it must not be doubled.
+WORKER_STARTUP_TIMEOUT_S = 10
 LAUNCH_FLAGS = ("--policy", "round_robin", "--disable-health-check",
-                "--worker-startup-timeout-secs", "10", "--log-level", "warn")
+                "--worker-startup-timeout-secs", str(WORKER_STARTUP_TIMEOUT_S),
+                "--log-level", "warn")
 
 
 def launch_argv(host: str, port: int, prometheus_port: int) -> list[str]:

@@ -11,7 +11,11 @@ listing, a worker the router lists that is not desired is removed, whoever added
   read or addition that was queued.
 - An engine is added only once the weight_version it reports itself (GET /model_info) equals
   the version it must hold; a failed read or addition is retried every ``retry_s`` while the
-  engine is still desired. A newer set_desired supersedes what the thread was doing.
+  engine is still desired. A newer set_desired supersedes what the thread was doing. An
+  engine the router accepted is not posted again for ``registration_s`` (the router's
+  --worker-startup-timeout-secs): its registration runs in the background, a DELETE does not
+  cancel it, and a second one could re-add an engine removed in between.
+- In sync means a listing made after the last removal shows exactly the desired set.
 - The router is listed again every ``resync_s`` when in sync (a restarted router comes back
   empty, a stray worker appears), every ``retry_s`` otherwise, and quickly after an addition
   until it shows up. A router that is down loses nothing: the desired set is kept and applied
@@ -28,6 +32,7 @@ from typing import Any
 import requests
 
 from rollout_watchdog.refit_bridge.router import (
+    WORKER_STARTUP_TIMEOUT_S,
     RouterClient,
     RouterError,
     RouterWorker,
@@ -65,14 +70,17 @@ class RouterSync:
     """
 
     def __init__(self, url: str, read_weight_version: VersionReader | None = None,
-                 timeout_s: float = 5.0, retry_s: float = 1.0, resync_s: float = 5.0) -> None:
-        for name, value in (("retry_s", retry_s), ("resync_s", resync_s)):
+                 timeout_s: float = 5.0, retry_s: float = 1.0, resync_s: float = 5.0,
+                 registration_s: float = WORKER_STARTUP_TIMEOUT_S) -> None:
+        for name, value in (("retry_s", retry_s), ("resync_s", resync_s),
+                            ("registration_s", registration_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value!r}")
         self._client = RouterClient(url, timeout_s)
         self._read = read_weight_version or self._default_reader
         self._retry_s = retry_s
         self._resync_s = resync_s
+        self._registration_s = registration_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when the listing changes
         self._wake = threading.Event()
@@ -88,7 +96,8 @@ class RouterSync:
         self._removes = 0
         # Thread-only:
         self._next_try: dict[str, float] = {}  # URL -> monotonic time of its next add attempt
-        self._confirm_until = 0.0  # list again soon until then: an addition was just posted
+        self._confirm_until = 0.0  # list again soon until then: a change was just posted
+        self._deleted: set[str] = set()  # worker ids removed since the last listing
         self._step_failed = False
 
     @property
@@ -179,6 +188,7 @@ class RouterSync:
         except RouterError as exc:
             self._fail_router(exc)
             return
+        self._deleted.clear()   # whatever this listing still shows is removed again
         to_add, to_remove = reconcile(desired, listed)
         with self._lock:
             self._listed, self._reachable = listed, True
@@ -197,17 +207,20 @@ class RouterSync:
                 self._last_error = None
 
     def _remove(self, workers: list[RouterWorker]) -> bool:
-        """DELETE each worker; False (error recorded) at the first failure."""
+        """DELETE each worker (once per listing); False (error recorded) at the first failure.
+        In sync again only once a later listing shows them gone."""
         for worker in workers:
+            if worker.id in self._deleted:
+                continue
             try:
                 removed = self._client.delete(worker.id)
             except RouterError as exc:
                 self._fail_router(exc)
                 return False
+            self._deleted.add(worker.id)
+            self._confirm_until = time.monotonic() + self._retry_s
             with self._lock:
                 self._removes += removed
-                if self._listed is not None:
-                    self._listed = [w for w in self._listed if w.id != worker.id]
                 self._changed.notify_all()
         return True
 
@@ -237,7 +250,7 @@ class RouterSync:
         with self._lock:
             self._adds += 1
             self._pending.pop(engine_url, None)
-        self._next_try[engine_url] = time.monotonic() + self._retry_s
+        self._next_try[engine_url] = time.monotonic() + self._registration_s
         self._confirm_until = time.monotonic() + self._retry_s
 
     def _next_wait(self) -> float:
@@ -262,6 +275,8 @@ class RouterSync:
                 self._pending[engine_url] = why
 
     def _fail_router(self, exc: RouterError) -> None:
+        if exc.status is None:   # no answer: a router that went down lost its registrations
+            self._next_try.clear()
         self._fail(str(exc), reachable=exc.status is not None)
 
     def _fail(self, error: str, reachable: bool | None = None) -> None:
