@@ -209,3 +209,29 @@ def test_the_rendezvous_address_is_toward_the_coordinator_unless_only_the_engine
     remote = ["http://127.0.0.1:30000", "http://10.255.255.1:30000"]
     assert master_address_for("tcp://127.0.0.1:5555", remote) \
         == address_toward("http://10.255.255.1:30000")
+
+
+def test_the_holder_timeout_is_set_on_the_command_line(tmp_path: Path) -> None:
+    """`coordinator --holder-timeout 1`: a holder that goes silent loses the lock after 1 s of
+    silence (said in the coordinator's log), long before its 600 s lease ends."""
+    from fleet_harness import start_coordinator_process
+
+    log = tmp_path / "coordinator.log"
+    coord = start_coordinator_process(f"tcp://127.0.0.1:{free_port()}", ["--holder-timeout", "1"],
+                                      log_path=log)
+    try:
+        gone = Peer(coord.endpoint)
+        ok(gone.call("refit_acquire", args={"holder": "trainer-a", "version": "v1",
+                                            "lease_s": 600}))
+        gone.close()   # no renewal from now on
+        late = Peer(coord.endpoint)
+        try:
+            def taken() -> bool:
+                reply = late.call("refit_acquire", args={"holder": "trainer-b", "version": "v1"})
+                return reply is not None and reply.status == "ok"
+            wait_for(taken, 30, "the silent holder's lock released")
+        finally:
+            late.close()
+        assert "holder was silent for 1 s" in log.read_text()
+    finally:
+        coord.cleanup()

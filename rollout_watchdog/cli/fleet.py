@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from rollout_watchdog.cli.client import ControlError
 from rollout_watchdog.cli.render import event_line, fleet_table, result_line
+from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 
 if TYPE_CHECKING:
     from rollout_watchdog.agent.client import FleetClient
@@ -130,7 +131,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator = Coordinator(bind=args.bind, keys=args.keys, insecure=args.insecure,
                                   router_url=args.router_url, state_dir=args.state_dir,
-                                  node_timeout_s=args.node_timeout)
+                                  node_timeout_s=args.node_timeout,
+                                  holder_timeout_s=args.holder_timeout)
         return int(coordinator.run())
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
         print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
@@ -152,6 +154,9 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "keep a journal of relayed events here, so a restart loses none a client lacks"))
     p.add_argument("--node-timeout", type=seconds, default=5.0, metavar="S",
                    help="seconds of silence after which a node is unreachable (default 5)")
+    p.add_argument("--holder-timeout", type=seconds, default=HOLDER_TIMEOUT_S, metavar="S",
+                   help="seconds of silence after which the refit lock's holder is taken for "
+                        f"gone and the lock released (default {HOLDER_TIMEOUT_S:g})")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object a line (default: text)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
