@@ -12,7 +12,8 @@ import pytest
 from daemon_harness import EngineSpec, Node
 from refit_harness import all_healthy, by_name, generate, start_fleet, weights
 
-from rollout_watchdog import Coordinator, FleetClient
+from rollout_watchdog import Coordinator, EngineLost, FleetClient
+from rollout_watchdog.emulator.testing import http_request
 
 pytest.importorskip("torch")
 
@@ -83,6 +84,8 @@ def test_frameworks_that_move_weights_themselves_only_commit_and_the_hooks_pause
         assert {e.name for e in refit.engines} == {"node0/e0", "node0/e1"}
         refit.commit()          # the weights went over CUDA IPC, say: only the version is ours
         assert refit.committed
+        with pytest.raises(RuntimeError, match="committed"):   # nothing after the commit
+            refit.update_weights(weights(1))
     assert fleet.weight_group is None                   # no group was built
     engines = by_name(fleet)
     assert {(e.weight_version, e.serving) for e in engines.values()} == {("ipc-1", True)}
@@ -91,3 +94,29 @@ def test_frameworks_that_move_weights_themselves_only_commit_and_the_hooks_pause
     assert all(e.paused for e in fleet.engines())
     fleet.prepare_for_generation()                      # ... until the rollout comes back
     assert not any(e.paused for e in fleet.engines())
+
+
+def test_a_member_failing_the_read_back_is_lost_and_the_others_commit(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    """One member reports another version at the commit's read-back: EngineLost names it, the
+    others commit, the group is not kept (a member in an unknown state), the lock is released
+    in the commit's own call, and the next refit rebuilds the group and takes everyone."""
+    fleet = FleetClient(coordinator.endpoint)
+    start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+    fleet.wait_until(all_healthy(2), 90)
+    with pytest.raises(EngineLost) as lost, \
+            fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
+        refit.update_weights(weights(1))
+        odd = next(e for e in refit.engines if e.id == "e1")
+        status, _ = http_request(f"{odd.url}/update_weight_version", "POST",
+                                 {"new_version": "elsewhere"})
+        assert status == 200
+    assert lost.value.lost == [("node0", "e1", odd.incarnation)]
+    assert "the others committed" in str(lost.value)
+    assert fleet.weight_group is None
+    engines = by_name(fleet)
+    assert (engines["node0/e0"].weight_version, engines["node0/e0"].serving) == ("v1", True)
+    assert not engines["node0/e1"].serving
+    with fleet.refit("v2", backend="gloo", timeout_s=20) as refit:   # the lock is free
+        refit.update_weights(weights(2))
+    assert {(e.weight_version, e.serving) for e in fleet.engines()} == {("v2", True)}

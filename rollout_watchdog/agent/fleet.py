@@ -214,8 +214,9 @@ def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None
     if kind == "state" and isinstance(event.get("to"), str):
         engine["state"] = event["to"]
     elif kind in protocol.PAUSE_KINDS:   # sent without a status: they say all they change
-        engine["paused"] = kind == "paused"
-        engine["pause_deadline"] = event.get("deadline") if kind == "paused" else None
+        paused = kind in ("paused", "pause_extended")
+        engine["paused"] = paused
+        engine["pause_deadline"] = event.get("deadline") if paused else None
 
 
 def engine_view(engine: dict[str, Any], reachable: bool) -> dict[str, Any]:

@@ -22,9 +22,10 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                `events --json` prints), engine_status? (the engine's object of `status --json`
                right after the event, so the fleet view needs no snapshot to stay exact). A
                node keeps it until acknowledged. A node leaves engine_status out of the
-               PAUSE_KINDS events, which say all that they change: "paused" sets `paused` and
-               `pause_deadline` (the event's `deadline`), "resumed" and "pause_expired" clear
-               them (a fleet-wide pause is 8,000 of these, at half the bytes).
+               PAUSE_KINDS events, which say all that they change: "paused" and
+               "pause_extended" set `paused` and `pause_deadline` (the event's `deadline`),
+               "resumed" and "pause_expired" clear them (a fleet-wide pause is 8,000 of these,
+               at half the bytes).
     events     (1.1) node -> coordinator -> client: events (a non-empty list of "event"
                messages, each a whole message with its own "v" and "kind", as it would be
                sent alone), in order. It stands for its events sent one by one: each is
@@ -68,7 +69,7 @@ MAX_MESSAGE_BYTES = 1 << 20
 BATCH_EVENTS = 32
 BATCH_BYTES = 64 << 10
 _INT_LIMIT = 1 << 63
-PAUSE_KINDS = ("paused", "resumed", "pause_expired")
+PAUSE_KINDS = ("paused", "pause_extended", "resumed", "pause_expired")
 STATUSES = ("ok", "error")
 
 

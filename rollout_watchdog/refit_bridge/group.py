@@ -196,7 +196,6 @@ class WeightUpdateGroup:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        weight_version: str | None = None,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, flattened: bool = False,
-                       before: tuple[str, dict[str, Any]] | None = None,
                        keep_session: bool = False) -> None:
         """Send the tensors to every member in buckets (each member's update call sent, then the
         trainer's broadcasts in ``names`` order, then every answer awaited). ``weight_version``
@@ -206,9 +205,7 @@ class WeightUpdateGroup:
         ``FlattenedTensorBucket`` lays them out).
         On 0.5.21+ servers the whole update is bracketed by begin/end_weight_update. With
         ``keep_session`` the session stays open, for more updates, until every member's
-        end_session() (a refit ends it in the same round trip as its commit's other calls).
-        ``before``: a ``(path, body)`` POST every member gets before a session begins, in the
-        same request thread (the refit pauses generation so: one round trip fewer)."""
+        end_session() (a refit ends it in the same round trip as its commit's other calls)."""
         if self._abort_reason is not None:
             raise GroupAborted(self._abort_reason, [])
         if self._pg is None:
@@ -222,28 +219,29 @@ class WeightUpdateGroup:
         if not self._in_session:
             self._in_session = set(self.members)
             self._open_sessions = [m for m in self.members if self.session[m]]
-            opening = [before] if before is not None else []
-            begin: list[tuple[str, dict[str, Any]]] = [("/begin_weight_update", {})]
-            self._quick_all({m: opening + (begin if self.session[m] else [])
-                             for m in self.members}, "begin_weight_update")
+            self._quick_all(self._open_sessions, "/begin_weight_update")
         for bucket, last in itertools.chain([first], runs):
             self._send_bucket(bucket, weight_version if last else None, last, flattened)
         if not keep_session:
-            self._quick_all({m: [("/end_weight_update", {})] for m in self._open_sessions},
-                            "end_weight_update")
+            self._quick_all(self._open_sessions, "/end_weight_update")
             self._in_session, self._open_sessions = set(), []
+
+    @property
+    def in_session(self) -> bool:
+        """An update session is open (begun, not ended on every member)."""
+        return bool(self._in_session)
 
     def end_session(self, m: GroupMember) -> None:
         """End `m`'s update session (its end_weight_update on a 0.5.21+ server); once every
-        member's has ended, the next update_weights() begins a new one. Raises EngineCallError
-        (the session is taken for ended either way: a failed member is not reused as is)."""
+        member's has ended, the next update_weights() begins a new one. Raises EngineCallError;
+        a session whose end failed stays open for destroy() to end."""
         with self._lock:
             self._in_session.discard(m)
             begun = m in self._open_sessions
-            if begun:
-                self._open_sessions.remove(m)
         if begun:
             self._call(m, "POST", "/end_weight_update", {}, False)
+            with self._lock:
+                self._open_sessions.remove(m)
 
     @property
     def aborted(self) -> bool:
@@ -394,24 +392,10 @@ class WeightUpdateGroup:
                 self._inflight = dict(calls)
         return calls
 
-    def _quick_all(self, steps: dict[GroupMember, list[tuple[str, dict[str, Any]]]],
-                   what: str) -> None:
-        """Each member's quick POSTs, in order, in one thread per member; every member at
-        once."""
-        calls: dict[GroupMember, Future[dict[str, Any]]] = {}
-        for m, posts in steps.items():
-            if posts:
-                calls[m] = self._pool.submit(self._post_in_order, m, posts)
-                calls[m].add_done_callback(lambda _f: self._wake.set())
-        if calls:
-            self._await(calls, [], what)
-
-    def _post_in_order(self, m: GroupMember, posts: list[tuple[str, dict[str, Any]]]
-                       ) -> dict[str, Any]:
-        answer: dict[str, Any] = {}
-        for path, body in posts:
-            answer = self._call(m, "POST", path, body, False)
-        return answer
+    def _quick_all(self, members: list[GroupMember], path: str) -> None:
+        if members:
+            self._await(self._post_all(path, {m: {} for m in members}, blocking=False), [],
+                        path.strip("/"))
 
     def _await(self, calls: dict[GroupMember, Future[dict[str, Any]]], local: list[Future[Any]],
                what: str) -> None:

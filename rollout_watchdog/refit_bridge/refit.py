@@ -85,6 +85,7 @@ class Refit:
         self.deadline = 0.0
         self.committed = False
         self.released = False   # the commit releases the lock too
+        self._committing = False
         self._lost: dict[Member, str] = {}     # member -> why
         self._lease_lost: str | None = None
         self._expired = False
@@ -151,15 +152,19 @@ class Refit:
                        bucket_bytes: int | None = None, flattened: bool = False) -> None:
         """Broadcast `named_tensors` (in that order) to every member over the weight-update
         group, built first if the membership changed since the last refit."""
+        if self.committed:
+            raise RuntimeError(f"refit {self.version!r} is committed: update_weights() comes "
+                               "before commit()")
         self._check()
+        if not self._paused:
+            self._paused = True   # first: whatever fails, the members are continued
+            self._each("pause_generation", lambda url: engine_calls.post(
+                url, "/pause_generation", {"mode": self.pause_mode}, self._call_timeout()))
         group = self._ensure_group()
         kwargs: dict[str, Any] = {"weight_version": self.version, "flattened": flattened,
-                                  "keep_session": True}   # ended by the commit
+                                  "keep_session": True}   # one session a refit: the commit ends it
         if bucket_bytes is not None:
             kwargs["bucket_bytes"] = bucket_bytes
-        if not self._paused:   # generation paused in the same round trip as the session begun
-            self._paused = True   # whatever fails from here, the members are continued
-            kwargs["before"] = ("/pause_generation", {"mode": self.pause_mode})
         group.update_weights(named_tensors, **kwargs)
         self._version_sent = True   # with the last bucket: every member reports it now
         self._check()
@@ -181,19 +186,25 @@ class Refit:
         group = self._group if self._version_sent else None
         in_group = {m.url: m for m in group.members} if group is not None else {}
         reported: dict[str, str | None] = {}
+        unanswered: set[str] = set()   # gone or hung: not asked to destroy their side
 
         def close(url: str) -> None:   # one round trip: session ended, generation continued,
             failed: RolloutWatchdogError | None = None   # the version read back
-            if group is not None and url in in_group:
-                try:
-                    group.end_session(in_group[url])
-                except RolloutWatchdogError as exc:
-                    failed = exc
-            if paused:
-                self._continue(url, timeout)
-            if failed is not None:
-                raise failed
-            reported[url] = engine_calls.weight_version(url, timeout)
+            try:
+                if group is not None and url in in_group:
+                    try:
+                        group.end_session(in_group[url])
+                    except RolloutWatchdogError as exc:
+                        failed = exc
+                if paused:
+                    self._continue(url, timeout)
+                if failed is not None:
+                    raise failed
+                reported[url] = engine_calls.weight_version(url, timeout)
+            except engine_calls.EngineCallError as exc:
+                if not exc.answered:
+                    unanswered.add(url)
+                raise
 
         errors = engine_calls.on_each([str(e.url) for e in self.engines], close)
         wrong: list[tuple[EngineView, str]] = []
@@ -205,12 +216,16 @@ class Refit:
                 wrong.append((engine, f"reports weight_version {reported.get(url)!r}"))
         ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
         self._check()   # a death or the deadline during the checks: no commit
-        self._call("refit_commit", {"version": self.version, "release": True,
-                                    "members": [[e.node_id, e.id, e.incarnation] for e in ok]})
-        self.committed = self.released = True
+        with self._lock:
+            self._committing = True   # the guard's renewals stop: this call releases the lock
+        result = self._call("refit_commit", {
+            "version": self.version, "release": True,
+            "members": [[e.node_id, e.id, e.incarnation] for e in ok]})
+        self.committed = True
+        self.released = "released" in result   # (a coordinator before `release` ignores it)
         if wrong and group is not None:   # not reused with a member in an unknown state
             set_cached_group(self.client, None)
-            group.destroy(skip=[in_group[str(e.url)] for e, _ in wrong if str(e.url) in in_group])
+            group.destroy(skip=[in_group[u] for u in unanswered if u in in_group])
         if wrong:
             for engine, why in wrong:
                 self._lost[_member(engine)] = why
@@ -270,7 +285,7 @@ class Refit:
                    for e in self.engines]
         cached = cached_group(self.client)
         if cached is not None and cached.members == members and cached.backend == self.backend \
-                and not cached.aborted:
+                and not cached.aborted and (cached is self._group or not cached.in_session):
             self._group = cached
             return cached
         if cached is not None:
@@ -336,7 +351,7 @@ class Refit:
             if now >= self.deadline and not self._expired:
                 self._expired = True
                 self._abort_group(f"the refit's deadline of {self.timeout_s:g} s passed")
-            if self.token is not None and now >= next_renew and not self.committed:
+            if self.token is not None and now >= next_renew and not self._committing:
                 next_renew = now + RENEW_EVERY_S
                 self._renew()
 
@@ -356,6 +371,9 @@ class Refit:
         try:
             self._call("refit_renew", {}, timeout_s=RENEW_EVERY_S)
         except LeaseLost as exc:
+            with self._lock:
+                if self._committing:   # answered after the commit released the lock: the
+                    return             # commit's own answer says how it went
             self._lease_lost = str(exc)
             self._abort_group(str(exc))
         except CoordinatorUnavailable as exc:   # its lease may still hold: try again

@@ -8,10 +8,11 @@ adds, skips or re-admits workers on its own judgement:
   whose /health fails is skipped (not removed) and taken back once /health passes again, so
   the router, not the coordinator, would decide who serves (a live engine with stale weights
   passes /health): the two would fight. (Its circuit breaker only skips a worker for a while.)
-- ``--worker-startup-timeout-secs 10`` (or so): ``POST /workers`` registers in the background
-  and retries an unreachable URL for this long (default 1800 s); a DELETE does not cancel a
-  pending registration, so an engine that died between our version check and the POST could
-  otherwise be registered later, when something listens on that port again.
+- ``--worker-startup-timeout-secs 10`` (at most WORKER_STARTUP_TIMEOUT_S): ``POST /workers``
+  registers in the background, once the worker's /health passes, retrying for this long
+  (default 1800 s); a DELETE does not cancel a pending registration, so an engine that died
+  between our version check and the POST could otherwise be registered later, when something
+  listens on that port again. The coordinator posts an engine again only after this long.
 - ``--prometheus-port P``: the default 29000 clashes with any second router on the host.
 
 ``POST /workers`` answers 202 and the worker appears in ``GET /workers`` once registered

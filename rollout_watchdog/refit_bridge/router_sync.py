@@ -98,6 +98,9 @@ class RouterSync:
         self._next_try: dict[str, float] = {}  # URL -> monotonic time of its next add attempt
         self._confirm_until = 0.0  # list again soon until then: a change was just posted
         self._deleted: set[str] = set()  # worker ids removed since the last listing
+        # Until then a registration may still land (even of an engine removed since): the
+        # router is listed every retry_s, not resync_s.
+        self._registering_until = 0.0
         self._step_failed = False
 
     @property
@@ -252,14 +255,17 @@ class RouterSync:
             self._pending.pop(engine_url, None)
         self._next_try[engine_url] = time.monotonic() + self._registration_s
         self._confirm_until = time.monotonic() + self._retry_s
+        self._registering_until = time.monotonic() + self._registration_s
 
     def _next_wait(self) -> float:
-        """Soon after an addition, retry_s while out of sync or failing, else resync_s."""
+        """Soon after a change, retry_s while out of sync, failing or a registration may still
+        land, else resync_s."""
         if time.monotonic() < self._confirm_until:
             return CONFIRM_S
         with self._lock:
             in_sync = self._synced()
-        return self._resync_s if in_sync and not self._step_failed else self._retry_s
+        settled = in_sync and not self._step_failed and time.monotonic() >= self._registering_until
+        return self._resync_s if settled else self._retry_s
 
     def _superseded(self, desired: dict[str, str | None]) -> bool:
         """Whether a set_desired since this pass began dropped or changed an engine of it: then
@@ -275,8 +281,10 @@ class RouterSync:
                 self._pending[engine_url] = why
 
     def _fail_router(self, exc: RouterError) -> None:
-        if exc.status is None:   # no answer: a router that went down lost its registrations
-            self._next_try.clear()
+        cause = exc.__cause__
+        if isinstance(cause, requests.ConnectionError) and not isinstance(cause,
+                                                                            requests.Timeout):
+            self._next_try.clear()   # refused: a router that is down lost its registrations
         self._fail(str(exc), reachable=exc.status is not None)
 
     def _fail(self, error: str, reachable: bool | None = None) -> None:

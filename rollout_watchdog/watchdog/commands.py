@@ -177,7 +177,8 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     stays recorded). Answered only once no probe of those engines is in flight, so no probe
     can overlap a release_memory_occupation that follows. Liveness is never paused. A pause
     never shortens one already in place (the later deadline holds: a refit's pause must not
-    cut short `finish_generation`'s, whose engine may have no KV cache yet); `resume` ends both.
+    cut short `finish_generation`'s, whose engine may have no KV cache yet; a later one is a
+    "pause_extended" event); `resume` ends both.
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
     deadline_s = _number(args, "deadline_s", DEFAULT_PAUSE_S)
@@ -191,13 +192,16 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     expires = clock.monotonic() + deadline_s
     for engine_id in ids:
         engine = node.engines[engine_id]
-        fresh = engine.paused is None
-        if engine.paused is None or engine.paused.expires < expires:
+        before = engine.paused
+        if before is None or before.expires < expires:
             engine.paused = Pause(deadline, expires)
         engine.progress_tokens = None  # paused generation is not a stall
-        if fresh:
+        if before is None:
             node.emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s",
                       deadline=deadline)
+        elif engine.paused is not before:
+            node.emit(engine, "pause_extended", detail=f"deep probes paused for {deadline_s:g} "
+                      "s from now", deadline=deadline)
     node.dirty = True
 
     def inflight() -> list[str]:
