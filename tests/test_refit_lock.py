@@ -202,7 +202,7 @@ def test_an_expired_lease_frees_the_lock_and_its_members_stay_stale_across_a_res
 
 def test_the_rendezvous_address_is_toward_the_coordinator_unless_only_the_engines_are_remote(
         ) -> None:
-    from rollout_watchdog.refit_bridge.refit import address_toward, master_address_for
+    from rollout_watchdog.refit_bridge.rendezvous import address_toward, master_address_for
     local = ["http://127.0.0.1:30000"]
     assert master_address_for("tcp://127.0.0.1:5555", local) == "127.0.0.1"
     # An embedded (loopback) coordinator with engines on another host: the route to them.

@@ -27,7 +27,6 @@ import uuid
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from rollout_watchdog.agent.views import EngineView, FleetEvent
 from rollout_watchdog.errors import (
@@ -38,6 +37,7 @@ from rollout_watchdog.errors import (
     RolloutWatchdogError,
 )
 from rollout_watchdog.refit_bridge import engine_calls
+from rollout_watchdog.refit_bridge.rendezvous import master_address_for
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,6 @@ ABORT_GRACE_S = 1.0
 # In-flight requests are aborted (they end with finish_reason "abort", as slime does): the
 # cache flush after an update needs an empty queue, which `retract` does not give.
 PAUSE_MODE = "abort"
-LOOPBACK = ("localhost", "127.0.0.1", "::1", "*", "0.0.0.0")
 
 
 class Refit:
@@ -501,30 +500,6 @@ def _member(engine: EngineView) -> Member:
     return (engine.node_id, engine.id, engine.incarnation)
 
 
-def address_toward(endpoint: str) -> str:
-    """This host's address on the route to `endpoint`'s host (a tcp:// or http:// URL)."""
-    host = urlparse(endpoint.replace("tcp://", "http://", 1)).hostname or "127.0.0.1"
-    if host in LOOPBACK:
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))   # no packet is sent: this only picks the route
-            return str(probe.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-
-
-def master_address_for(coordinator: str, engine_urls: list[str]) -> str:
-    """Where engines reach the trainer's rendezvous: this host's address toward the
-    coordinator (DESIGN.md), unless that is loopback while an engine is on another host (a
-    coordinator embedded in the trainer, engines elsewhere): then the address toward it."""
-    toward = address_toward(coordinator)
-    if toward != "127.0.0.1":
-        return toward
-    remote = [u for u in engine_urls if (urlparse(u).hostname or "127.0.0.1") not in LOOPBACK]
-    return address_toward(remote[0]) if remote else toward
-
-
 def cached_group(client: FleetClient) -> WeightUpdateGroup | None:
     """The group of the client's last refit: it outlives a refit (rebuilt only when the
     membership changes) and belongs to this process, so it is never pickled with the client."""
@@ -536,4 +511,4 @@ def set_cached_group(client: FleetClient, group: WeightUpdateGroup | None) -> No
     client.weight_group = group
 
 
-__all__ = ["Refit", "address_toward", "master_address_for"]
+__all__ = ["Refit"]
