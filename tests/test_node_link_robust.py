@@ -306,6 +306,7 @@ def test_a_cut_link_is_noticed_and_the_node_reconnects_and_says_hello_again() ->
         h.until("the coordinator to be seen", lambda: h.link.connected)
         relay.running.clear()  # the network is cut: nothing passes, nothing closes
         h.until("the coordinator to be missed", lambda: not h.link.connected)
+        h.turn()   # the metric is published at the end of a loop turn, as the daemon's is
         assert h.metric("rollout_watchdog_coordinator_connected") == 0
         h.until("the node to give the dead connection up and dial again", relay.dialed)
         h.link.on_event(Event(ts=1.0, node_id="test-node", engine="e0", incarnation=1,
