@@ -323,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"  peak RSS (sampled at the end of each phase) {rss:.1f} MB")
         ok &= goal("coordinator RSS <= 300 MB", rss <= 300)
         stats = workers.ask("stats")
-        print(f"nodes: {workers.emitted()} events emitted, "
+        print(f"nodes: {sum(s['emitted'] for s in stats)} events emitted, "
               f"{sum(s['dropped'] for s in stats)} dropped from outboxes, "
               f"{sum(s['bad_messages'] for s in stats)} bad messages")
     finally:

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_harness import EngineSpec, Node  # noqa: E402
 
+from rollout_watchdog.agent.coordinator import Coordinator  # noqa: E402
 from rollout_watchdog.emulator.testing import free_port, wait_until  # noqa: E402
 from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     CgroupManager,
@@ -20,6 +21,13 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     cgroup_dir,
     own_cgroup,
 )
+
+
+@pytest.fixture
+def coordinator() -> Iterator[Coordinator]:
+    """An embedded coordinator on a free loopback port (nodes unreachable after 3 s)."""
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coord:
+        yield coord
 
 
 @pytest.fixture

@@ -98,12 +98,6 @@ def engines_of(fleet: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture
-def coordinator() -> Iterator[Coordinator]:
-    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coord:
-        yield coord
-
-
-@pytest.fixture
 def client(coordinator: Coordinator) -> Iterator[Peer]:
     peer = Peer(coordinator.endpoint)
     yield peer

@@ -22,12 +22,6 @@ from rollout_watchdog.emulator.testing import inject_fault
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture
-def coordinator() -> Iterator[Coordinator]:
-    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coord:
-        yield coord
-
-
 def test_an_engine_killed_mid_broadcast_is_named_and_the_retry_goes_on_without_it(
         make_node: Callable[..., Node], coordinator: Coordinator) -> None:
     fleet = FleetClient(coordinator.endpoint)

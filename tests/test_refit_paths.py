@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from daemon_harness import EngineSpec, Node
@@ -16,12 +16,6 @@ from rollout_watchdog import Coordinator, EngineLost, FleetClient
 from rollout_watchdog.emulator.testing import http_request
 
 pytest.importorskip("torch")
-
-
-@pytest.fixture
-def coordinator() -> Iterator[Coordinator]:
-    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0) as coord:
-        yield coord
 
 
 def test_the_group_is_kept_while_membership_holds_and_rebuilt_when_it_changes(
