@@ -162,12 +162,18 @@ def test_marker_round_trip_and_rules() -> None:
 
 def test_find_marked_and_read_marker_on_real_processes() -> None:
     node = f"node-{uuid.uuid4().hex[:8]}"
-    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    procs = {
-        name: subprocess.Popen(sleep, env=with_marker(os.environ, marker_value(node, name, 1, "b")))
-        for name in ("e0", "e1")
-    }
-    plain = subprocess.Popen(sleep)
+    # each says so once it runs: its environment is laid out by then
+    sleep = [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"]
+
+    def start(env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(sleep, env=env, stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        return proc
+
+    procs = {name: start(with_marker(os.environ, marker_value(node, name, 1, "b")))
+             for name in ("e0", "e1")}
+    plain = start()
     try:
         pids = [p.pid for p in (*procs.values(), plain)]
         assert read_marker(plain.pid) is None
@@ -180,7 +186,23 @@ def test_find_marked_and_read_marker_on_real_processes() -> None:
             p.kill()
             p.wait()
     assert read_marker(plain.pid) is None  # gone
-    assert read_marker(2) is None  # kthreadd: a kernel thread has no environment
+    assert not read_marker(2)  # kthreadd: a kernel thread has no environment (ESRCH or "")
+
+
+def test_a_marked_process_never_reads_as_unmarked_mid_exec() -> None:
+    """Right after Popen returns, the exec may not have laid out the new environment yet: the
+    read is then "" (look again), never None (no marker), which would let it escape."""
+    marker = marker_value("n", "e0", 1, "b")
+    seen = set()
+    for _ in range(20):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env=with_marker(os.environ, marker))
+        try:
+            seen.add(read_marker(proc.pid))
+        finally:
+            proc.kill()
+            proc.wait()
+    assert seen <= {marker, ""}
 
 
 def _raise_in_child(soft: int) -> list[int]:

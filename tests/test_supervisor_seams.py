@@ -295,6 +295,35 @@ def test_a_process_that_takes_an_engine_name_later_becomes_fatal() -> None:
     assert engine.procs[child] is True
 
 
+class Environs(ProcessOps):
+    """An OS whose processes' environments the test sets: "" reads as empty (mid-exec)."""
+
+    def __init__(self, markers: dict[int, str | None], kernel_threads: set[int]) -> None:
+        self.markers, self.kernel_threads = markers, kernel_threads
+        self.reads: list[int] = []
+
+    def read_marker(self, pid: int) -> str | None:  # type: ignore[override]
+        self.reads.append(pid)
+        return self.markers.get(pid)
+
+    def is_kernel_thread(self, pid: int) -> bool:  # type: ignore[override]
+        return pid in self.kernel_threads
+
+
+def test_an_escapee_caught_mid_exec_is_looked_at_again() -> None:
+    """A process outside every engine tree whose environment reads empty is not written off as
+    unmarked: the next sweep reads its marker and finds it. Unmarked processes and kernel
+    threads are read once in their life."""
+    ops = Environs({300: "", 301: None, 2: ""}, kernel_threads={2})
+    tracker = ProcessTracker({}, zmq.Poller(), ops, lambda e, k: None)
+    tracker.marker_prefix = "node-a/"
+    table = {pid: ProcStat(pid, b"S", 1, pid, float(pid), "python") for pid in (300, 301, 2)}
+    assert tracker.escapees(table) == []
+    ops.markers[300] = "node-a/e0/1/b"
+    assert tracker.escapees(table) == [(table[300], "node-a/e0/1/b")]
+    assert sorted(ops.reads) == [2, 300, 300, 301]
+
+
 def test_a_kill_looks_again_soon_not_only_at_its_deadline(tmp_path: Path) -> None:
     """The grace period is a bound, not a wait: a kill looks again every CHECK_INTERVAL_S and
     completes once the processes are gone, long before a 30 s grace would end."""

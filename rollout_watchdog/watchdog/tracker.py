@@ -183,7 +183,8 @@ class ProcessTracker:
     def escapees(self, table: dict[int, ProcStat]) -> list[tuple[ProcStat, str]]:
         """Processes outside every engine tree we know that carry a marker of this node (they
         left a tree: a double fork, a new session, a parent that died), each with its marker.
-        A process is looked at once in its life: unmarked ones are remembered as such."""
+        A process is looked at once in its life: unmarked ones are remembered as such, but not
+        one whose environment reads empty (caught mid-exec, it would escape for good)."""
         known: set[ProcKey] = set()
         for engine in self.engines.values():
             known.update(engine.procs)
@@ -196,9 +197,9 @@ class ProcessTracker:
             if key in self._unmarked:
                 continue
             marker = self.ops.read_marker(stat.pid)
-            if marker is not None and marker.startswith(self.marker_prefix):
+            if marker and marker.startswith(self.marker_prefix):
                 found.append((stat, marker))
-            else:
+            elif marker != "" or self.ops.is_kernel_thread(stat.pid):
                 self._unmarked.add(key)
         self._unmarked &= present
         return found
