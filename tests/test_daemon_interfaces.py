@@ -201,7 +201,7 @@ def test_a_corrupt_state_file_is_set_aside(make_node: MakeNode) -> None:
     node.start()
     node.wait_state("e0", "healthy", incarnation=1)
     assert (node.state_dir / "state.json.corrupt").read_text() == "{not json"
-    assert "unusable" in node.log_text()
+    wait_for(lambda: "unusable" in node.log_text(), 15, "the log line")  # written by a thread
 
 
 def test_a_second_daemon_on_the_same_node_is_refused(make_node: MakeNode) -> None:

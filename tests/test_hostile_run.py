@@ -113,7 +113,8 @@ def test_out_of_descriptors_no_healthy_engine_is_taken_for_dead(make_node: Any) 
         e = node.engine("ok")
         assert e["state"] == "healthy" and e["incarnation"] == 1, e
         time.sleep(0.2)
-    assert "by polling" in node.log_text()  # past its pidfd budget, the daemon polls
+    # past its pidfd budget, the daemon polls (and says so, through its log-writer thread)
+    wait_for(lambda: "by polling" in node.log_text(), 15, "the log line")
     os.kill(first["pid"], signal.SIGKILL)
     again = node.wait_state("ok", "healthy", incarnation=2)
     assert again["last_failure"]["cause"] == "exited"
