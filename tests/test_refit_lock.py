@@ -72,7 +72,8 @@ def test_refit_state_survives_a_restart_and_a_broken_file_is_named(tmp_path: Pat
     state = RefitState(str(tmp_path))
     book = WeightBook()
     book.commit("v1", [("n", "e0", 1), ("n", "e1", 3)])
-    state.save(book, 12, in_flight=[("n", "e1", 3)])
+    assert state.writer is not None
+    state.writer.write_now(state.encode(book, 12, in_flight=[("n", "e1", 3)]))
     loaded, token, in_flight = state.load()
     assert token == 12 and loaded.current == "v1" and in_flight == [("n", "e1", 3)]
     assert loaded.version_of("n", "e0", 1) == "v1"

@@ -32,6 +32,7 @@ from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_it
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
 from rollout_watchdog.agent.views import COORDINATOR_BOOT_PREFIX
 from rollout_watchdog.refit_bridge import service as refit
+from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 from rollout_watchdog.refit_bridge.router_sync import RouterSync
 
@@ -50,7 +51,8 @@ class Coordinator:
     def __init__(self, bind: str, keys: str | None = None, insecure: bool = False,
                  router_url: str | None = None, state_dir: str | None = None,
                  node_timeout_s: float = NODE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S,
-                 holder_timeout_s: float = HOLDER_TIMEOUT_S) -> None:
+                 holder_timeout_s: float = HOLDER_TIMEOUT_S,
+                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S) -> None:
         check_bind(bind, keys, insecure)
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
@@ -61,7 +63,8 @@ class Coordinator:
         self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
         self._unjournaled: list[Relayed] = []
         self.fanout = Fanout()
-        self.refit = refit.RefitService(state_dir, holder_timeout_s)  # raises for bad state
+        self.refit = refit.RefitService(state_dir, holder_timeout_s,  # raises for bad state
+                                        state_write_timeout_s)
         self.router = RouterSync(router_url) if router_url else None
         self._router_members: dict[str, str | None] | None = None   # None: not started
         self._started_at = 0.0
@@ -166,6 +169,7 @@ class Coordinator:
     def _close(self) -> None:
         if self.router is not None:
             self.router.stop()
+        self.refit.close()
         if self.journal is not None:
             self.journal.close()
         if self.sock is not None:
@@ -187,13 +191,19 @@ class Coordinator:
         assert self.sock is not None
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        saved = self.refit.wakeup_fd   # the refit state's writer: a write ended
+        if saved is not None:
+            poller.register(saved, zmq.POLLIN)
         behind = False
         while not self._stop.is_set():
             if self._reload.is_set():
                 self._reload.clear()
                 self._reload_keys()
             timeout = 0.005 if behind else self._timeout(time.monotonic())
-            if poller.poll(int(timeout * 1000)):
+            ready = dict(poller.poll(int(timeout * 1000)))
+            if saved in ready:
+                self.refit.saved(time.monotonic())
+            if self.sock in ready:
                 self._receive_some()
             self._tick(time.monotonic(), time.time())
             behind = self.relay.pump(self._send_or_wait, time.monotonic())

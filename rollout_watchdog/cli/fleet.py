@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from rollout_watchdog.cli.client import ControlError
 from rollout_watchdog.cli.render import event_line, fleet_table, result_line
+from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -132,7 +133,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         coordinator = Coordinator(bind=args.bind, keys=args.keys, insecure=args.insecure,
                                   router_url=args.router_url, state_dir=args.state_dir,
                                   node_timeout_s=args.node_timeout,
-                                  holder_timeout_s=args.holder_timeout)
+                                  holder_timeout_s=args.holder_timeout,
+                                  state_write_timeout_s=args.state_write_timeout)
         return int(coordinator.run())
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
         print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
@@ -151,12 +153,17 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    help="allow a non-loopback bind without keys (no authentication)")
     p.add_argument("--router-url", metavar="URL", help="the SGLang router to keep in step")
     p.add_argument("--state-dir", metavar="DIR", help=(
-        "keep a journal of relayed events here, so a restart loses none a client lacks"))
+        "keep a journal of relayed events here, so a restart loses none a client lacks, and "
+        "the refit state (refit.json: fencing token, each engine's weight version)"))
     p.add_argument("--node-timeout", type=seconds, default=5.0, metavar="S",
                    help="seconds of silence after which a node is unreachable (default 5)")
     p.add_argument("--holder-timeout", type=seconds, default=HOLDER_TIMEOUT_S, metavar="S",
                    help="seconds of silence after which the refit lock's holder is taken for "
                         f"gone and the lock released (default {HOLDER_TIMEOUT_S:g})")
+    p.add_argument("--state-write-timeout", type=seconds, default=STATE_WRITE_TIMEOUT_S,
+                   metavar="S", help=(
+                       "seconds a refit reply waits for refit.json to be on disk before it "
+                       f"fails, naming the file (default {STATE_WRITE_TIMEOUT_S:g})"))
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object a line (default: text)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),

@@ -34,11 +34,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.agent.fleet import FleetView
+from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.lock import (
     HOLDER_TIMEOUT_S,
     Fenced,
@@ -54,6 +56,18 @@ COMMANDS = ("refit_acquire", "refit_members", "refit_renew", "refit_commit", "re
 PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
 RELEASE_TIMEOUT_S = 5.0
 Finish = Callable[[Gathering], protocol.Reply]
+Then = Callable[[bytes, "str | None"], None]   # (client, None or why the state is not saved)
+
+
+@dataclass
+class Unsaved:
+    """A reply that waits for the state it reports to be on disk."""
+
+    generation: int       # the writer's generation that holds the change
+    request_id: str
+    client: bytes         # a retry of the request moves the answer to its socket
+    deadline: float       # monotonic: past it, the save counts as failed
+    then: Then
 
 
 class Core(Protocol):
@@ -76,9 +90,10 @@ class RefitError(Exception):
 
 
 class RefitService:
-    def __init__(self, state_dir: str | None, holder_timeout_s: float = HOLDER_TIMEOUT_S
-                 ) -> None:
+    def __init__(self, state_dir: str | None, holder_timeout_s: float = HOLDER_TIMEOUT_S,
+                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S) -> None:
         self.state = RefitState(state_dir)
+        self.state_write_timeout_s = state_write_timeout_s
         self.book, next_token, in_flight = self.state.load()
         if in_flight:
             log.warning("a refit was in flight when the coordinator stopped: %d engine(s) are "
@@ -86,11 +101,30 @@ class RefitService:
             self.book.stale(in_flight)
         self.lock = RefitLock(next_token, holder_timeout_s)
         self.relaunched: list[tuple[str, str]] = []
-        self._save()
+        self._unsaved: list[Unsaved] = []   # replies waiting for the state to be on disk
+        if self.state.writer is not None:
+            try:
+                self.state.writer.write_now(self._content())
+            except OSError as exc:
+                raise ValueError(f"cannot write the refit state {self.state.path}: {exc}"
+                                 ) from None
+
+    @property
+    def wakeup_fd(self) -> int | None:
+        """Readable when a write of the state ended: the loop then calls `saved`."""
+        return None if self.state.writer is None else self.state.writer.wakeup_fd
+
+    def close(self) -> None:
+        if self.state.writer is not None:
+            self.state.writer.close()
 
     # ------------------------------------------------------------------ commands
 
     def handle(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
+        for unsaved in self._unsaved:
+            if unsaved.request_id == cmd.request_id:   # a retry while its save is under way
+                unsaved.client = client
+                return
         try:
             if cmd.cmd == "refit_acquire":
                 self._acquire(core, client, cmd, now)
@@ -102,7 +136,45 @@ class RefitService:
         except (Fenced, ValueError) as exc:
             core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None))
             return
-        core.reply(client, protocol.Reply(cmd.request_id, "ok", None, result))
+
+        def answer(to: bytes, error: str | None) -> None:
+            core.reply(to, protocol.Reply(cmd.request_id, "ok", None, result) if error is None
+                       else protocol.Reply(cmd.request_id, "error", f"{cmd.cmd} took effect "
+                                           f"but is not saved: {error}", result))
+        self._once_saved(cmd.request_id, client, answer)
+
+    def _once_saved(self, request_id: str, client: bytes, then: Then) -> None:
+        """`then(client, None)` once every change so far is on disk (at once without a state
+        dir, or when it is already); `then(client, error)` if the write failed."""
+        writer = self.state.writer
+        if writer is None:
+            then(client, None)
+            return
+        self._unsaved.append(Unsaved(writer.submitted, request_id, client,
+                                     time.monotonic() + self.state_write_timeout_s, then))
+        self.saved(time.monotonic())
+
+    def saved(self, now: float) -> None:
+        """A write of the state ended, or a wait for one may be over: go on with what waited
+        for it."""
+        if self.state.writer is None or not self._unsaved:
+            return
+        written, failed, error = self.state.writer.outcome()
+        waiting, self._unsaved = self._unsaved, []
+        for unsaved in waiting:
+            if written >= unsaved.generation:
+                unsaved.then(unsaved.client, None)
+                continue
+            if failed >= unsaved.generation:
+                why = error
+            elif now >= unsaved.deadline:
+                why = (f"{self.state.path} was not written within {self.state_write_timeout_s:g} s "
+                       "(a slow or hung disk)")
+            else:
+                self._unsaved.append(unsaved)
+                continue
+            log.error("refit state not saved: %s", why)
+            unsaved.then(unsaved.client, why)
 
     def _acquire(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
         holder = _text(cmd.args, "holder")
@@ -117,13 +189,29 @@ class RefitService:
                                         "version": held.version,
                                         "expires_in_s": exc.expires_in_s}) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self.members(core)]
+        self._save()
+
+        def saved(to: bytes, error: str | None) -> None:
+            if error is None:
+                self._acquired(core, to, cmd, lease, deadline_s)
+                return
+            lease.members = []   # nothing was done to them
+            if self.lock.lease is lease:
+                self.lock.lease = None
+            core.reply(to, protocol.Reply(cmd.request_id, "error",
+                                          f"refit lock not taken: {error}", None))
+        self._once_saved(cmd.request_id, client, saved)
+
+    def _acquired(self, core: Core, client: bytes, cmd: protocol.Command, lease: Lease,
+                  deadline_s: float) -> None:
+        """The lease is on disk: pause the fleet, relaunch deferred engines, then answer."""
+        now = time.monotonic()
         lease.paused_nodes = [n for n in core.view.reachable()
                               if not all(e.get("paused") for e in
                                          core.view.nodes[n].engines.values())]
         self.relaunched = self._relaunch_deferred(core, now)
-        self._save()
-        log.info("refit lock taken by %s (token %d, version %r, %d member(s))", holder,
-                 lease.token, version, len(lease.members))
+        log.info("refit lock taken by %s (token %d, version %r, %d member(s))", lease.holder,
+                 lease.token, lease.version, len(lease.members))
         pause = protocol.Command(cmd.request_id, "pause",
                                  {"all": True, "deadline_s": deadline_s,
                                   "wait_s": PAUSE_WAIT_S - 1.0}, None, None, PAUSE_WAIT_S)
@@ -199,6 +287,7 @@ class RefitService:
     # ------------------------------------------------------------------ the loop's turn
 
     def tick(self, core: Core, now: float) -> None:
+        self.saved(now)
         expired = self.lock.expire(now)
         if expired is None:
             return
@@ -207,7 +296,9 @@ class RefitService:
         self._ended(core, lease, now, why)
 
     def next_deadline(self) -> float | None:
-        return self.lock.next_deadline()
+        deadlines = [u.deadline for u in self._unsaved[:1]]   # (in the order they came)
+        lease = self.lock.next_deadline()
+        return min(deadlines + [lease]) if lease is not None else min(deadlines, default=None)
 
     def _ended(self, core: Core, lease: Lease, now: float, why: str) -> None:
         if lease.members:   # neither committed nor aborted: its weights are unknown
@@ -280,9 +371,13 @@ class RefitService:
         return out
 
     def _save(self) -> None:
+        if self.state.writer is not None:
+            self.state.writer.submit(self._content())
+
+    def _content(self) -> bytes:
         lease = self.lock.lease
-        self.state.save(self.book, self.lock.next_token,
-                        lease.members if lease is not None else [])
+        return self.state.encode(self.book, self.lock.next_token,
+                                 lease.members if lease is not None else [])
 
 
 def _text(args: dict[str, Any], key: str) -> str:

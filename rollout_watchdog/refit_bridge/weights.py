@@ -13,10 +13,11 @@ aborted update), so the coordinator persists the book with `--state-dir`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rollout_watchdog.refit_bridge.durable import DurableWriter
 
 Member = tuple[str, str, int]   # (node_id, engine, incarnation)
 SERVING_STATES = ("healthy",)
@@ -100,12 +101,13 @@ def members_of(rows: object) -> list[Member]:
 class RefitState:
     """The refit state the coordinator keeps on disk: the weight book, the next fencing token,
     and the members of the refit in flight (stale if the coordinator stops before it ends).
-    Written atomically (a temporary file, fsync, rename)."""
+    Written atomically and durably, off the coordinator's loop (durable.DurableWriter)."""
 
     FILE = "refit.json"
 
     def __init__(self, state_dir: str | None) -> None:
         self.path = Path(state_dir) / self.FILE if state_dir else None
+        self.writer = DurableWriter(self.path) if self.path else None
 
     def load(self) -> tuple[WeightBook, int, list[Member]]:
         """(the book, the next token, the refit in flight); a missing file is a fresh start, a
@@ -126,14 +128,7 @@ class RefitState:
             raise ValueError(f"refit state {self.path} is unreadable ({exc}); move it away "
                              "to start afresh (every engine then needs a refit)") from exc
 
-    def save(self, book: WeightBook, next_token: int, in_flight: list[Member]) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as out:
-            json.dump({"next_token": next_token, "weights": book.to_json(),
-                       "in_flight": [list(m) for m in in_flight]}, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
+    @staticmethod
+    def encode(book: WeightBook, next_token: int, in_flight: list[Member]) -> bytes:
+        return json.dumps({"next_token": next_token, "weights": book.to_json(),
+                           "in_flight": [list(m) for m in in_flight]}).encode()
