@@ -26,6 +26,12 @@ refit-scoped call whose `token` is not the current holder's is refused with a re
 
 A lease that runs out, or whose holder goes silent, ends like an abort of its members (unless
 it committed) followed by a release.
+
+With a state dir, every reply waits until the state it reports is on disk (refit.json, written
+off the loop by durable.DurableWriter: a fencing token handed out must never be handed out again
+after a crash). A write that fails, or takes longer than `state_write_timeout_s`, turns the reply
+into an error naming the file: `refit_acquire` then leaves the lock free; any other call took
+effect, but a restarted coordinator would not know it.
 """
 
 from __future__ import annotations
