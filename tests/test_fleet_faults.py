@@ -39,7 +39,7 @@ from rollout_watchdog import FleetClient, FleetEvent
 from rollout_watchdog.agent import protocol
 from rollout_watchdog.emulator.testing import free_port
 
-NODE_TIMEOUT_S = 2.0      # the coordinator's: a stalled link shows within seconds
+NODE_TIMEOUT_S = 3.0      # the coordinator's: a stalled link shows within seconds (3 beats)
 SETTLE_S = 60.0           # engines launched and healthy, on a loaded 2-core machine
 EVENT_S = 20.0            # an event or a view change after its cause
 FUZZ = settings(max_examples=100, deadline=None,

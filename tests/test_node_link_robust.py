@@ -375,9 +375,11 @@ def test_a_real_node_survives_garbage_and_a_flood_and_shows_its_link(
     assert link["coordinator"] == router.endpoint
     assert link["bad_messages"] == len(bad) + 10_000
     assert link["dropped"] == 0
-    scrape = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    # (the gauges are set at the end of a loop turn: the one after the status may be needed)
+    scrape = wait_for(lambda: text if "rollout_watchdog_coordinator_connected 1.0" in (
+        text := requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text)
+        else None, 10, "the connected gauge")
     assert 'rollout_watchdog_link_bad_messages_total{reason="undecodable"} 10003.0' in scrape
-    assert "rollout_watchdog_coordinator_connected 1.0" in scrape
     again = node.engine("e0")  # supervised throughout: the same engine, healthy
     assert again["state"] == "healthy" and again["pid"] == first["pid"]
 

@@ -77,22 +77,34 @@ def stop_daemon(daemon: subprocess.Popen[bytes]) -> int:
 
 def sweep(workdir: Path) -> list[int]:
     """SIGKILL every process still tagged with this demo's directory (an engine orphaned by a
-    killed daemon, a daemon that would not stop); the pids killed."""
+    killed daemon, a daemon that would not stop) until none is left (at most STOP_TIMEOUT_S);
+    the pids killed. A killed process is gone once it has exited: its environment can no
+    longer be read."""
+    killed: list[int] = []
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while (found := _tagged(workdir)) and time.monotonic() < deadline:
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                if pid not in killed:
+                    killed.append(pid)
+        time.sleep(0.05)
+    return killed
+
+
+def _tagged(workdir: Path) -> list[int]:
     needle = f"{DEMO_TAG_ENV}={workdir}".encode()
-    killed = []
+    found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
-                tagged = needle in f.read().split(b"\0")
+                if needle in f.read().split(b"\0"):
+                    found.append(int(name))
         except OSError:  # gone, or not ours to read
             continue
-        if tagged:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(name), signal.SIGKILL)
-                killed.append(int(name))
-    return killed
+    return found
 
 
 def interrupt_on_sigterm() -> Callable[[], None]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,11 +52,46 @@ __all__ = [
 ]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+_handed_out: set[int] = set()
+_pick = random.Random()
+LOWEST_PORT = 10_000
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768   # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now, for a server started a moment later: never one this process
+    handed out before, and below the kernel's ephemeral range where it can (that is where
+    bind(0) and every outgoing connection take theirs, so one of them could take it meanwhile)."""
+    top = _ephemeral_start() - 1
+    for _ in range(200 if top > LOWEST_PORT else 0):
+        port = _pick.randint(LOWEST_PORT, top)
+        if port not in _handed_out and _bindable(host, port):
+            _handed_out.add(port)
+            return port
+    for _ in range(1000):   # no room below the ephemeral range: let the kernel choose
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port found on {host}")
 
 
 def emulator_command(port: int, *args: str) -> list[str]:
