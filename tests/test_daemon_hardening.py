@@ -177,7 +177,8 @@ def test_events_no_follow_answers_within_timeout(mute_daemon: str) -> None:
     args.timeout + 5 s (the long-poll allowance, though it asks for wait_s = 0)."""
     rc, took, err = run_cli("events", "--no-follow", "--control", mute_daemon, "--timeout", "1")
     assert rc != 0 and "no answer" in err
-    assert took < 1.0 + 1.5, f"took {took:.1f} s with --timeout 1"
+    # not the 6 s of the long-poll allowance (the rest: an interpreter's start, a loaded host)
+    assert took < 1.0 + 3.0, f"took {took:.1f} s with --timeout 1"
 
 
 def test_a_negative_timeout_does_not_wait_forever(mute_daemon: str) -> None:
@@ -221,7 +222,7 @@ def test_registered_engines_are_not_starved_of_probe_threads(tmp_path: Path) -> 
         hung.append(s)
     procs = [subprocess.Popen(["sleep", "100"]) for _ in range(9)]
     config = parse_config({"state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
-                           "probe": {"health_interval_s": 0.2, "health_timeout_s": 1.0,
+                           "probe": {"health_interval_s": 0.2, "health_timeout_s": 2.0,
                                      "failure_threshold": 2}, "engine": []})
     daemon = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
     try:

@@ -95,7 +95,7 @@ def test_nothing_listening_is_coordinator_unavailable_in_time() -> None:
         client.engines()
     with pytest.raises(CoordinatorUnavailable):
         client.restart("n1/e0", timeout_s=0.3)
-    assert time.monotonic() - started < 0.5 + 0.3 + 0.5
+    assert time.monotonic() - started < 0.5 + 0.3 + 1.5   # (the rest: a loaded host)
 
 
 def test_a_call_outlives_a_coordinator_restart_with_its_request_id(standin: StandIn) -> None:
@@ -123,7 +123,7 @@ def test_wait_until_polls_and_times_out_with_a_message(standin: StandIn) -> None
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"within 0.5 s .*n1/e1=starting"):
         client.wait_until(lambda es: all(e.state == "healthy" for e in es), timeout_s=0.5)
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 2.5   # not the client's 1 s per poll on top
 
 
 def test_pickles_to_address_and_key_paths_only(standin: StandIn, tmp_path: Path) -> None:
@@ -150,7 +150,8 @@ def _take(stream: Iterator[FleetEvent], count: int) -> list[FleetEvent]:
 
 def test_events_follow_a_restart_resume_and_come_once(standin: StandIn) -> None:
     client = FleetClient(standin.endpoint, timeout_s=2.0)
-    with client.events(idle_s=10.0, silence_s=1.0) as stream:
+    # (silence_s: 10 of the stand-in's heartbeats, so that only its restart resubscribes)
+    with client.events(idle_s=10.0, silence_s=2.0) as stream:
         first = iter(stream)
         standin.publish("n1", "b1", 1)   # queued until the stream has subscribed
         standin.publish("n1", "b1", 2, to="healthy", cause="launched")
@@ -184,7 +185,7 @@ def test_an_idle_stream_ends_when_asked(standin: StandIn) -> None:
     started = time.monotonic()
     with client.events(idle_s=0.5) as stream:
         assert list(stream) == []
-    assert 0.5 <= time.monotonic() - started < 2.0
+    assert 0.5 <= time.monotonic() - started < 3.0
 
 
 # -- against the real coordinator and real node daemons over emulator engines
