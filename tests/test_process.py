@@ -14,11 +14,13 @@ from rollout_watchdog.watchdog.process import (
     ProcKey,
     descendants,
     describe_exit,
+    has_exited,
     is_alive,
     live_process_groups,
     open_pidfd,
     port_bindable,
     proc_key,
+    read_stat,
 )
 
 
@@ -85,3 +87,22 @@ def test_exit_descriptions() -> None:
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(3) == "exit code 3"
     assert describe_exit(None) == "exit status unknown"
+
+
+def test_has_exited_live_zombie_gone_and_reused() -> None:
+    """A probe failure is set aside while the engine's main process has exited or is exiting:
+    live is not exited; a zombie (killed, not reaped yet) and a gone process are; a key whose
+    pid now names another process is too."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    key = wait_for(lambda: proc_key(proc.pid), 10, "the child's key")
+    try:
+        assert not has_exited(key)
+        assert has_exited(ProcKey(key.pid, key.start_time + 1.0))   # another process
+        os.kill(proc.pid, signal.SIGKILL)
+        wait_for(lambda: (stat := read_stat(proc.pid)) is not None and stat.state == b"Z", 10,
+                 "the zombie")
+        assert has_exited(key)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert has_exited(key)

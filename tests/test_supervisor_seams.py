@@ -22,6 +22,7 @@ from rollout_watchdog.watchdog.clock import Clock
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
 from rollout_watchdog.watchdog.policy import long_lived
+from rollout_watchdog.watchdog.probe import ProbeResult
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, proc_key
 from rollout_watchdog.watchdog.statefile import DERIVED, EngineRecord, load_state, save_state
 from rollout_watchdog.watchdog.states import Cause, EngineState
@@ -322,6 +323,43 @@ def test_an_escapee_caught_mid_exec_is_looked_at_again() -> None:
     ops.markers[300] = "node-a/e0/1/b"
     assert tracker.escapees(table) == [(table[300], "node-a/e0/1/b")]
     assert sorted(ops.reads) == [2, 300, 300, 301]
+
+
+class Exiting(ProcessOps):
+    """An OS where the engine's main process is on its way out (or not)."""
+
+    def __init__(self) -> None:
+        self.exiting = False
+
+    def has_exited(self, key: ProcKey) -> bool:  # type: ignore[override]
+        return self.exiting
+
+
+def test_a_probe_failure_of_a_dying_engine_waits_for_its_exit(tmp_path: Path) -> None:
+    """SIGKILLed, an engine's sockets close before its exit is seen: the probes then fail
+    (connection reset). They must not fail the engine as probe_failed: its exit, seen a moment
+    later, says what happened. A live engine's failures count as ever."""
+    ops = Exiting()
+    daemon = make_daemon(tmp_path, ops=ops, probe={"failure_threshold": 2})
+    engine = healthy(daemon)
+    engine.main = ProcKey(4242, 1.0)
+    sup = daemon.supervisor
+
+    def fail(probe_id: int) -> None:
+        engine.probe_id, engine.probe_started = probe_id, time.monotonic()
+        sup.judge_probe(engine, ProbeResult("e0", probe_id, False,
+                                            "probe error: connection reset", 0.0, 0.1))
+
+    ops.exiting = True
+    fail(1)
+    fail(2)
+    assert engine.state == S.HEALTHY and engine.probe_failures == 0
+    ops.exiting = False
+    fail(3)
+    assert engine.state == S.SUSPECT
+    fail(4)
+    assert engine.state in (S.STOPPING, S.BACKOFF)   # (no process here: the kill is done)
+    assert engine.last_failure is not None and engine.last_failure.cause == Cause.PROBE_FAILED
 
 
 def test_a_kill_looks_again_soon_not_only_at_its_deadline(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from rollout_watchdog.watchdog.cgroup import CgroupManager
 from rollout_watchdog.watchdog.containment import read_marker
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PF_EXITING = 0x00000004   # the kernel has begun the process's exit
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class ProcStat:
     pgrp: int
     start_time: float
     comm: str = ""          # the kernel's 15-character name (what PR_SET_NAME sets)
+    flags: int = 0          # the kernel's PF_* flags
 
     @property
     def alive(self) -> bool:
@@ -76,7 +78,7 @@ def read_stat(pid: int) -> ProcStat | None:
         fields = tail.split()
         return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]),
                         int(fields[19]) / CLOCK_TICKS,
-                        head.split(b"(", 1)[1].decode(errors="replace"))
+                        head.split(b"(", 1)[1].decode(errors="replace"), int(fields[6]))
     except (IndexError, ValueError):
         return None  # an empty read: the process went away while we read
 
@@ -93,6 +95,15 @@ def process_table() -> dict[int, ProcStat]:
             if stat is not None:
                 table[stat.pid] = stat
     return table
+
+
+def has_exited(key: ProcKey) -> bool:
+    """Gone, a zombie, or on its way out: PF_EXITING is set before the kernel closes the
+    process's sockets, and its pidfd becomes readable only after. A probe that fails in
+    between (connection reset) says nothing the exit will not say better."""
+    stat = read_stat(key.pid)
+    return (stat is None or stat.start_time != key.start_time or not stat.alive
+            or bool(stat.flags & PF_EXITING))
 
 
 def proc_key(pid: int) -> ProcKey | None:
@@ -263,6 +274,7 @@ class ProcessOps:
     process_table = staticmethod(process_table)
     proc_key = staticmethod(proc_key)
     is_alive = staticmethod(is_alive)
+    has_exited = staticmethod(has_exited)
     launch = staticmethod(launch)
     open_pidfd = staticmethod(open_pidfd)
     descendants = staticmethod(descendants)

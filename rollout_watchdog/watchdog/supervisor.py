@@ -334,6 +334,10 @@ class Supervisor:
             return  # failures while starting are expected; the startup deadline rules
         if result.progress is not None and self.fail_if_stalled(engine, result):
             return
+        if not result.ok and engine.main is not None and self.ops.has_exited(engine.main):
+            # dying: its sockets are closed before its exit is seen, which names the cause
+            engine.next_probe = self.clock.monotonic() + probe_interval(engine)
+            return
         verdict = policy.judge_probe(result.ok, engine.probe_failures,
                                      engine.cfg.probe.failure_threshold)
         engine.probe_failures = verdict.failures
