@@ -146,6 +146,7 @@ class WeightUpdateGroup:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._abort_reason: str | None = None
+        self._pending_at_abort: list[GroupMember] = []   # as abort() found them
         self._inflight: dict[GroupMember, Future[dict[str, Any]]] = {}
         self._http_socks: dict[int, socket.socket] = {}  # inode -> socket of a call under way
         self._http_inodes: set[int] = set()  # every HTTP socket ever opened: not the group's
@@ -405,7 +406,7 @@ class WeightUpdateGroup:
         while True:
             self._wake.clear()
             if self._abort_reason is not None:
-                raise GroupAborted(self._abort_reason, self.pending())
+                raise GroupAborted(self._abort_reason, self._pending_at_abort)
             failed = [m for m, f in calls.items() if f.done() and f.exception() is not None]
             broken = [f for f in local if f.done() and f.exception() is not None]
             if failed or broken:
@@ -456,6 +457,8 @@ class WeightUpdateGroup:
             if self._abort_reason is not None:
                 return False
             self._abort_reason = reason
+            # now, not when the waiter wakes: the teardown that follows ends these calls
+            self._pending_at_abort = [m for m, f in self._inflight.items() if not f.done()]
         self._wake.set()
         log.warning("aborting weight-update group %s: %s", self.group_name, reason)
         return True
