@@ -23,7 +23,13 @@ from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
 from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.probe import ProbeResult
-from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, proc_key
+from rollout_watchdog.watchdog.process import (
+    PF_KTHREAD,
+    ProcessOps,
+    ProcKey,
+    ProcStat,
+    proc_key,
+)
 from rollout_watchdog.watchdog.statefile import DERIVED, EngineRecord, load_state, save_state
 from rollout_watchdog.watchdog.states import Cause, EngineState
 from rollout_watchdog.watchdog.timers import Timer, engine_timers
@@ -299,26 +305,24 @@ def test_a_process_that_takes_an_engine_name_later_becomes_fatal() -> None:
 class Environs(ProcessOps):
     """An OS whose processes' environments the test sets: "" reads as empty (mid-exec)."""
 
-    def __init__(self, markers: dict[int, str | None], kernel_threads: set[int]) -> None:
-        self.markers, self.kernel_threads = markers, kernel_threads
+    def __init__(self, markers: dict[int, str | None]) -> None:
+        self.markers = markers
         self.reads: list[int] = []
 
     def read_marker(self, pid: int) -> str | None:  # type: ignore[override]
         self.reads.append(pid)
         return self.markers.get(pid)
 
-    def is_kernel_thread(self, pid: int) -> bool:  # type: ignore[override]
-        return pid in self.kernel_threads
-
 
 def test_an_escapee_caught_mid_exec_is_looked_at_again() -> None:
     """A process outside every engine tree whose environment reads empty is not written off as
     unmarked: the next sweep reads its marker and finds it. Unmarked processes and kernel
     threads are read once in their life."""
-    ops = Environs({300: "", 301: None, 2: ""}, kernel_threads={2})
+    ops = Environs({300: "", 301: None, 2: ""})
     tracker = ProcessTracker({}, zmq.Poller(), ops, lambda e, k: None)
     tracker.marker_prefix = "node-a/"
-    table = {pid: ProcStat(pid, b"S", 1, pid, float(pid), "python") for pid in (300, 301, 2)}
+    table = {pid: ProcStat(pid, b"S", 1, pid, float(pid), "python") for pid in (300, 301)}
+    table[2] = ProcStat(2, b"S", 0, 0, 0.0, "kthreadd", PF_KTHREAD)
     assert tracker.escapees(table) == []
     ops.markers[300] = "node-a/e0/1/b"
     assert tracker.escapees(table) == [(table[300], "node-a/e0/1/b")]

@@ -302,9 +302,9 @@ class RefitService:
         self._ended(core, lease, now, why)
 
     def next_deadline(self) -> float | None:
-        deadlines = [u.deadline for u in self._unsaved[:1]]   # (in the order they came)
-        lease = self.lock.next_deadline()
-        return min(deadlines + [lease]) if lease is not None else min(deadlines, default=None)
+        unsaved = self._unsaved[0].deadline if self._unsaved else None   # (the oldest first)
+        return min((d for d in (unsaved, self.lock.next_deadline()) if d is not None),
+                   default=None)
 
     def _ended(self, core: Core, lease: Lease, now: float, why: str) -> None:
         if lease.members:   # neither committed nor aborted: its weights are unknown

@@ -17,6 +17,7 @@ from rollout_watchdog.watchdog.containment import read_marker
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PF_EXITING = 0x00000004   # the kernel has begun the process's exit
+PF_KTHREAD = 0x00200000   # a kernel thread
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class ProcStat:
     @property
     def alive(self) -> bool:
         return self.state not in (b"Z", b"X")  # a zombie holds nothing and counts as dead
+
+    @property
+    def kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
 
     @property
     def key(self) -> ProcKey:
@@ -253,17 +258,13 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
-PF_KTHREAD = 0x00200000
-
-
 def is_kernel_thread(pid: int) -> bool:
     """A kernel thread (kthreadd and its children): never an engine, and never signalled."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return bool(int(fields[6]) & PF_KTHREAD)
-    except (OSError, IndexError, ValueError):
+        stat = read_stat(pid)
+    except OSError:
         return False
+    return stat is not None and stat.kernel_thread
 
 
 class ProcessOps:

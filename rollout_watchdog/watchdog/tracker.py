@@ -199,7 +199,7 @@ class ProcessTracker:
             marker = self.ops.read_marker(stat.pid)
             if marker and marker.startswith(self.marker_prefix):
                 found.append((stat, marker))
-            elif marker != "" or self.ops.is_kernel_thread(stat.pid):
+            elif marker != "" or stat.kernel_thread:
                 self._unmarked.add(key)
         self._unmarked &= present
         return found
