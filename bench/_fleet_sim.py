@@ -44,10 +44,10 @@ from typing import Any, Protocol
 import zmq
 
 from rollout_watchdog.agent.link import NodeLink
-from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.replies import CommandError, Deferred
 from rollout_watchdog.watchdog.control import ControlServer
-from rollout_watchdog.watchdog.events import Event
-from rollout_watchdog.watchdog.replies import CommandError, Deferred
 
 PROBE_IN_FLIGHT_SHARE = 0.25   # nodes with a deep probe in flight when a pause arrives ...
 PROBE_REMAINING_S = 0.020      # ... ending within this long (uniform)

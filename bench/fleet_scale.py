@@ -72,7 +72,7 @@ from _cpu import CpuMeter
 from _fleet_sim import worker_main
 from fleet_harness import CoordinatorConnection, CoordinatorProcess, start_coordinator_process
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 
 PROBE = {"liveness_interval_s": 1.0, "health_interval_s": 0.5, "health_timeout_s": 5.0,

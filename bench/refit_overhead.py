@@ -43,7 +43,7 @@ RESTART = {"backoff_initial_s": 0.0, "backoff_max_s": 0.0, "max_restarts": 1000}
 ENGINES = 4
 RECEIVER = r"""
 import datetime, sys, torch
-from rollout_watchdog.refit_bridge.process_group import init_custom_process_group
+from rollout_watchdog.common.torch_group import init_custom_process_group
 from rollout_watchdog.emulator.model import build_model
 port, rank, world, hidden, rounds, load = (int(a) for a in sys.argv[1:7])
 pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", datetime.timedelta(minutes=30),
@@ -66,7 +66,7 @@ class RawBroadcast:
     def __init__(self, hidden: int, rounds: int, load: bool) -> None:
         import datetime
 
-        from rollout_watchdog.refit_bridge.process_group import init_custom_process_group
+        from rollout_watchdog.common.torch_group import init_custom_process_group
         port, world, name = free_port(), ENGINES + 1, f"raw-{uuid.uuid4().hex[:8]}"
         self.procs = [subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), str(rank),
                                         str(world), str(hidden), str(rounds), str(int(load)),

@@ -12,31 +12,31 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Coordinator": "rollout_watchdog.agent.coordinator",
-    "FleetClient": "rollout_watchdog.agent.client",
-    "EngineView": "rollout_watchdog.agent.views",
-    "FleetEvent": "rollout_watchdog.agent.views",
-    "FleetResult": "rollout_watchdog.agent.views",
-    "RolloutWatchdogError": "rollout_watchdog.errors",
-    "CoordinatorUnavailable": "rollout_watchdog.errors",
-    "CommandRefused": "rollout_watchdog.errors",
-    "EngineLost": "rollout_watchdog.errors",
-    "LeaseLost": "rollout_watchdog.errors",
+    "Coordinator": "rollout_watchdog.refit_bridge.coordinator",
+    "FleetClient": "rollout_watchdog.refit_bridge.client",
+    "EngineView": "rollout_watchdog.refit_bridge.views",
+    "FleetEvent": "rollout_watchdog.refit_bridge.views",
+    "FleetResult": "rollout_watchdog.refit_bridge.views",
+    "RolloutWatchdogError": "rollout_watchdog.common.errors",
+    "CoordinatorUnavailable": "rollout_watchdog.common.errors",
+    "CommandRefused": "rollout_watchdog.common.errors",
+    "EngineLost": "rollout_watchdog.common.errors",
+    "LeaseLost": "rollout_watchdog.common.errors",
 }
 __all__ = ["CommandRefused", "Coordinator", "CoordinatorUnavailable", "EngineLost", "EngineView",
            "FleetClient", "FleetEvent", "FleetResult", "LeaseLost", "RolloutWatchdogError",
            "__version__"]
 
 if TYPE_CHECKING:
-    from rollout_watchdog.agent.client import FleetClient
-    from rollout_watchdog.agent.views import EngineView, FleetEvent, FleetResult
-    from rollout_watchdog.errors import (
+    from rollout_watchdog.common.errors import (
         CommandRefused,
         CoordinatorUnavailable,
         EngineLost,
         LeaseLost,
         RolloutWatchdogError,
     )
+    from rollout_watchdog.refit_bridge.client import FleetClient
+    from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent, FleetResult
 
 
 def __getattr__(name: str) -> Any:

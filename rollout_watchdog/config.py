@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rollout_watchdog.validate import (
+from rollout_watchdog.common.validate import (
     URL_PATH,
     check_engine_id,
     endpoint_problem,

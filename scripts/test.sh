@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
 .venv/bin/ruff check rollout_watchdog tests bench
 .venv/bin/mypy   # strict for the node daemon (pyproject.toml)
+.venv/bin/lint-imports   # the layering (setup.cfg, [importlinter])
 exec .venv/bin/python -m pytest -q "$@"

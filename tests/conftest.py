@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_harness import EngineSpec, Node  # noqa: E402
 
-from rollout_watchdog.agent.coordinator import Coordinator  # noqa: E402
 from rollout_watchdog.emulator.testing import free_port, wait_until  # noqa: E402
+from rollout_watchdog.refit_bridge.coordinator import Coordinator  # noqa: E402
 from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     CgroupManager,
     cgroup2_mount,

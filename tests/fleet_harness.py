@@ -28,7 +28,7 @@ import zmq
 import zmq.auth
 from daemon_harness import EngineSpec, Node, wait_for
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 
 # ---------------------------------------------------------------------- the TCP relay
 

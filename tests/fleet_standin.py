@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 from daemon_harness import wait_for
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 
 Answer = Callable[[protocol.Command], protocol.Reply | None]
 

@@ -13,9 +13,9 @@ from typing import Any
 from daemon_harness import EngineSpec, Node, wait_for
 
 from rollout_watchdog import FleetClient
-from rollout_watchdog.agent.views import EngineView
 from rollout_watchdog.emulator.testing import http_request
 from rollout_watchdog.refit_bridge.router import RouterClient, normalize_url
+from rollout_watchdog.refit_bridge.views import EngineView
 
 TRAINER = Path(__file__).with_name("refit_trainer.py")
 PROMPT = "The rollout fleet"

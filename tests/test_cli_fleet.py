@@ -17,7 +17,7 @@ import pytest
 from daemon_harness import EngineSpec, Node, wait_for
 from fleet_standin import StandIn
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 
 

@@ -17,10 +17,10 @@ import zmq.auth
 from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.coordinator import Coordinator
-from rollout_watchdog.agent.keys import keygen
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.keys import keygen
 from rollout_watchdog.emulator.testing import emulator_info, free_port, inject_fault
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
 
 class Peer:

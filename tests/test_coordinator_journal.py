@@ -12,9 +12,9 @@ import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
-from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import Relayed
+from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 
 

@@ -12,13 +12,13 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
-from rollout_watchdog.agent.keys import keygen
 from rollout_watchdog.agent.security import (
     NamedKeyAuthenticator,
     check_bind,
     curve_server,
     is_local_endpoint,
 )
+from rollout_watchdog.common.keys import keygen
 
 OPEN = ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://coordinator.example.com:5555",
         "tcp://eth0:5555", "tcp://[::]:5555", "tcp://10.1.2.3:5555"]

@@ -16,11 +16,11 @@ import pytest
 from daemon_harness import run_command
 from test_daemon_regressions import cleanup, make_daemon, record, write_state
 
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.emulator.testing import free_port, wait_until
 from rollout_watchdog.watchdog.control import CommandError
 from rollout_watchdog.watchdog.probe import ProbeRunner
 from rollout_watchdog.watchdog.process import is_alive, proc_key, process_table
-from rollout_watchdog.watchdog.states import Cause, EngineState
 
 S = EngineState
 

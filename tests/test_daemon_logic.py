@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from daemon_harness import run_command
 
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import parse_config
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime
 from rollout_watchdog.watchdog.probe import ProbeResult
-from rollout_watchdog.watchdog.states import Cause, EngineState
 
 
 class FakeGpus:

@@ -19,12 +19,13 @@ import pytest
 import zmq
 from daemon_harness import run_command
 
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import parse_config
 from rollout_watchdog.emulator.testing import free_port, wait_until
+from rollout_watchdog.node import node_daemon
 from rollout_watchdog.watchdog.commands import CommandError
 from rollout_watchdog.watchdog.control import ControlServer
 from rollout_watchdog.watchdog.daemon import Daemon
-from rollout_watchdog.watchdog.node import node_daemon
 from rollout_watchdog.watchdog.process import (
     ProcessOps,
     ProcStat,
@@ -33,7 +34,6 @@ from rollout_watchdog.watchdog.process import (
     proc_key,
 )
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
-from rollout_watchdog.watchdog.states import Cause, EngineState
 
 S = EngineState
 

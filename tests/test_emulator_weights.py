@@ -17,6 +17,10 @@ from typing import Any
 
 import pytest
 
+from rollout_watchdog.common.torch_group import (
+    destroy_process_group,
+    init_custom_process_group,
+)
 from rollout_watchdog.emulator.testing import (
     emulator_info,
     free_port,
@@ -25,10 +29,6 @@ from rollout_watchdog.emulator.testing import (
     start_emulator,
     stop_emulator,
     wait_until,
-)
-from rollout_watchdog.refit_bridge.process_group import (
-    destroy_process_group,
-    init_custom_process_group,
 )
 
 torch = pytest.importorskip("torch")

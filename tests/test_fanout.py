@@ -9,7 +9,7 @@ import pytest
 
 from rollout_watchdog.agent import fanout as fanout_module
 from rollout_watchdog.agent.fanout import Fanout, Gathering
-from rollout_watchdog.agent.protocol import Command, Reply, decode, encode
+from rollout_watchdog.common.protocol import Command, Reply, decode, encode
 
 T0 = 1000.0
 CLIENT = b"client"

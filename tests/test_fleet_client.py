@@ -27,8 +27,8 @@ from rollout_watchdog import (
     FleetEvent,
     FleetResult,
 )
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.keys import keygen
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.keys import keygen
 from rollout_watchdog.emulator.testing import free_port
 
 
@@ -285,9 +285,10 @@ def test_curve_admits_the_listed_key_only(tmp_path: Path) -> None:
 
 
 def test_the_package_root_loads_the_fleet_api_on_first_use() -> None:
-    code = ("import sys, rollout_watchdog as rw; light = 'rollout_watchdog.agent.client' not in "
-            "sys.modules and 'zmq' not in sys.modules; rw.FleetClient; rw.CommandRefused; "
-            "print(light, 'rollout_watchdog.agent.client' in sys.modules)")
+    code = ("import sys, rollout_watchdog as rw; "
+            "light = 'rollout_watchdog.refit_bridge.client' not in sys.modules "
+            "and 'zmq' not in sys.modules; rw.FleetClient; rw.CommandRefused; "
+            "print(light, 'rollout_watchdog.refit_bridge.client' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == ["True", "True"], out.stderr

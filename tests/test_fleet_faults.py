@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from rollout_watchdog import FleetClient, FleetEvent
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 
 NODE_TIMEOUT_S = 3.0      # the coordinator's: a stalled link shows within seconds (3 beats)

@@ -14,7 +14,7 @@ import zmq
 from daemon_harness import Node, wait_for
 from fleet_harness import TcpRelay, start_coordinator_process, start_node_process
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 
 
@@ -130,7 +130,7 @@ def test_a_node_process_dials_through_the_relay_and_says_hello_again_after_a_cut
 
 
 def test_a_coordinator_process_answers_ping_and_is_gone_after_a_kill(tmp_path: Path) -> None:
-    pytest.importorskip("rollout_watchdog.agent.coordinator",
+    pytest.importorskip("rollout_watchdog.refit_bridge.coordinator",
                         reason="the coordinator has not landed on this branch yet")
     bind = f"tcp://127.0.0.1:{free_port()}"
     coordinator = start_coordinator_process(bind, log_path=tmp_path / "coordinator.log")

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from rollout_watchdog.agent.fleet import FleetView, Refused
-from rollout_watchdog.agent.protocol import Event, Hello
+from rollout_watchdog.common.protocol import Event, Hello
+from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
 
 T0 = 1000.0          # monotonic clock of the tests
 WALL0 = 1_700_000_000.0

@@ -18,7 +18,7 @@ from typing import Any
 from daemon_harness import EngineSpec, fd_limit, run_command, wait_for
 from test_supervisor_seams import healthy, make_daemon
 
-from rollout_watchdog.watchdog.events import Event, EventLog
+from rollout_watchdog.common.events import Event, EventLog
 from rollout_watchdog.watchdog.process import proc_key
 
 # ------------------------------------------------------------------ trickling engines

@@ -21,8 +21,10 @@ FORBIDDEN = ("torch", "ray", "sglang", "rollout_watchdog.emulator")
 LIGHT_PATHS = """
 import contextlib, importlib, io, pkgutil
 import rollout_watchdog.agent
+import rollout_watchdog.common
+import rollout_watchdog.node
 import rollout_watchdog.watchdog
-for pkg in (rollout_watchdog.watchdog, rollout_watchdog.agent):
+for pkg in (rollout_watchdog.watchdog, rollout_watchdog.agent, rollout_watchdog.common):
     for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
         importlib.import_module(info.name)
 from rollout_watchdog import Coordinator, FleetClient
@@ -61,7 +63,8 @@ def test_daemon_and_control_commands_load_no_heavy_module() -> None:
     loaded = _loaded_after(LIGHT_PATHS)
     daemon_modules = {m for m in loaded if m.startswith("rollout_watchdog.watchdog.")}
     assert {"rollout_watchdog.watchdog.daemon", "rollout_watchdog.cli.client",
-            "rollout_watchdog.agent.coordinator", "rollout_watchdog.agent.client"} <= loaded
+            "rollout_watchdog.refit_bridge.coordinator",
+            "rollout_watchdog.refit_bridge.client"} <= loaded
     assert len(daemon_modules) >= 5, daemon_modules  # the walk found the package's modules
     assert _forbidden(loaded) == []
 

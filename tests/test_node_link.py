@@ -14,7 +14,7 @@ import pytest
 import zmq
 from daemon_harness import EngineSpec, Node, free_port, wait_for
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 
 
 class Coordinator:

@@ -20,13 +20,13 @@ import requests
 import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 
-from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.link import MAX_MESSAGES_PER_ROUND, NodeLink
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.emulator.testing import free_port
-from rollout_watchdog.watchdog.clock import Clock
-from rollout_watchdog.watchdog.events import Event
 from rollout_watchdog.watchdog.metrics import Metrics
-from rollout_watchdog.watchdog.replies import CommandError
 
 NODE = b"test-node"
 PING = protocol.Command("ping-1", "ping", {}, node="test-node")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rollout_watchdog.agent.protocol import (
+from rollout_watchdog.common.protocol import (
     MAX_MESSAGE_BYTES,
     Ack,
     Command,
@@ -189,7 +189,7 @@ def test_constructing_an_invalid_message_is_refused_too() -> None:
 def test_the_event_s_own_json_mapping_is_the_generic_one() -> None:
     """Event writes its to_json/from_json out (the hot path); they must say what the generic
     mapping of its fields says, so a field added later cannot be dropped on the wire."""
-    from rollout_watchdog.agent.protocol import _Message
+    from rollout_watchdog.common.protocol import _Message
     event = Event("n1", "boot-1", 7, EVENT, ENGINE)
     assert event.to_json() == _Message.to_json(event)
     assert Event.from_json(event.to_json()) == _Message.from_json.__func__(Event, event.to_json())

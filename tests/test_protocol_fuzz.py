@@ -12,8 +12,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.protocol import (
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.protocol import (
     MAJOR,
     Ack,
     Command,

@@ -14,8 +14,8 @@ import pytest
 from daemon_harness import EngineSpec, Node, wait_for
 from test_coordinator import Peer, all_healthy, engines_of, fleet_of
 
-from rollout_watchdog.agent.coordinator import Coordinator
 from rollout_watchdog.emulator.testing import free_port
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 from rollout_watchdog.refit_bridge.lock import Fenced, LockHeld, RefitLock
 from rollout_watchdog.refit_bridge.weights import RefitState, WeightBook
 

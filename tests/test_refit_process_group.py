@@ -8,19 +8,19 @@ import sys
 
 import pytest
 
-from rollout_watchdog.emulator.testing import free_port
-from rollout_watchdog.refit_bridge.process_group import (
+from rollout_watchdog.common.torch_group import (
     _backend_options_kwarg,
     destroy_process_group,
     init_custom_process_group,
 )
+from rollout_watchdog.emulator.testing import free_port
 
 torch = pytest.importorskip("torch")
 
 # A member (rank >= 1): join, receive one tensor from rank 0, print it, tear down.
 MEMBER = """
 import datetime, sys, torch
-from rollout_watchdog.refit_bridge.process_group import (
+from rollout_watchdog.common.torch_group import (
     destroy_process_group, init_custom_process_group)
 init, rank, world, name = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 pg = init_custom_process_group("gloo", init, datetime.timedelta(seconds=30), world, rank, name)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from test_coordinator import Peer
 
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.coordinator import Coordinator
+from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 from rollout_watchdog.refit_bridge.durable import DurableWriter
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent import relay as relay_module
-from rollout_watchdog.agent.protocol import ResumePoint, Subscribe
 from rollout_watchdog.agent.relay import Relay, Relayed, batch_items
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.protocol import ResumePoint, Subscribe
 
 T0 = 1000.0
 A, B, C = b"client-a", b"client-b", b"client-c"

@@ -20,6 +20,7 @@ pytest.importorskip("sglang_router", reason="needs sglang-router 0.3.x (the test
 
 from router_harness import Router  # noqa: E402
 
+from rollout_watchdog.common.errors import RolloutWatchdogError  # noqa: E402
 from rollout_watchdog.emulator.testing import (  # noqa: E402
     free_port,
     http_request,
@@ -27,7 +28,6 @@ from rollout_watchdog.emulator.testing import (  # noqa: E402
     stop_emulator,
     wait_until,
 )
-from rollout_watchdog.errors import RolloutWatchdogError  # noqa: E402
 from rollout_watchdog.refit_bridge.router import (  # noqa: E402
     RouterClient,
     RouterError,

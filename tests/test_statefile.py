@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rollout_watchdog.common.events import Event, EventLog
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import AfterKill, Failure
-from rollout_watchdog.watchdog.events import Event, EventLog
 from rollout_watchdog.watchdog.process import ProcKey
 from rollout_watchdog.watchdog.statefile import (
     EngineRecord,
@@ -19,7 +20,6 @@ from rollout_watchdog.watchdog.statefile import (
     load_state,
     save_state,
 )
-from rollout_watchdog.watchdog.states import Cause, EngineState
 
 
 def full_record() -> EngineRecord:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_watchdog.watchdog.states import (
+from rollout_watchdog.common.states import (
     Cause,
     EngineState,
     IllegalTransition,

@@ -15,10 +15,11 @@ import pytest
 import zmq
 from daemon_harness import run_command
 
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import parse_config
 from rollout_watchdog.watchdog import statefile, timers
 from rollout_watchdog.watchdog.adoption import adopt, record_of
-from rollout_watchdog.watchdog.clock import Clock
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
 from rollout_watchdog.watchdog.policy import long_lived
@@ -31,7 +32,6 @@ from rollout_watchdog.watchdog.process import (
     proc_key,
 )
 from rollout_watchdog.watchdog.statefile import DERIVED, EngineRecord, load_state, save_state
-from rollout_watchdog.watchdog.states import Cause, EngineState
 from rollout_watchdog.watchdog.timers import Timer, engine_timers
 from rollout_watchdog.watchdog.tracker import ProcessTracker
 

@@ -51,11 +51,11 @@ def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in 
 
     import torch.distributed as dist
 
-    from rollout_watchdog.refit_bridge.engine_calls import uses_session
-    from rollout_watchdog.refit_bridge.process_group import (
+    from rollout_watchdog.common.torch_group import (
         destroy_process_group,
         init_custom_process_group,
     )
+    from rollout_watchdog.refit_bridge.engine_calls import uses_session
 
     groups: dict[str, Any] = {}
     state: dict[str, Any] = {"weights": {}, "version": "initial", "session": False}

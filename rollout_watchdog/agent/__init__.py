@@ -1,8 +1,7 @@
-"""The ZMQ link between a node's watchdog and the driver-side coordinator (DESIGN.md, "Agent").
+"""The transport between the node daemons and the coordinator (DESIGN.md, "Agent").
 
-`protocol`, the wire messages (its docstring is the spec; docs/protocol.md); `keys`, the CURVE
-keypairs (`rollout-watchdog keygen`); `link`, the node's side (a participant of the node
-daemon's loop, on when the config names a `coordinator`); `coordinator` (with `fleet`, `relay`,
-`fanout`, `security`, `journal`), the hub; `client` (with `stream` and `views`), the driver's side:
-`FleetClient`, which the package root exports.
+`link`, the node's side (a participant of the node daemon's loop, on when the config names a
+`coordinator`); `hub_socket` and `security`, the coordinator's ROUTER and its CURVE allowlist;
+`relay`, `journal` and `fanout`, the delivery of events up and of commands down. The wire messages
+are in `rollout_watchdog.common.protocol`. Nothing here imports the refit bridge or the node core.
 """

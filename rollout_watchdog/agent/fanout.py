@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 
 DEFAULT_TIMEOUT_S = 5.0
 REPLIES_KEPT = 1024

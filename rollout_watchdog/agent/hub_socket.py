@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import zmq
 
-from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, curve_server
+from rollout_watchdog.common import protocol
 
 # Per peer, in frames (a frame carries up to protocol.BATCH_EVENTS events). A subscriber behind
 # by more waits in the relay buffer (its cursor), not in libzmq's memory. A node whose frames

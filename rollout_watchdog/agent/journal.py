@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.relay import Relayed
+from rollout_watchdog.common import protocol
 
 log = logging.getLogger(__name__)
 JOURNAL = "relay.jsonl"

@@ -36,10 +36,10 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.watchdog.clock import Clock
-from rollout_watchdog.watchdog.events import Event
-from rollout_watchdog.watchdog.replies import CommandError, Deferred, PendingReplies
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.replies import CommandError, Deferred, PendingReplies
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 
 BUFFER_EVENTS = 50_000
 SUBSCRIBER_TIMEOUT_S = 10.0

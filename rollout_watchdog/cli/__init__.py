@@ -29,7 +29,7 @@ def _doc(name: str) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rollout_watchdog.logs import setup_logging
-    from rollout_watchdog.watchdog.node import node_daemon
+    from rollout_watchdog.node import node_daemon
 
     setup_logging(args.log_level, args.log_format)
     try:
@@ -146,7 +146,7 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from rollout_watchdog.agent.keys import KeygenError, keygen
+    from rollout_watchdog.common.keys import KeygenError, keygen
 
     try:
         public, secret = keygen(args.dir, args.name)

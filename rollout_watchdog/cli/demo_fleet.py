@@ -24,11 +24,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rollout_watchdog.agent.client import FleetClient
-from rollout_watchdog.agent.coordinator import Coordinator
-from rollout_watchdog.agent.keys import keygen
-from rollout_watchdog.agent.stream import EventStream
-from rollout_watchdog.agent.views import EngineView, FleetEvent
 from rollout_watchdog.cli.demo import (
     Narrator,
     describe,
@@ -41,9 +36,14 @@ from rollout_watchdog.cli.demo import (
 )
 from rollout_watchdog.cli.demo_refit import DemoRouter, generate, refit
 from rollout_watchdog.cli.render import fleet_table
+from rollout_watchdog.common.errors import CoordinatorUnavailable, RolloutWatchdogError
+from rollout_watchdog.common.keys import keygen
 from rollout_watchdog.emulator.testing import free_port
-from rollout_watchdog.errors import CoordinatorUnavailable, RolloutWatchdogError
+from rollout_watchdog.refit_bridge.client import FleetClient
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 from rollout_watchdog.refit_bridge.router import normalize_url
+from rollout_watchdog.refit_bridge.stream import EventStream
+from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent
 
 NODES = ("node-a", "node-b")
 VICTIM = "node-b"          # the node whose engine, then whose daemon, is SIGKILLed

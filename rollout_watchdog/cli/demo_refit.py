@@ -13,8 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from rollout_watchdog.agent.client import FleetClient
 from rollout_watchdog.emulator.testing import free_port, http_request
+from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.router import RouterClient, launch_argv
 
 PROMPT = "The rollout fleet"

@@ -15,8 +15,8 @@ from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from rollout_watchdog.agent.client import FleetClient
-    from rollout_watchdog.agent.views import FleetResult
+    from rollout_watchdog.refit_bridge.client import FleetClient
+    from rollout_watchdog.refit_bridge.views import FleetResult
 
 Command = Callable[[argparse.Namespace], int]
 FleetCommand = Callable[["FleetClient", argparse.Namespace], int]
@@ -51,8 +51,8 @@ def either(name: str, local: Command) -> Command:
 def _fleet_call(func: FleetCommand, args: argparse.Namespace
                 ) -> int:
     """Run `func` with a FleetClient; every error of ours becomes one line (ControlError)."""
-    from rollout_watchdog.agent.client import FleetClient
-    from rollout_watchdog.errors import CommandRefused, RolloutWatchdogError
+    from rollout_watchdog.common.errors import CommandRefused, RolloutWatchdogError
+    from rollout_watchdog.refit_bridge.client import FleetClient
 
     try:
         client = FleetClient(args.coordinator, key=args.key,
@@ -77,7 +77,7 @@ def _status(client: FleetClient, args: argparse.Namespace) -> int:
 
 def _events(client: FleetClient, args: argparse.Namespace) -> int:
     """Follow the fleet's events for ever, across coordinator restarts, each once."""
-    from rollout_watchdog.errors import CoordinatorUnavailable
+    from rollout_watchdog.common.errors import CoordinatorUnavailable
 
     if not args.follow:
         raise ControlError("--no-follow is for the local daemon: the coordinator's stream has "
@@ -125,8 +125,8 @@ _FLEET: dict[str, FleetCommand] = {
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import zmq
 
-    from rollout_watchdog.agent.coordinator import Coordinator
     from rollout_watchdog.logs import setup_logging
+    from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
     setup_logging(args.log_level, args.log_format)
     try:

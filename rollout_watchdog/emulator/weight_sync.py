@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout_watchdog.refit_bridge.process_group import (
+from rollout_watchdog.common.torch_group import (
     destroy_process_group,
     init_custom_process_group,
 )

@@ -1,4 +1,7 @@
-"""The driver-side coordinator and client that keep weight refits consistent (DESIGN.md).
+"""The driver side (DESIGN.md, "Refit bridge"): the coordinator and the client.
 
-Not built yet: see the open issues.
+The coordinator (`coordinator`, wiring the agent's hub to `fleet`, the fleet view, and `service`,
+the refit lock, weight versions and router gating); the driver's client (`client`, `stream`,
+`views`: `FleetClient`, which the package root exports) and its refit (`refit`, `group`,
+`engine_calls`).
 """

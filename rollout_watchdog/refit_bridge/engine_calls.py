@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-from rollout_watchdog.errors import RolloutWatchdogError
+from rollout_watchdog.common.errors import RolloutWatchdogError
 
 # SGLang 0.5.21 brought begin_weight_update / end_weight_update, which it then requires.
 SESSION_SINCE = (0, 5, 21)

@@ -24,13 +24,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rollout_watchdog.errors import RolloutWatchdogError
-from rollout_watchdog.refit_bridge import engine_calls, sockets
-from rollout_watchdog.refit_bridge.buckets import buckets, dtype_name, with_last
-from rollout_watchdog.refit_bridge.process_group import (
+from rollout_watchdog.common.errors import RolloutWatchdogError
+from rollout_watchdog.common.torch_group import (
     destroy_process_group,
     init_custom_process_group,
 )
+from rollout_watchdog.refit_bridge import engine_calls, sockets
+from rollout_watchdog.refit_bridge.buckets import buckets, dtype_name, with_last
 
 if TYPE_CHECKING:
     import torch

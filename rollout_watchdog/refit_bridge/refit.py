@@ -28,8 +28,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from rollout_watchdog.agent.views import EngineView, FleetEvent
-from rollout_watchdog.errors import (
+from rollout_watchdog.common.errors import (
     CommandRefused,
     CoordinatorUnavailable,
     EngineLost,
@@ -38,11 +37,12 @@ from rollout_watchdog.errors import (
 )
 from rollout_watchdog.refit_bridge import engine_calls
 from rollout_watchdog.refit_bridge.rendezvous import master_address_for
+from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout_watchdog.agent.client import FleetClient
+    from rollout_watchdog.refit_bridge.client import FleetClient
     from rollout_watchdog.refit_bridge.group import GroupMember, WeightUpdateGroup
 
 log = logging.getLogger(__name__)

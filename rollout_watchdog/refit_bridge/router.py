@@ -31,7 +31,7 @@ from typing import Any
 
 import requests
 
-from rollout_watchdog.errors import RolloutWatchdogError
+from rollout_watchdog.common.errors import RolloutWatchdogError
 
 __all__ = ["RouterClient", "RouterError", "RouterWorker", "normalize_url", "reconcile"]
 

@@ -43,10 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout_watchdog.agent import protocol
 from rollout_watchdog.agent.fanout import Gathering
-from rollout_watchdog.agent.fleet import FleetView
+from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
+from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.lock import (
     HOLDER_TIMEOUT_S,
     Fenced,

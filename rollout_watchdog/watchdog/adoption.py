@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rollout_watchdog.watchdog.clock import Clock
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.statefile import COPIED, EngineRecord, SavedState
-from rollout_watchdog.watchdog.states import Cause, EngineState
 from rollout_watchdog.watchdog.supervisor import Supervisor
 
 log = logging.getLogger("rollout_watchdog.watchdog")

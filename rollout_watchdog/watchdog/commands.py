@@ -16,14 +16,14 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.events import EventLog
+from rollout_watchdog.common.replies import CommandError, Deferred
+from rollout_watchdog.common.states import Cause, EngineState
+from rollout_watchdog.common.validate import check_engine_id
 from rollout_watchdog.config import EngineConfig, url_port
-from rollout_watchdog.validate import check_engine_id
-from rollout_watchdog.watchdog.clock import Clock
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
-from rollout_watchdog.watchdog.events import EventLog
 from rollout_watchdog.watchdog.process import ProcessOps
-from rollout_watchdog.watchdog.replies import CommandError, Deferred
-from rollout_watchdog.watchdog.states import Cause, EngineState
 from rollout_watchdog.watchdog.timers import PROBE_SLACK_S
 
 S = EngineState

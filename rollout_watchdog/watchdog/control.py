@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rollout_watchdog.watchdog.replies import (
+from rollout_watchdog.common.replies import (
     PROTOCOL_VERSION,
     CommandError,
     Deferred,

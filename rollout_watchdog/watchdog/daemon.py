@@ -25,11 +25,13 @@ from typing import Any, Protocol
 
 import zmq
 
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.events import EventLog
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.logs import dropped_log_lines
 from rollout_watchdog.watchdog import adoption, timers
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, probe_delegated_root
-from rollout_watchdog.watchdog.clock import Clock
 from rollout_watchdog.watchdog.containment import (
     marker_prefix,
     raise_nofile_limit,
@@ -38,7 +40,6 @@ from rollout_watchdog.watchdog.containment import (
 )
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime
 from rollout_watchdog.watchdog.enginelog import LogRotator, engine_log_path
-from rollout_watchdog.watchdog.events import EventLog
 from rollout_watchdog.watchdog.gpu import GpuInspector, make_inspector
 from rollout_watchdog.watchdog.metrics import Metrics
 from rollout_watchdog.watchdog.probe import ProbeRunner
@@ -46,7 +47,6 @@ from rollout_watchdog.watchdog.process import ProcessOps
 from rollout_watchdog.watchdog.publish import Publisher, log_event, metrics_subscriber
 from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
 from rollout_watchdog.watchdog.statefile import load_state, make_reserve, save_state
-from rollout_watchdog.watchdog.states import Cause, EngineState
 from rollout_watchdog.watchdog.supervisor import Supervisor
 from rollout_watchdog.watchdog.tracker import ProcessTracker, pidfd_budget
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import EngineConfig
 from rollout_watchdog.watchdog.process import ProcKey
-from rollout_watchdog.watchdog.states import Cause, EngineState
 
 
 class AfterKill(str, Enum):

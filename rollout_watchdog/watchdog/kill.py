@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from rollout_watchdog.common.states import Cause
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, KillJob, KillPhase
 from rollout_watchdog.watchdog.gpu import GpuInspector, gpu_holders
 from rollout_watchdog.watchdog.process import ProcessOps
-from rollout_watchdog.watchdog.states import Cause
 
 log = logging.getLogger(__name__)
 # How often a kill in progress looks again: are the processes gone, are ports and GPUs free.

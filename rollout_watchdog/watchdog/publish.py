@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.states import Cause
 from rollout_watchdog.watchdog.engine import EngineRuntime
-from rollout_watchdog.watchdog.events import Event
 from rollout_watchdog.watchdog.metrics import Metrics
-from rollout_watchdog.watchdog.states import Cause
 
 log = logging.getLogger("rollout_watchdog.watchdog")
 Subscriber = Callable[[Event], object]  # what it returns is ignored

@@ -19,9 +19,9 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import AfterKill, Failure
 from rollout_watchdog.watchdog.process import ProcKey
-from rollout_watchdog.watchdog.states import Cause, EngineState
 
 log = logging.getLogger(__name__)
 VERSION = 1

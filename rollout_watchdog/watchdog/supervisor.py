@@ -19,20 +19,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.events import EventLog
+from rollout_watchdog.common.states import Cause, EngineState, check_transition
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, mode_of
-from rollout_watchdog.watchdog.clock import Clock
 from rollout_watchdog.watchdog.containment import marker_value, parse_marker, with_marker
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
 from rollout_watchdog.watchdog.enginelog import open_engine_output
-from rollout_watchdog.watchdog.events import EventLog
 from rollout_watchdog.watchdog.gpu import GpuInspector
 from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, describe_exit
 from rollout_watchdog.watchdog.publish import Publisher
-from rollout_watchdog.watchdog.states import Cause, EngineState, check_transition
 from rollout_watchdog.watchdog.timers import Timer, due_timer
 from rollout_watchdog.watchdog.tracker import ProcessTracker
 

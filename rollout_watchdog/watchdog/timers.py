@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.watchdog.engine import EngineRuntime
-from rollout_watchdog.watchdog.states import EngineState
 
 # A probe whose result has not come back this long after its own deadline is judged failed
 # without it (the probe runner ends every probe at its deadline; this is the safety net).

@@ -17,10 +17,10 @@ from typing import Any
 
 import zmq
 
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.watchdog.engine import EngineRuntime
 from rollout_watchdog.watchdog.policy import ENGINE_PROCESS_PREFIX
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat
-from rollout_watchdog.watchdog.states import EngineState
 
 log = logging.getLogger(__name__)
 # How often a process without a pidfd is polled for its exit.

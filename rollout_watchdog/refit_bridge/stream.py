@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.views import FleetEvent
+from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge.views import FleetEvent
 
 if TYPE_CHECKING:
-    from rollout_watchdog.agent.client import FleetClient
+    from rollout_watchdog.refit_bridge.client import FleetClient
 
 SILENCE_S = 3.0      # no word from the coordinator for this long: it is gone, subscribe again
 HEARTBEAT_S = 1.0    # our heartbeat, which keeps the subscription

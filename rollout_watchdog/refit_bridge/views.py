@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_watchdog.errors import RolloutWatchdogError
+from rollout_watchdog.common.errors import RolloutWatchdogError
 
 # The coordinator's own events about a node; they are not resume points of that node's stream.
 COORDINATOR_BOOT_PREFIX = "coordinator-"   # the boot id of the coordinator's own events

@@ -14,7 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_watchdog.agent import protocol
+from rollout_watchdog.common import protocol
 
 log = logging.getLogger(__name__)
 NODE_TIMEOUT_S = 5.0

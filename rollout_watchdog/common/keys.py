@@ -11,7 +11,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from rollout_watchdog.validate import check_engine_id
+from rollout_watchdog.common.validate import check_engine_id
 
 
 class KeygenError(Exception):

@@ -24,9 +24,10 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.stream import SILENCE_S, EventStream
-from rollout_watchdog.agent.views import (
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable
+from rollout_watchdog.refit_bridge.stream import SILENCE_S, EventStream
+from rollout_watchdog.refit_bridge.views import (
     EngineView,
     FleetEvent,
     FleetResult,
@@ -34,7 +35,6 @@ from rollout_watchdog.agent.views import (
     NodeView,
     nodes_of,
 )
-from rollout_watchdog.errors import CommandRefused, CoordinatorUnavailable
 
 if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.refit import Refit

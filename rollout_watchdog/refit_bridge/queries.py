@@ -8,9 +8,9 @@ import time
 from collections import Counter
 from typing import Protocol
 
-from rollout_watchdog.agent import protocol
-from rollout_watchdog.agent.fleet import FleetView
 from rollout_watchdog.agent.relay import Relay
+from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.router_sync import RouterSync
 from rollout_watchdog.refit_bridge.service import RefitService
 

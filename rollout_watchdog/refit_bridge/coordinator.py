@@ -23,18 +23,19 @@ from typing import Any
 
 import zmq
 
-from rollout_watchdog.agent import protocol, queries
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
-from rollout_watchdog.agent.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.agent.hub_socket import bind_hub
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
-from rollout_watchdog.agent.views import COORDINATOR_BOOT_PREFIX
+from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge import queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
+from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 from rollout_watchdog.refit_bridge.router_sync import RouterSync
+from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
