@@ -77,6 +77,13 @@ class Router:
         self.kill()
         self.log.unlink(missing_ok=True)
 
+    def failed_add_jobs(self, url: str) -> int:
+        """How many of the router's own AddWorker jobs for ``url`` failed for good (its health
+        checks of a booting worker gave up: "Failed job: type=AddWorker, worker=URL"). After one,
+        the worker is not coming unless it is posted again."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text.count(f"Failed job: type=AddWorker, worker={url},")
+
     def log_tail(self, lines: int = 20) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
