@@ -134,7 +134,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                   router_url=args.router_url, state_dir=args.state_dir,
                                   node_timeout_s=args.node_timeout,
                                   holder_timeout_s=args.holder_timeout,
-                                  state_write_timeout_s=args.state_write_timeout)
+                                  state_write_timeout_s=args.state_write_timeout,
+                                  metrics_port=args.metrics_port,
+                                  metrics_host=args.metrics_host)
         return int(coordinator.run())
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
         print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
@@ -164,8 +166,24 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    metavar="S", help=(
                        "seconds a refit reply waits for refit.json to be on disk before it "
                        f"fails, naming the file (default {STATE_WRITE_TIMEOUT_S:g})"))
+    p.add_argument("--metrics-port", type=_port, metavar="P", help=(
+        "serve Prometheus metrics on this port: nodes reachable, engines by state, serving and "
+        "pending, the weight version, the lock holder and its lease, refit durations and "
+        "outcomes, relay counters"))
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="the metrics port's address (default 127.0.0.1)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object a line (default: text)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    default="info", help="default: info")
     p.set_defaults(func=cmd_coordinator)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free one), got {text!r}")
+    return port

@@ -34,6 +34,7 @@ from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
+from rollout_watchdog.refit_bridge.metrics import CoordinatorMetrics
 from rollout_watchdog.refit_bridge.router_sync import RouterSync
 from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 
@@ -53,7 +54,8 @@ class Coordinator:
                  router_url: str | None = None, state_dir: str | None = None,
                  node_timeout_s: float = NODE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S,
                  holder_timeout_s: float = HOLDER_TIMEOUT_S,
-                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S) -> None:
+                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
         check_bind(bind, keys, insecure)
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
@@ -67,6 +69,9 @@ class Coordinator:
         self.refit = refit.RefitService(state_dir, holder_timeout_s,  # raises for bad state
                                         state_write_timeout_s)
         self.router = RouterSync(router_url) if router_url else None
+        # Prometheus (`--metrics-port`; 0 picks a free port, then `metrics_port` is it)
+        self.metrics = CoordinatorMetrics() if metrics_port is not None else None
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self._router_members: dict[str, str | None] | None = None   # None: not started
         self._started_at = 0.0
         self._view_changed = True     # since the router was last told
@@ -165,9 +170,19 @@ class Coordinator:
             raise
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
+        if self.metrics is not None and self.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.start_server(self.metrics_port,
+                                                              self.metrics_host)
+            except OSError as exc:
+                self._close()
+                raise ValueError(f"cannot serve metrics on {self.metrics_host}:"
+                                 f"{self.metrics_port}: {exc}") from exc
         self._started_at = time.monotonic()
 
     def _close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop_server()
         if self.router is not None:
             self.router.stop()
         self.refit.close()
@@ -370,6 +385,8 @@ class Coordinator:
                          self.relay.subscriber_timeout_s)
             self.refit.tick(self, now)
             self._sync_router()
+            if self.metrics is not None:
+                self.metrics.sample(self, now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             beat = protocol.encode(protocol.Heartbeat(wall))

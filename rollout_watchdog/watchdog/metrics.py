@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from .metrics_server import MAX_CONNECTIONS, TIMEOUT_S, MetricsServer
+from rollout_watchdog.common.metrics_server import MAX_CONNECTIONS, TIMEOUT_S, MetricsServer
 
 STATES = ("starting", "healthy", "suspect", "stopping", "backoff", "failed", "stopped")
 
