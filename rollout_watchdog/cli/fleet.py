@@ -136,7 +136,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                   holder_timeout_s=args.holder_timeout,
                                   state_write_timeout_s=args.state_write_timeout,
                                   metrics_port=args.metrics_port,
-                                  metrics_host=args.metrics_host)
+                                  metrics_host=args.metrics_host,
+                                  route_after_first_refit=args.route_after_first_refit)
         return int(coordinator.run())
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
         print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
@@ -166,6 +167,10 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    metavar="S", help=(
                        "seconds a refit reply waits for refit.json to be on disk before it "
                        f"fails, naming the file (default {STATE_WRITE_TIMEOUT_S:g})"))
+    p.add_argument("--route-after-first-refit", action="store_true", help=(
+        "route no engine until a refit commits (a run resumed from a checkpoint: engines "
+        "booted from the base model are stale); by default engines are routed at the weights "
+        "they loaded from disk until then"))
     p.add_argument("--metrics-port", type=_port, metavar="P", help=(
         "serve Prometheus metrics on this port: nodes reachable, engines by state, serving and "
         "pending, the weight version, the lock holder and its lease, refit durations and "

@@ -55,7 +55,8 @@ class Coordinator:
                  node_timeout_s: float = NODE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S,
                  holder_timeout_s: float = HOLDER_TIMEOUT_S,
                  state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 route_after_first_refit: bool = False) -> None:
         check_bind(bind, keys, insecure)
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
@@ -67,7 +68,7 @@ class Coordinator:
         self._unjournaled: list[Relayed] = []
         self.fanout = Fanout()
         self.refit = refit.RefitService(state_dir, holder_timeout_s,  # raises for bad state
-                                        state_write_timeout_s)
+                                        state_write_timeout_s, route_after_first_refit)
         self.router = RouterSync(router_url) if router_url else None
         # Prometheus (`--metrics-port`; 0 picks a free port, then `metrics_port` is it)
         self.metrics = CoordinatorMetrics() if metrics_port is not None else None

@@ -97,10 +97,12 @@ class RefitError(Exception):
 
 class RefitService:
     def __init__(self, state_dir: str | None, holder_timeout_s: float = HOLDER_TIMEOUT_S,
-                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S) -> None:
+                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S,
+                 route_after_first_refit: bool = False) -> None:
         self.state = RefitState(state_dir)
         self.state_write_timeout_s = state_write_timeout_s
         self.book, next_token, in_flight = self.state.load()
+        self.book.disk_weights_serve = not route_after_first_refit
         if in_flight:
             log.warning("a refit was in flight when the coordinator stopped: %d engine(s) are "
                         "stale until the next refit commits", len(in_flight))

@@ -33,6 +33,9 @@ class WeightBook:
     def __init__(self) -> None:
         self.current: str | None = None   # the version the last committed refit set
         self.held: dict[tuple[str, str], Held] = {}
+        # Before the first commit, engines serve the weights they loaded from disk: right for
+        # a fresh run, wrong for one resumed from a checkpoint (--route-after-first-refit).
+        self.disk_weights_serve = True
 
     def version_of(self, node: str, engine: str, incarnation: object) -> str | None:
         held = self.held.get((node, engine))
@@ -45,6 +48,8 @@ class WeightBook:
             return False
         engine_id, incarnation = str(engine.get("id")), engine.get("incarnation")
         if self.current is None:   # disk weights, unless an aborted refit reached it
+            if not self.disk_weights_serve:
+                return False
             held = self.held.get((node, engine_id))
             return held is None or held.incarnation != incarnation or held.version is not None
         return self.version_of(node, engine_id, incarnation) == self.current
