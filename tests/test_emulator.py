@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 
-from rollout_watchdog.emulator import build_parser
+from rollout_watchdog.emulator import build_parser, testing
 from rollout_watchdog.emulator.testing import (
     emulator_info,
     free_port,
@@ -415,3 +415,17 @@ def test_free_ports_are_never_repeated_and_avoid_the_ephemeral_range() -> None:
     assert len(set(ports)) == len(ports)
     if ephemeral > 20_000:
         assert max(ports) < ephemeral
+
+
+def test_pytest_xdist_workers_pick_ports_from_slices_of_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two test workers are two processes: each remembers only its own picks, so each picks
+    from a slice of the range that the other never touches."""
+    slices = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        slices.append(testing._port_range())
+        assert all(slices[-1][0] <= free_port() <= slices[-1][1] for _ in range(20))
+    (low0, top0), (low1, top1) = slices
+    assert low0 <= top0 < low1 <= top1

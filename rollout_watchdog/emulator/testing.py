@@ -74,13 +74,26 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def _port_range() -> tuple[int, int]:
+    """The ports this process picks from: below the ephemeral range, and under pytest-xdist a
+    slice of its own per worker (two workers never hand out the same port)."""
+    low, top = LOWEST_PORT, _ephemeral_start() - 1
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.isdigit() and count.isdigit() and int(count) > 1 and top > low:
+        width = (top - low + 1) // int(count)
+        low += width * int(worker)
+        top = low + width - 1
+    return low, top
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now, for a server started a moment later: never one this process
     handed out before, and below the kernel's ephemeral range where it can (that is where
     bind(0) and every outgoing connection take theirs, so one of them could take it meanwhile)."""
-    top = _ephemeral_start() - 1
-    for _ in range(200 if top > LOWEST_PORT else 0):
-        port = _pick.randint(LOWEST_PORT, top)
+    low, top = _port_range()
+    for _ in range(200 if top > low else 0):
+        port = _pick.randint(low, top)
         if port not in _handed_out and _bindable(host, port):
             _handed_out.add(port)
             return port
