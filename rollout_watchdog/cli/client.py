@@ -46,7 +46,8 @@ class ControlClient:
 
     def call(self, cmd: str, args: dict[str, Any] | None = None,
              timeout_s: float | None = None) -> Any:
-        """Send one command and return its result; ControlError on an error reply or no reply.
+        """Send one command and return its result; ControlError on an error reply or no reply
+        (DaemonGone, at once, when the daemon's end closes first).
 
         A fresh socket per call: a daemon that restarted in between loses nothing, and a call
         that timed out leaves no stale reply behind for the next one.
@@ -82,7 +83,6 @@ class ControlClient:
         if reply.get("status") != "ok":
             raise ControlError(reply.get("reason") or "the daemon answered with an error")
         return reply.get("result")
-
 
     def _await_reply(self, sock: zmq.SyncSocket, monitor: zmq.SyncSocket, path: str | None,
                      timeout: float) -> bytes:
