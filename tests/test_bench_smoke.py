@@ -25,3 +25,15 @@ def test_fleet_scale_quick_runs_every_phase() -> None:
                    "out to one subscriber", "kill -> client", "every engine listed",
                    "peak RSS", "0 dropped from outboxes, 0 bad messages"):
         assert figure in out, f"{figure!r} missing:\n{out}"
+
+
+def test_follower_detection_quick_runs() -> None:
+    """Each SIGKILLed daemon is noticed by the disconnect, and every event printed once; the
+    median's goal is not asserted (a loaded machine's figure)."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "follower_detection.py"), "--quick",
+         "--time-limit", "150"], capture_output=True, text=True, timeout=200,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = run.stdout + run.stderr
+    assert run.returncode in (0, 2), out
+    assert "noticed by: disconnect x2;" in out and " 0 doubled" in out, out

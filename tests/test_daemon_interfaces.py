@@ -145,31 +145,6 @@ def test_cli_without_a_daemon_fails_fast_with_a_message(tmp_path: Path) -> None:
     assert time.monotonic() - started < 10
 
 
-def test_events_follow_the_daemon_across_its_restart(make_node: MakeNode) -> None:
-    node = make_node([EngineSpec("e0")]).start()
-    node.wait_state("e0", "healthy")
-    out_path = node.tmp / "events.out"
-    with open(out_path, "w") as out:
-        follower = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "events", "--json",
-                                     "--control", node.control], stdout=out,
-                                    stderr=subprocess.DEVNULL, text=True)
-    try:
-        def events() -> list[dict]:
-            return [json.loads(line) for line in out_path.read_text().splitlines()]
-
-        wait_for(lambda: any(e.get("to") == "healthy" for e in events()), 15,
-                 "the follower to print the healthy transition")
-        node.kill_daemon()
-        node.start()
-        wait_for(lambda: any(e["kind"] == "adopted" for e in events()), 20,
-                 "the follower to print the new daemon's adoption event")
-        assert {"ts", "node_id", "engine", "incarnation", "kind", "from", "to", "cause",
-                "detail"} == set(events()[0])
-    finally:
-        follower.kill()
-        follower.wait()
-
-
 def test_adoption_does_not_trust_a_reused_pid(make_node: MakeNode) -> None:
     """A state file naming a pid that now belongs to another process (other create time): that
     process is left alone and the engine is relaunched."""

@@ -99,22 +99,27 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    """Follow the daemon's events; survive its restarts (a new boot id starts over)."""
+    """Follow the daemon's events; survive its restarts (a new boot id starts over).
+
+    A daemon that dies is noticed at once (its connection closes: DaemonGone); one that stops
+    answering, after --timeout + --poll seconds of silence. Either way the follower tries again
+    every --retry seconds and asks for what came after the last event it printed.
+    """
     client = _client(args)
     since, boot = 0, None
     waiting_said = False
     while True:
         try:
-            wait_s = 5.0 if args.follow else 0.0  # the long poll's own wait, when following
+            wait_s = args.poll if args.follow else 0.0  # the long poll's own wait
             result = client.call("events", {"since": since, "boot": boot, "wait_s": wait_s},
                                  timeout_s=args.timeout + wait_s)
         except ControlError as exc:
             if not args.follow:
                 raise
             if not waiting_said:
-                print(f"waiting for the daemon: {exc}", file=sys.stderr)
+                print(f"waiting for the daemon: {exc}", file=sys.stderr, flush=True)
                 waiting_said = True
-            time.sleep(0.5)
+            time.sleep(args.retry)
             continue
         waiting_said = False
         boot, since = result["boot"], result["next"]
@@ -217,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object a line")
     p.add_argument("--no-follow", dest="follow", action="store_false",
                    help="print the events so far and exit")
+    p.add_argument("--poll", type=_seconds, default=5.0, metavar="S",
+                   help="local daemon: how long one request waits there for a new event "
+                   "(default 5; the daemon caps it at 30). A daemon that dies is noticed at "
+                   "once; one that stops answering after --timeout + --poll s of silence")
+    p.add_argument("--retry", type=_seconds, default=0.5, metavar="S",
+                   help="local daemon: seconds between tries while it is away (default 0.5)")
 
     for name in ("pause", "resume"):
         p = control_command(name, _doc(name), _simple(name))
