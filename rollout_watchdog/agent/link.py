@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import json
 import logging
+import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable
 from typing import Any, Protocol
@@ -98,7 +99,12 @@ class NodeLink:
         self._batches = False    # the coordinator on this connection takes "events" frames
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, node_id.encode())
+        curve = bool(key and coordinator_key)
+        # With CURVE the coordinator knows the node by its key, and a routing id of its own
+        # that is never shown keeps any other admitted peer off its connection
+        # (hub_socket.NodeRoutes); without, the routing id is the node id.
+        sock.setsockopt(zmq.ROUTING_ID, secrets.token_hex(16).encode() if curve
+                        else node_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)   # nothing queued for a peer that is not there
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)

@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
-from rollout_watchdog.agent.hub_socket import bind_hub
+from rollout_watchdog.agent.hub_socket import NodeRoutes, bind_hub
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
@@ -60,6 +60,7 @@ class Coordinator:
         self.heartbeat_s = heartbeat_s
         self.boot = f"{BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.view = FleetView(node_timeout_s)
+        self.routes = NodeRoutes(curve=bool(keys))
         self.relay = Relay()
         self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
         self._unjournaled: list[Relayed] = []
@@ -242,7 +243,7 @@ class Coordinator:
         self._unjournaled.clear()
         for node_id in self._acks:
             record = self.view.nodes[node_id]
-            self._send(node_id.encode(), protocol.encode(
+            self._send_node(node_id, protocol.encode(
                 protocol.Ack(record.boot, record.received_seq, batches=True)))
         self._acks.clear()
 
@@ -262,47 +263,59 @@ class Coordinator:
         self._bad("framing", f"{len(frames) - 1} frames instead of one")
         return None
 
-    def _receive(self, peer_id: bytes, data: bytes, user: str | None) -> None:
-        """One message from `peer_id`; `user` is the name of its CURVE key (None without)."""
+    def _receive(self, route: bytes, data: bytes, user: str | None) -> None:
+        """One message from the connection `route`; `user` is the name of its CURVE key (None
+        without). Only the connection a node's HELLO came from speaks for it (NodeRoutes)."""
         try:
             msg = protocol.decode(data)
         except protocol.ProtocolError as exc:
             self._bad("undecodable", str(exc))
             return
-        peer = peer_id.decode("utf-8", "replace")
+        node = self.routes.node_of(route)
         now, wall = time.monotonic(), time.time()
-        # A known node's routing id, or a node's message, needs that node's key (with
-        # CURVE): another admitted peer cannot speak for it, even holding its routing id.
-        from_node = (isinstance(msg, (protocol.Hello, protocol.Event, protocol.Events))
-                     or peer in self.view.nodes)
-        if from_node and self.keys and user != peer:
-            self._bad("unknown_node", f"{msg.KIND} from {peer!r} under the key of {user!r}")
+        if node is not None and self.keys and user != node:   # a routing id taken over
+            self._bad("unknown_node", f"{msg.KIND} from node {node!r}'s routing id under the "
+                                      f"key of {user!r}")
             return
         try:
             if isinstance(msg, protocol.Hello):
-                self._view_changed = True   # a snapshot: engines may differ, no event says so
-                self._own_events(self.view.hello(msg, peer, now, wall))
-                self._acks.add(peer)
-            elif isinstance(msg, protocol.Event):
-                self._event(msg, data, peer, now, wall)
-            elif isinstance(msg, protocol.Events):
-                self._events(msg, data, peer, now, wall)
+                self._hello(msg, route, user, now, wall)
+            elif isinstance(msg, (protocol.Event, protocol.Events)):
+                if node is None:
+                    raise Refused("no_hello", f"{msg.KIND} from a peer that sent no HELLO "
+                                              f"(routing id {route[:60]!r})")
+                if isinstance(msg, protocol.Event):
+                    self._event(msg, data, node, now, wall)
+                else:
+                    self._events(msg, data, node, now, wall)
             elif isinstance(msg, protocol.Reply):
-                self._own_events(self.view.heard(peer, now, wall))
-                gathering = self.fanout.answered(msg, peer)
-                if gathering is not None:
-                    self._answer(gathering)
+                if node is not None:   # anyone else's reply is no answer
+                    self._own_events(self.view.heard(node, now, wall))
+                    gathering = self.fanout.answered(msg, node)
+                    if gathering is not None:
+                        self._answer(gathering)
             elif isinstance(msg, protocol.Command):
-                self._command(peer_id, msg, now)
+                self._command(route, msg, now)
             elif isinstance(msg, protocol.Subscribe):
-                self.relay.subscribe(peer_id, msg, now)
+                self.relay.subscribe(route, msg, now)
             elif isinstance(msg, protocol.Heartbeat):
-                self._own_events(self.view.heard(peer, now, wall))
-                self.relay.heard(peer_id, now)
+                if node is not None:
+                    self._own_events(self.view.heard(node, now, wall))
+                self.relay.heard(route, now)
             else:
-                self._bad("wrong_direction", f"{msg.KIND} from {peer!r}")
+                self._bad("wrong_direction", f"{msg.KIND} from {route[:60]!r}")
         except Refused as exc:
             self._bad(exc.reason, str(exc))
+
+    def _hello(self, msg: protocol.Hello, route: bytes, user: str | None, now: float,
+               wall: float) -> None:
+        refusal = self.routes.refusal(route, msg.node_id, user)
+        if refusal is not None:
+            raise Refused("unknown_node", refusal)
+        self._view_changed = True   # a snapshot: engines may differ, no event says so
+        self._own_events(self.view.hello(msg, msg.node_id, now, wall))
+        self.routes.bind(route, msg.node_id)
+        self._acks.add(msg.node_id)
 
     def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
                ) -> None:
@@ -374,7 +387,7 @@ class Coordinator:
             self._next_heartbeat = now + self.heartbeat_s
             beat = protocol.encode(protocol.Heartbeat(wall))
             for node in self.view.reachable():
-                self._send(node.encode(), beat)
+                self._send_node(node, beat)
             for client in list(self.relay.subscribers):
                 self._send(client, beat)
 
@@ -413,7 +426,7 @@ class Coordinator:
         timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
         gathering = Gathering(client, cmd, targets, now + timeout, finish=finish)
         for node, node_cmd in self.fanout.start(gathering):
-            if not self._send(node.encode(), protocol.encode(node_cmd)):
+            if not self._send_node(node, protocol.encode(node_cmd)):
                 gathering.gone.add(node)
         if self.fanout.settle(gathering):
             self._answer(gathering)
@@ -488,6 +501,11 @@ class Coordinator:
         with contextlib.suppress(LookupError):
             return self._send_or_wait(peer, frame)
         return False
+
+    def _send_node(self, node_id: str, frame: bytes) -> bool:
+        """Send to a node's own connection (NodeRoutes); False as _send, or when it has none."""
+        route = self.routes.route_of(node_id)
+        return route is not None and self._send(route, frame)
 
     def _send_or_wait(self, peer: bytes, frame: bytes) -> bool:
         """False when the peer's queue is full (try later); LookupError when it is gone."""

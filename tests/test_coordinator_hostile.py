@@ -1,0 +1,98 @@
+"""What a hostile run found at the coordinator (issue 13, part 3), each injected again: a client
+key holding a node's routing id, a flood of connections that never speak, nodes sending huge
+events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+from daemon_harness import Node, wait_for
+from test_coordinator import Peer, all_healthy, curve_of, fleet_of, keys  # noqa: F401
+
+from rollout_watchdog.agent.hub_socket import NodeRoutes
+from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
+
+# ---------------------------------------------------------------------- routing ids (item 7)
+
+
+def test_without_curve_a_node_is_only_announced_from_its_own_routing_id() -> None:
+    routes = NodeRoutes(curve=False)
+    assert routes.refusal(b"n1", "n1", None) is None
+    refused = routes.refusal(b"\x00\x00\x01", "n1", None)
+    assert refused is not None and "'n1'" in refused
+
+
+def test_with_curve_a_node_is_only_announced_under_its_own_key() -> None:
+    routes = NodeRoutes(curve=True)
+    assert routes.refusal(b"secret-1", "n1", "n1") is None
+    assert routes.refusal(b"n1", "n1", "n1") is None          # the routing id does not matter
+    refused = routes.refusal(b"n1", "n1", "trainer")
+    assert refused is not None and "'trainer'" in refused
+
+
+def test_a_node_speaks_from_the_routing_id_of_its_latest_hello_alone() -> None:
+    routes = NodeRoutes(curve=True)
+    routes.bind(b"r1", "n1")
+    routes.bind(b"r2", "n1")                                   # the daemon restarted
+    assert (routes.node_of(b"r1"), routes.node_of(b"r2"), routes.route_of("n1")) == (
+        None, "n1", b"r2")
+    routes.bind(b"r2", "n2")                                   # that routing id now n2's
+    assert (routes.route_of("n1"), routes.route_of("n2")) == (None, b"r2")
+
+
+def test_a_client_key_holding_a_nodes_routing_id_gets_nothing_and_the_node_stays(
+        make_node: Callable[..., Node], tmp_path: Path, keys: Path) -> None:  # noqa: F811
+    """An authorized client key connects again and again with the routing id `node0`, says
+    HELLO and sends events as node0. Before, ROUTER_HANDOVER gave it node0's connection: it got
+    node0's frames and node0 flapped unreachable. Now node0's routing id is its own secret and
+    its frames go there alone: the intruder gets nothing, is refused and counted, and node0
+    stays linked and reachable through many heartbeats."""
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys), heartbeat_s=0.2,
+                     node_timeout_s=3.0) as coord:
+        node, = fleet_of(make_node, coord.endpoint, 1, top={
+            "key": str(tmp_path / "peers" / "node0.key_secret"),
+            "coordinator_key": str(keys / "coordinator.key")})
+        trainer = Peer(coord.endpoint, curve_of(tmp_path, "trainer"))
+        ctx = zmq.Context()
+        try:
+            wait_for(all_healthy(trainer, 1), 60, "the node, over CURVE")
+            trainer.sock.send(protocol.encode(protocol.Subscribe()))
+            got: list[bytes] = []
+            rounds = 15
+            for i in range(rounds):
+                intruder = ctx.socket(zmq.DEALER)
+                intruder.linger = 0
+                intruder.routing_id = b"node0"
+                (intruder.curve_publickey, intruder.curve_secretkey,
+                 intruder.curve_serverkey) = curve_of(tmp_path, "trainer")
+                intruder.connect(coord.endpoint)
+                for message in (protocol.Hello("node0", f"fake-{i}", [], 0),
+                                protocol.Event("node0", f"fake-{i}", 1, {"kind": "resumed"}),
+                                protocol.Heartbeat(time.time())):
+                    intruder.send(protocol.encode(message))
+                deadline = time.monotonic() + 0.5   # 2.5 of the coordinator's heartbeats
+                while (left := deadline - time.monotonic()) > 0:
+                    if intruder.poll(int(left * 1000) + 1):
+                        got.append(intruder.recv())
+                intruder.close(0)
+                trainer.pump(0)
+            assert got == [], f"the intruder got node0's frames: {got[:3]}"
+            ping = trainer.call("ping")
+            assert ping is not None
+            bad = ping.result["bad_messages"]
+            assert bad.get("unknown_node", 0) >= rounds and bad.get("no_hello", 0) >= rounds
+            trainer.pump(0.2)
+            flaps = [e.event["kind"] for e in trainer.events if e.node_id == "node0"
+                     and e.event["kind"] in ("node_unreachable", "node_reachable")]
+            assert flaps == [], flaps
+            assert node.status()["link"]["connected"]
+            fleet = trainer.fleet()
+            assert [(n["node_id"], n["reachable"]) for n in fleet["nodes"]] == [("node0", True)]
+        finally:
+            trainer.close()
+            ctx.term()
+
