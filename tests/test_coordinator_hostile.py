@@ -13,6 +13,7 @@ from daemon_harness import Node, wait_for
 from test_coordinator import Peer, all_healthy, curve_of, fleet_of, keys  # noqa: F401
 
 from rollout_watchdog.agent.hub_socket import NodeRoutes
+from rollout_watchdog.agent.link import event_frame
 from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
@@ -96,3 +97,104 @@ def test_a_client_key_holding_a_nodes_routing_id_gets_nothing_and_the_node_stays
             trainer.close()
             ctx.term()
 
+
+# ---------------------------------------------------------------------- event sizes (item 9)
+
+
+def big_event(seq: int, size: int, node: str = "n9", boot: str = "hostile-boot"
+              ) -> protocol.Event:
+    return protocol.Event(node, boot, seq, {
+        "ts": time.time(), "node_id": node, "engine": None, "incarnation": None,
+        "kind": "note", "from": None, "to": None, "cause": None, "detail": "x" * size})
+
+
+def test_a_node_cuts_an_event_too_big_for_the_coordinator_to_fit() -> None:
+    huge = protocol.Event("n1", "b1", 7, {"kind": "state", "to": "failed", "engine": "e0",
+                                          "detail": "why " * 100_000},
+                          {"id": "e0", "state": "failed", "last_failure": "y" * 300_000})
+    frame = event_frame(huge)
+    assert frame is not None and len(frame) <= protocol.MAX_EVENT_BYTES
+    cut = protocol.decode(frame)
+    assert isinstance(cut, protocol.Event) and cut.seq == 7
+    assert cut.event["to"] == "failed" and "characters cut" in cut.event["detail"]
+    small = big_event(1, 100)
+    assert event_frame(small) == protocol.encode(small)        # the common case: untouched
+
+
+def test_huge_events_from_a_node_keep_the_relay_and_journal_within_their_bytes(
+        tmp_path: Path) -> None:
+    """A node that speaks the protocol sends 2,000 valid 30 KB events (60 MB) and one of
+    100 KB. The oversized one is refused and counted, yet the ACKs go on past it; the relay
+    buffer and the journal stay within their byte bounds (before: 1,760 MiB of memory, and a
+    journal of 900 MB, for 2,000 events of 900 KB); a client that keeps up gets every valid
+    event, in order, once; one that read nothing is told of the gap."""
+    bound = 1 << 20
+    count, oversized = 2_000, 1_000
+    coord = Coordinator(bind="tcp://127.0.0.1:0", state_dir=str(tmp_path / "state"))
+    coord.relay.max_bytes = bound
+    assert coord.journal is not None
+    coord.journal.max_bytes = bound
+    journal = tmp_path / "state" / "relay.jsonl"
+    ctx = zmq.Context()
+    try:
+        coord.start()
+        keeper, sleeper, node = (ctx.socket(zmq.DEALER) for _ in range(3))
+        sleeper.rcvhwm = 1
+        node.routing_id, node.sndtimeo = b"n9", 30_000
+        for sock in (keeper, sleeper, node):
+            sock.linger = 0
+            sock.connect(coord.endpoint)
+        for sock in (keeper, sleeper):
+            sock.send(protocol.encode(protocol.Subscribe()))
+        time.sleep(0.5)   # the subscriptions land first (nothing to wait on: no reply)
+        node.send(protocol.encode(protocol.Hello("n9", "hostile-boot", [], 0)))
+        got: list[int] = []
+        acked = largest = 0
+
+        def drain() -> None:
+            nonlocal acked
+            while keeper.poll(0):
+                message = protocol.decode(keeper.recv())
+                if isinstance(message, protocol.Event) and message.boot == "hostile-boot":
+                    got.append(message.seq)
+            while node.poll(0):
+                message = protocol.decode(node.recv())
+                if isinstance(message, protocol.Ack):
+                    acked = max(acked, message.seq)
+
+        for seq in range(1, count + 1):
+            node.send(protocol.encode(big_event(seq, 100_000 if seq == oversized else 30_000)))
+            drain()
+            if seq % 100 == 0:
+                largest = max(largest, journal.stat().st_size)
+                assert coord.relay.bytes <= bound
+        try:
+            wait_for(lambda: (drain(), acked == count and len(got) == count - 1)[1], 60,
+                     "every event ACKed, every valid one relayed to the keeping-up client")
+        finally:
+            print(f"acked {acked}, relayed {len(got)}, skipped {coord.relay.skipped_behind}")
+        assert got == [s for s in range(1, count + 1) if s != oversized]
+        largest = max(largest, journal.stat().st_size)
+        assert largest < 8 * bound, largest   # the bound, and one loop turn's events
+        keeper.send(protocol.encode(protocol.Command("ping-1", "ping")))
+
+        def reply() -> protocol.Reply | None:
+            while keeper.poll(100):
+                message = protocol.decode(keeper.recv())
+                if isinstance(message, protocol.Reply):
+                    return message
+            return None
+        assert wait_for(reply, 10, "ping").result["bad_messages"]["oversized_event"] == 1
+        kinds: list[str] = []
+
+        def read_sleeper() -> bool:
+            while sleeper.poll(100):
+                message = protocol.decode(sleeper.recv())
+                batch = message.events if isinstance(message, protocol.Events) else [message]
+                kinds.extend(e.event["kind"] for e in batch
+                             if isinstance(e, protocol.Event))
+            return "gap" in kinds and kinds[-1] == "note"
+        wait_for(read_sleeper, 30, "the sleeping client told of its gap, then the rest")
+    finally:
+        coord.stop()
+        ctx.destroy(linger=0)

@@ -61,7 +61,7 @@ class Coordinator:
         self.boot = f"{BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.view = FleetView(node_timeout_s)
         self.routes = NodeRoutes(curve=bool(keys))
-        self.relay = Relay()
+        self.relay = Relay(gap_frame=self._gap_frame)
         self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
         self._unjournaled: list[Relayed] = []
         self.fanout = Fanout()
@@ -227,13 +227,17 @@ class Coordinator:
 
     def _receive_some(self) -> None:
         assert self.sock is not None
-        for _ in range(MESSAGES_PER_TURN):
+        taken = 0   # bytes: a turn takes less than the relay buffer holds, so that the events
+        for _ in range(MESSAGES_PER_TURN):   # reach subscribers before they could leave it
+            if taken > self.relay.max_bytes // 4:
+                break
             try:
                 received = self._recv()
             except zmq.Again:
                 break
             try:
                 if received is not None:
+                    taken += len(received[1])
                     self._receive(*received)
             except Exception:  # a bug on one message must not stop the fleet's hub
                 self.bad_messages["internal_error"] += 1
@@ -319,6 +323,7 @@ class Coordinator:
 
     def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
                ) -> None:
+        _check_size(msg, len(frame), peer)
         new, own = self.view.event(msg, peer, now, wall)
         self._own_events(own)
         self._acks.add(peer)
@@ -335,8 +340,11 @@ class Coordinator:
         new: list[protocol.Event] = []
         restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
         taken = False
+        big = len(frame) > protocol.MAX_EVENT_BYTES   # (never a batch from this package's nodes)
         for event in msg.events:
             try:
+                if big:
+                    _check_size(event, _encoded_size(event), peer)
                 fresh, own = self.view.event(event, peer, now, wall)
             except Refused as exc:
                 self._bad(exc.reason, str(exc))
@@ -490,6 +498,15 @@ class Coordinator:
             self._relay(Relayed(event["node_id"], self.boot, self.own_seq,
                                 protocol.encode(message)))
 
+    def _gap_frame(self, lost: int) -> bytes:
+        """The "gap" event that tells a subscriber that fell out of the relay buffer how many
+        events it lost (its own: no other subscriber gets it)."""
+        self.own_seq += 1
+        event = node_event("*", "gap", f"{lost} event(s) lost: this subscriber fell behind the "
+                           f"relay buffer ({self.relay.capacity} events, "
+                           f"{self.relay.max_bytes >> 20} MiB)", time.time())
+        return protocol.encode(protocol.Event("*", self.boot, self.own_seq, event))
+
     def _relay(self, item: Relayed) -> None:
         self._view_changed = True   # every change of the view comes with an event
         self.relay.add(item)
@@ -525,6 +542,21 @@ class Coordinator:
         count = self.bad_messages[reason]
         if count <= 10 or count % 1000 == 0:  # a flood must not flood the log too
             log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
+
+
+def _check_size(event: protocol.Event, size: int, node: str) -> None:
+    """Refused: an event over MAX_EVENT_BYTES (a node cuts its own to fit, so this one came
+    from a hostile or broken node); never applied, relayed or journaled."""
+    if size > protocol.MAX_EVENT_BYTES:
+        raise Refused("oversized_event", f"event {event.seq} of node {node!r}: {size} bytes, "
+                                         f"over the limit of {protocol.MAX_EVENT_BYTES}")
+
+
+def _encoded_size(event: protocol.Event) -> int:
+    try:
+        return len(protocol.encode(event))
+    except protocol.ProtocolError:   # over the message limit once encoded again
+        return protocol.MAX_MESSAGE_BYTES + 1
 
 
 def _reencodes_small(frame: bytes) -> bool:
