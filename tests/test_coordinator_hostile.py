@@ -4,17 +4,22 @@ events."""
 
 from __future__ import annotations
 
+import resource
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import zmq
-from daemon_harness import Node, wait_for
+from daemon_harness import Node, fd_limit, free_port, wait_for
+from fleet_harness import start_coordinator_process
 from test_coordinator import Peer, all_healthy, curve_of, fleet_of, keys  # noqa: F401
 
 from rollout_watchdog.agent.hub_socket import NodeRoutes
 from rollout_watchdog.agent.link import event_frame
 from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
 # ---------------------------------------------------------------------- routing ids (item 7)
@@ -96,6 +101,50 @@ def test_a_client_key_holding_a_nodes_routing_id_gets_nothing_and_the_node_stays
         finally:
             trainer.close()
             ctx.term()
+
+
+
+# ---------------------------------------------------------------------- connection flood (item 8)
+
+FLOOD_FD_LIMIT = 256
+
+
+@pytest.mark.parametrize("hard", [None, FLOOD_FD_LIMIT], ids=["raised", "at_the_hard_limit"])
+def test_a_flood_of_connections_that_never_speak_locks_nobody_out(
+        tmp_path: Path, hard: int | None) -> None:
+    """The coordinator starts with a soft open-file limit of 256 and takes 300 raw TCP
+    connections that never speak ZMTP. Before, they held its descriptors for libzmq's 30 s
+    handshake time (with systemd's 1,024: every client call failed). Now its soft limit goes
+    up to the hard one at start, and where that is 256 too, a connection that does not finish
+    its handshake within 5 s is dropped: either way a client call answers within its
+    deadline, and the refit lock can be taken and renewed."""
+    if hard is None and resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4 * FLOOD_FD_LIMIT:
+        pytest.skip("the hard RLIMIT_NOFILE here leaves nothing to raise to")
+    port = free_port()
+    coordinator = start_coordinator_process(
+        f"tcp://127.0.0.1:{port}", log_path=tmp_path / "coordinator.log",
+        wrap=fd_limit(FLOOD_FD_LIMIT, hard or resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(FLOOD_FD_LIMIT + 44):   # within the listen backlog (100) past the limit
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+            flood.append(sock)
+        descriptors = Path(f"/proc/{coordinator.proc.pid}/fd")
+        wait_for(lambda: len(list(descriptors.iterdir())) >= min(
+            hard or len(flood), len(flood)) - 2, 30, "the flood taken in by the coordinator")
+        client = FleetClient(coordinator.endpoint, timeout_s=20.0)
+        assert client.engines() == []
+        _, taken = client.call("refit_acquire", {"holder": "trainer", "version": "v1",
+                                                 "lease_s": 30})
+        client.call("refit_renew", {"token": taken["token"]})
+        client.call("refit_release", {"token": taken["token"]})
+        assert coordinator.proc.poll() is None
+    finally:
+        for sock in flood:
+            sock.close()
+        coordinator.cleanup()
 
 
 # ---------------------------------------------------------------------- event sizes (item 9)

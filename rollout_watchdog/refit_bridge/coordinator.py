@@ -29,6 +29,7 @@ from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.limits import raise_nofile_limit
 from rollout_watchdog.refit_bridge import queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
@@ -120,7 +121,13 @@ class Coordinator:
 
     def run(self) -> int:
         """Serve in this thread until SIGTERM or SIGINT (the standalone coordinator); SIGHUP
-        reloads the authorized keys."""
+        reloads the authorized keys. The soft open-file limit goes up to the hard one first,
+        so that a flood of connections cannot run it out of descriptors (a driver embedding
+        the coordinator decides that for its own process: `common.limits`)."""
+        old, new = raise_nofile_limit()
+        if new != old:
+            log.info("open file limit raised from %d to %d", old, new)
+
         def stop(signum: int, frame: FrameType | None) -> None:
             self._stop.set()
         for signum in (signal.SIGTERM, signal.SIGINT):
