@@ -104,6 +104,40 @@ def test_a_client_key_holding_a_nodes_routing_id_gets_nothing_and_the_node_stays
 
 
 
+
+def test_a_nodes_routing_id_taken_over_under_another_key_is_refused(
+        tmp_path: Path, keys: Path) -> None:  # noqa: F811
+    """A node that still uses its node id as its routing id (an older node) can have its
+    connection taken over through ROUTER_HANDOVER; whatever the taker then sends under its
+    own key is refused and counted, never taken for the node's."""
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys)) as coord:
+        ctx = zmq.Context()
+        try:
+            def dealer(name: str) -> zmq.Socket[bytes]:
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger, sock.routing_id = 0, b"node0"
+                sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = curve_of(
+                    tmp_path, name)
+                sock.connect(coord.endpoint)
+                return sock
+
+            node = dealer("node0")
+            node.send(protocol.encode(protocol.Hello("node0", "b1", [], 0)))
+            assert node.poll(10_000) and isinstance(protocol.decode(node.recv()), protocol.Ack)
+            taker = dealer("trainer")
+            taker.send(protocol.encode(protocol.Event("node0", "b1", 1, {"kind": "resumed"})))
+            trainer = Peer(coord.endpoint, curve_of(tmp_path, "trainer"))
+            try:
+                wait_for(lambda: (r := trainer.call("ping")) is not None
+                         and r.result["bad_messages"].get("unknown_node") == 1, 10,
+                         "the taker's event refused as unknown_node")
+                assert coord.view.nodes["node0"].received_seq == 0
+            finally:
+                trainer.close()
+        finally:
+            ctx.destroy(linger=0)
+
+
 # ---------------------------------------------------------------------- connection flood (item 8)
 
 FLOOD_FD_LIMIT = 256
