@@ -396,8 +396,8 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
 
 
 def _node_id(c: _Checker) -> str:
-    """The node id: also the ZMQ routing id towards the coordinator (at most 255 bytes), and
-    the NODE of the fleet's NODE/ENGINE names (so no '/')."""
+    """The node id: also the ZMQ routing id towards a coordinator without CURVE (at most 255
+    bytes), and the NODE of the fleet's NODE/ENGINE names (so no '/')."""
     default = socket.gethostname()
     node_id = c.name("node_id", default)
     if (any(ch.isspace() for ch in node_id) or "/" in node_id

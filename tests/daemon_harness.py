@@ -212,12 +212,12 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
-def fd_limit(limit: int) -> list[str]:
-    """A `Node.start` wrap that runs the daemon with soft and hard RLIMIT_NOFILE at `limit`
-    (both: the daemon raises its soft limit to the hard one)."""
+def fd_limit(limit: int, hard: int | None = None) -> list[str]:
+    """A wrap (argv prefix) that runs a process with soft RLIMIT_NOFILE `limit`, and hard
+    `hard` (default: `limit` too, as the daemon raises its soft limit to the hard one)."""
     return [sys.executable, "-c",
             "import os, resource, sys; "
-            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {hard or limit})); "
             "os.execvp(sys.argv[1], sys.argv[1:])"]
 
 

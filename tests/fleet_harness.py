@@ -369,18 +369,19 @@ def start_coordinator_process(bind: str, extra_args: Sequence[str] = (), *,
                               key: str | os.PathLike[str] | None = None,
                               coordinator_key: str | os.PathLike[str] | None = None,
                               log_path: Path | None = None, env: dict[str, str] | None = None,
-                              ready_timeout_s: float = 15.0) -> CoordinatorProcess:
+                              ready_timeout_s: float = 15.0, wrap: Sequence[str] = ()
+                              ) -> CoordinatorProcess:
     """Start `rollout-watchdog coordinator --bind BIND EXTRA_ARGS...` as its own process and
     wait (bounded) until it answers `ping`. `bind` names its port (not 0: a restart must find
     it again). `key`/`coordinator_key` are the client keys the readiness ping uses under CURVE.
-    Its output goes to `log_path`, or is inherited."""
+    Its output goes to `log_path`, or is inherited; `wrap` is an argv prefix (`fd_limit`)."""
     port = bind.rsplit(":", 1)[-1]
     if not port.isdigit() or int(port) == 0:
         raise ValueError(f"start_coordinator_process: bind needs a fixed port, got {bind!r}")
     endpoint = bind.replace("0.0.0.0", "127.0.0.1").replace("*", "127.0.0.1")
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "ab")) if log_path is not None else None
-        proc = subprocess.Popen(coordinator_command(bind, extra_args), stdout=log,
+        proc = subprocess.Popen([*wrap, *coordinator_command(bind, extra_args)], stdout=log,
                                 stderr=subprocess.STDOUT if log else None,
                                 env={**os.environ, **(env or {})})
     coordinator = CoordinatorProcess(proc, endpoint, key=key, coordinator_key=coordinator_key,

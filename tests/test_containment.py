@@ -208,7 +208,7 @@ def test_a_marked_process_never_reads_as_unmarked_mid_exec() -> None:
 def _raise_in_child(soft: int) -> list[int]:
     code = (
         "import json, resource\n"
-        "from rollout_watchdog.watchdog.containment import raise_nofile_limit\n"
+        "from rollout_watchdog.common.limits import raise_nofile_limit\n"
         "print(json.dumps([*raise_nofile_limit(), "
         "resource.getrlimit(resource.RLIMIT_NOFILE)[0]]))\n"
     )

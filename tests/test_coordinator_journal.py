@@ -104,14 +104,35 @@ def test_an_acknowledged_undelivered_event_survives_a_coordinator_sigkill(
         coordinator.cleanup()
 
 
-def test_a_buffer_bigger_than_the_limit_is_not_rewritten_on_every_append(tmp_path: Path) -> None:
+def test_the_journal_stays_within_its_byte_bound_and_is_not_rewritten_on_every_append(
+        tmp_path: Path) -> None:
+    """A buffer far bigger than the bound: the file stays within it (plus the last append),
+    and compaction rewrites about as many bytes as were appended, not the buffer each turn."""
     journal = Journal(str(tmp_path), keep=100, max_bytes=1_000)
     journal.load()
     buffer = [relayed("n1", "b1", seq) for seq in range(1, 101)]   # far over 1,000 bytes
+    line = len(buffer[-1].frame) + 1
     rewrites = 0
     for item in buffer:
         before = journal.path.stat().st_ino
-        journal.append([item], buffer)
+        journal.append([item], buffer[:item.seq])
         rewrites += journal.path.stat().st_ino != before
-    assert rewrites < 10          # compacted when it doubled, not each time
+        assert journal.path.stat().st_size <= 1_000 + line
+    assert rewrites <= 100 * line // 500 + 1      # each rewrite follows 500 bytes appended
+    journal.close()
+    again = Journal(str(tmp_path), keep=100, max_bytes=1_000)
+    assert [i.seq for i in again.load()][-1] == 100                 # the newest kept
+    again.close()
+
+
+def test_an_oversized_journal_is_loaded_within_its_bound(tmp_path: Path) -> None:
+    """A journal written by an older coordinator that grew without bound: only the newest
+    `max_bytes` of it are read back (the memory a restart takes stays bounded)."""
+    big = [relayed("n1", "b1", seq) for seq in range(1, 201)]
+    (tmp_path / "relay.jsonl").write_bytes(b"".join(i.frame + b"\n" for i in big))
+    journal = Journal(str(tmp_path), keep=1_000, max_bytes=2_000)
+    items = journal.load()
+    assert sum(len(i.frame) + 1 for i in items) <= 2_000
+    assert [i.seq for i in items] == list(range(201 - len(items), 201))
+    assert journal.path.stat().st_size <= 2_000
     journal.close()

@@ -246,3 +246,43 @@ def test_a_batch_is_not_forwarded_whole_past_a_clients_share(
     assert seqs_in(clients.got[A]) == [("n1", s) for s in range(1, 4)]
     assert relay.pump(clients.send, T0) is False
     assert seqs_in(clients.got[A]) == [("n1", s) for s in range(1, 6)]
+
+
+def test_the_buffer_is_bounded_by_bytes_and_a_client_that_fell_out_is_told_of_the_gap() -> None:
+    """Big events push the oldest out by bytes long before the count bound; a client that was
+    not reading gets a "gap" event with how many it lost, then the rest, in order."""
+    gaps: list[int] = []
+
+    def gap_frame(lost: int) -> bytes:
+        gaps.append(lost)
+        return b"gap %d" % lost
+
+    big = [Relayed("n1", "b1", s, b"x" * 10_000) for s in range(1, 21)]
+    relay, clients = Relay(capacity=1_000, max_bytes=50_000, gap_frame=gap_frame), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    relay.subscribe(B, Subscribe(), T0)
+    clients.room[A] = 0                               # not reading
+    for e in big:
+        relay.add(e)
+        assert relay.bytes <= relay.max_bytes
+        relay.pump(clients.send, T0)
+    assert clients.got[B] == frames(*big)             # one keeping up loses nothing
+    kept = len(relay.buffer)
+    assert kept == 4 and relay.bytes == sum(e.size for e in big[-kept:])
+    clients.room[A] = 0                               # the gap waits for room, not lost
+    relay.pump(clients.send, T0)
+    assert A not in clients.got and relay.subscribers[A].lost == 20 - kept
+    del clients.room[A]
+    relay.pump(clients.send, T0)
+    assert clients.got[A] == [b"gap 16", *frames(*big[-kept:])]
+    assert relay.skipped_behind == 16 and gaps[-1] == 16
+    relay.pump(clients.send, T0)
+    assert clients.got[A][-1] == big[-1].frame        # told once
+
+
+def test_one_event_bigger_than_the_byte_bound_is_still_relayed() -> None:
+    relay, clients = Relay(max_bytes=1_000), Clients()
+    relay.subscribe(A, Subscribe(), T0)
+    relay.add(Relayed("n1", "b1", 1, b"x" * 5_000))
+    relay.pump(clients.send, T0)
+    assert len(clients.got[A]) == 1 and len(relay.buffer) == 1

@@ -1,4 +1,5 @@
-"""The coordinator's ROUTER socket, every option set on purpose (DESIGN.md, "Agent")."""
+"""The coordinator's ROUTER socket, every option set on purpose (DESIGN.md, "Agent"), and
+which of its connections speaks for which node (`NodeRoutes`)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,25 @@ from rollout_watchdog.common import protocol
 # (measured), x 10 under 170 MB, at the same throughput.
 SEND_HWM = 1_000
 RECV_HWM = 10
+HANDSHAKE_TIMEOUT_S = 5.0
 
 
-def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None
+def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None,
+             handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
              ) -> tuple[zmq.Socket[bytes], NamedKeyAuthenticator | None]:
     """The bound ROUTER and its authenticator (with `keys`); ValueError naming the problem."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails, never vanishes
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted node takes its id back at once
+    # A reconnected node takes its routing id back at once. With CURVE a node's routing id is
+    # a secret of its own (NodeRoutes), so no other peer can take its connection this way.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)  # bigger: dropped by zmq
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
     sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+    # A connection that has not finished the ZMTP (and CURVE) handshake by then is dropped, so
+    # one that never speaks holds a descriptor for seconds, not libzmq's default 30 s.
+    sock.setsockopt(zmq.HANDSHAKE_IVL, round(handshake_timeout_s * 1000))
     # No ZMTP heartbeat timeout on this side, on purpose: it would drop a live client that
     # is slow to read a burst (its unread PINGs), and the client would then lose its
     # subscription. Nodes detect a dead coordinator with their own ZMTP heartbeats (which
@@ -42,3 +50,55 @@ def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None
             auth.stop()
         raise ValueError(f"cannot bind {bind}: {exc}") from None
     return sock, auth
+
+
+class NodeRoutes:
+    """Which connection (ROUTER routing id) speaks for which node.
+
+    A node is bound to the routing id its accepted HELLO came from, and the coordinator's
+    frames for it go there alone. Without CURVE that routing id must be the node id itself
+    (nothing else tells a node apart, so nothing stops a peer that takes that routing id: hence
+    keys off loopback). With CURVE the HELLO must come under the node's own key (the ZAP
+    User-Id, the key file's name); the routing id may be anything, and a node uses a secret
+    random one (`agent.link`), so that a client's key holding the node id as its routing id
+    gets no frame of the node's and cannot take its connection over (ROUTER_HANDOVER acts
+    inside libzmq, before any message is seen)."""
+
+    def __init__(self, curve: bool) -> None:
+        self.curve = curve
+        self._routes: dict[str, bytes] = {}     # node -> its routing id
+        self._nodes: dict[bytes, str] = {}      # routing id -> node
+
+    def refusal(self, route: bytes, node_id: str, user: str | None) -> str | None:
+        """Why a HELLO for `node_id` from `route` under the key named `user` is refused; None
+        when it is taken."""
+        if self.curve:
+            if user != node_id:
+                return (f"HELLO for node {node_id!r} under the key of {user!r}: a node "
+                        "announces itself only with its own key")
+        elif route != node_id.encode():
+            return (f"HELLO for node {node_id!r} from routing id {_shown(route)}: a node "
+                    "announces only itself")
+        return None
+
+    def bind(self, route: bytes, node_id: str) -> None:
+        """From now on `route` speaks for `node_id` (its earlier routing id no longer does)."""
+        old = self._routes.get(node_id)
+        if old is not None and old != route:
+            del self._nodes[old]
+        previous = self._nodes.get(route)
+        if previous is not None and previous != node_id:
+            del self._routes[previous]
+        self._routes[node_id], self._nodes[route] = route, node_id
+
+    def node_of(self, route: bytes) -> str | None:
+        """The node `route` speaks for (None: a client, or a node before its HELLO)."""
+        return self._nodes.get(route)
+
+    def route_of(self, node_id: str) -> bytes | None:
+        return self._routes.get(node_id)
+
+
+def _shown(route: bytes) -> str:
+    text = repr(route)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -6,17 +6,18 @@ coordinator SIGKILLed before a subscribed client got the event, only the coordin
 have had it. With a state dir, each relayed event is appended to `DIR/relay.jsonl` (one frame a
 line) before the ACK goes out; a restarted coordinator reloads the newest ones into its relay
 buffer, so a client resuming from its last event gets the rest, and knows per node the last
-event it had, so events that nodes resend are not relayed twice. The file is compacted to the
-buffer's size when it grows past `max_bytes`. A failing disk is logged once and the coordinator
-goes on without the journal: it never stops relaying for it.
-"""
+event it had, so events that nodes resend are not relayed twice. The file is bounded by bytes:
+when it grows past `max_bytes` (64 MiB) it is rewritten with the newest buffered events that fit
+in half of that, so it never holds more than `max_bytes` plus one loop turn's events, and each
+byte appended is rewritten about once at most. A failing disk is logged once and the coordinator
+goes on without the journal: it never stops relaying for it. """
 
 from __future__ import annotations
 
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Reversible
 from pathlib import Path
 from typing import IO
 
@@ -34,13 +35,14 @@ class Journal:
         self.keep, self.max_bytes = keep, max_bytes
         self.failed: str | None = None
         self._file: IO[bytes] | None = None
-        self._size = self._compacted = 0
+        self._size = 0
 
     def load(self) -> list[Relayed]:
-        """The newest `keep` events of the journal, oldest first (a bad line is skipped)."""
+        """The newest events of the journal, at most `keep` and `max_bytes` of them, oldest
+        first (a bad line is skipped)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        items: deque[Relayed] = deque(maxlen=self.keep)
-        skipped = 0
+        items: deque[Relayed] = deque()
+        held = skipped = 0
         try:
             with open(self.path, "rb") as file:
                 for line in file:
@@ -51,24 +53,28 @@ class Journal:
                         continue
                     if isinstance(msg, protocol.Event):
                         items.append(Relayed(msg.node_id, msg.boot, msg.seq, line.rstrip(b"\n")))
+                        held += _line_bytes(items[-1])
+                        while len(items) > self.keep or held > self.max_bytes:
+                            held -= _line_bytes(items.popleft())
         except FileNotFoundError:
             pass
         if skipped:
             log.warning("%s: skipped %d unreadable line(s)", self.path, skipped)
-        self._rewrite(items)
+        self._rewrite(items, self.max_bytes)
         return list(items)
 
-    def append(self, items: Iterable[Relayed], buffer: Iterable[Relayed]) -> None:
-        """Write events (before their ACK goes out); compact to `buffer` when too big."""
+    def append(self, items: Iterable[Relayed], buffer: Reversible[Relayed]) -> None:
+        """Write events (before their ACK goes out); compact to the newest of `buffer` (the
+        relay's, oldest first) when too big."""
         if self._file is None:
             return
         try:
             for item in items:
                 self._file.write(item.frame + b"\n")
-                self._size += len(item.frame) + 1
+                self._size += _line_bytes(item)
             self._file.flush()   # to the kernel: a SIGKILL of the coordinator loses nothing
-            if self._size > max(self.max_bytes, 2 * self._compacted):
-                self._rewrite(buffer)
+            if self._size > self.max_bytes:
+                self._rewrite(buffer, self.max_bytes // 2)
         except OSError as exc:
             self._fail(exc)
 
@@ -77,19 +83,24 @@ class Journal:
             self._file.close()
             self._file = None
 
-    def _rewrite(self, items: Iterable[Relayed]) -> None:
-        """The journal replaced by `items` alone, atomically (write, then rename)."""
+    def _rewrite(self, items: Reversible[Relayed], budget: int) -> None:
+        """The journal replaced by the newest of `items` that fit in `budget` bytes, atomically
+        (write, then rename)."""
         self.close()
+        kept: list[Relayed] = []
+        size = 0
+        for item in reversed(items):
+            if size + _line_bytes(item) > budget:
+                break
+            kept.append(item)
+            size += _line_bytes(item)
         tmp = self.path.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as file:
-                size = 0
-                for item in items:
+                for item in reversed(kept):
                     file.write(item.frame + b"\n")
-                    size += len(item.frame) + 1
             os.replace(tmp, self.path)
             self._file, self._size = open(self.path, "ab"), size  # noqa: SIM115 (kept open)
-            self._compacted = size   # a buffer bigger than max_bytes: not rewritten each turn
         except OSError as exc:
             self._fail(exc)
 
@@ -99,3 +110,7 @@ class Journal:
         log.error("coordinator journal off: %s; events are relayed from memory only, so a "
                   "coordinator restart may lose events a client has not received yet",
                   self.failed)
+
+
+def _line_bytes(item: Relayed) -> int:
+    return len(item.frame) + 1

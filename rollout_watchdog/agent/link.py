@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import json
 import logging
+import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable
 from typing import Any, Protocol
@@ -48,6 +49,7 @@ SILENT_REDIAL_S = 10.0         # handshaken but silent this long: dial afresh
 REDIAL_GRACE_S = 0.5           # a disconnect with no retry from libzmq within this: dial again
 REDIAL_BACKOFF_S = (1.0, 30.0)  # first and longest wait between redials of our own
 OUTBOX_LIMIT = 10_000          # events kept for the coordinator (about 5 MB at most)
+CUT_TEXTS_TO = (4096, 512)   # an event over MAX_EVENT_BYTES: its texts cut to these, in turn
 REPLIES_KEPT = 1024            # replies remembered for repeated request ids
 SEND_RETRY_S = 0.01          # how soon sends held back by a full queue are tried again
 MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves the engines
@@ -98,7 +100,12 @@ class NodeLink:
         self._batches = False    # the coordinator on this connection takes "events" frames
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, node_id.encode())
+        curve = bool(key and coordinator_key)
+        # With CURVE the coordinator knows the node by its key, and a routing id of its own
+        # that is never shown keeps any other admitted peer off its connection
+        # (hub_socket.NodeRoutes); without, the routing id is the node id.
+        sock.setsockopt(zmq.ROUTING_ID, secrets.token_hex(16).encode() if curve
+                        else node_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)   # nothing queued for a peer that is not there
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
@@ -247,11 +254,7 @@ class NodeLink:
                                       protocol.BATCH_BYTES)
         done = self._sent_seq          # sent, or skipped as unsendable, once `packed` is out
         for event in events:
-            try:
-                frame: bytes | None = protocol.encode(event)
-            except protocol.ProtocolError as exc:
-                log.error("cannot send event %d to the coordinator: %s", event.seq, exc)
-                frame = None
+            frame = event_frame(event)
             if frame is not None:
                 if not packed.fits(frame):
                     if not self._send_frame(packed.take()):
@@ -381,3 +384,41 @@ class NodeLink:
         while len(self._replies) > REPLIES_KEPT:
             self._replies.popitem(last=False)
         self._to_send.append(reply)
+
+
+def event_frame(event: protocol.Event) -> bytes | None:
+    """The event's frame, at most MAX_EVENT_BYTES, which the coordinator refuses beyond: a
+    bigger event has its texts cut until it fits, its engine status dropped last (the event
+    still says what changed). None (logged) when it cannot be sent at all; a later ACK drops
+    it from the outbox, so it never holds the events after it back."""
+    try:
+        frame = protocol.encode(event)
+        if len(frame) <= protocol.MAX_EVENT_BYTES:
+            return frame
+        problem = f"{len(frame)} bytes"
+    except protocol.ProtocolError as exc:   # over the message limit, or not JSON at all
+        problem = str(exc)
+    tries = [(_cut(event.event, n), _cut(event.engine_status, n)) for n in CUT_TEXTS_TO]
+    for body, status in [*tries, (tries[-1][0], None)]:
+        with contextlib.suppress(protocol.ProtocolError):
+            frame = protocol.encode(protocol.Event(event.node_id, event.boot, event.seq, body,
+                                                   status))
+            if len(frame) <= protocol.MAX_EVENT_BYTES:
+                log.warning("event %d (%s) was too big (%s, over %d): its texts are cut",
+                            event.seq, event.event.get("kind"), problem,
+                            protocol.MAX_EVENT_BYTES)
+                return frame
+    log.error("cannot send event %d to the coordinator: %s", event.seq, problem)
+    return None
+
+
+def _cut(value: Any, limit: int) -> Any:
+    """A JSON value with every string over `limit` characters cut to it, saying so."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else \
+            f"{value[:limit]}... ({len(value) - limit} characters cut)"
+    if isinstance(value, dict):
+        return {key: _cut(item, limit) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_cut(item, limit) for item in value]
+    return value

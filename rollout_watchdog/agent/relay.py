@@ -1,11 +1,14 @@
 """Relaying events to subscribed clients, in order, each once, at each client's own pace.
 
-Every event the coordinator relays goes into one bounded buffer, numbered by the coordinator.
-A subscriber is a cursor into that buffer: the coordinator sends from its cursor until the
-socket would block (the client's high-water mark) and carries on at the next turn, so one slow
-client neither blocks the loop nor loses events, as long as it stays within the buffer. A
-resuming subscriber starts at the oldest buffered event and skips what its resume points say it
-has (docs/protocol.md, "The coordinator's side").
+Every event the coordinator relays goes into one buffer, numbered by the coordinator, bounded
+both by count (`BUFFER_EVENTS`) and by bytes (`BUFFER_BYTES`, counting each event's frame and
+`ITEM_OVERHEAD` for its objects): the oldest events leave first. A subscriber is a cursor into
+that buffer: the coordinator sends from its cursor until the socket would block (the client's
+high-water mark) and carries on at the next turn, so one slow client neither blocks the loop nor
+loses events, as long as it stays within the buffer. One that falls out of it is counted
+(`skipped_behind`) and, before anything else, sent a "gap" event saying how many it lost (made
+by the coordinator: `gap_frame`). A resuming subscriber starts at the oldest buffered event and
+skips what its resume points say it has (docs/protocol.md, "The coordinator's side").
 
 A subscriber that set `batches` gets runs of events as "events" frames (protocol.BATCH_EVENTS
 and BATCH_BYTES at most): a node's "events" frame as it came, when it wants every event of it
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from rollout_watchdog.common import protocol
 
 BUFFER_EVENTS = 50_000
+BUFFER_BYTES = 64 << 20
+ITEM_OVERHEAD = 200      # bytes of Python objects per buffered event, besides its frame
 SUBSCRIBER_TIMEOUT_S = 10.0
 SENDS_PER_TURN = 5_000   # per subscriber and turn: as many as a turn takes in (MESSAGES_PER_TURN)
 
@@ -36,6 +41,12 @@ class Batch:
     frame: bytes
     size: int
     _frames: list[bytes] | None = None
+
+    @property
+    def share(self) -> int:
+        """The bytes each of its events is counted for in the buffer (split, the frames take
+        about as much again)."""
+        return -(-len(self.frame) // self.size)
 
     def event_frame(self, part: int) -> bytes:
         if self._frames is None:
@@ -56,6 +67,14 @@ class Relayed:
     encoded: bytes | None = None
     batch: Batch | None = None   # the batch it came in, and its place there
     part: int = 0
+
+    @property
+    def size(self) -> int:
+        """What it is counted for in the relay buffer's byte bound."""
+        if self.batch is not None:
+            return self.batch.share + ITEM_OVERHEAD
+        assert self.encoded is not None, "a relayed event needs its frame or its batch"
+        return len(self.encoded) + ITEM_OVERHEAD
 
     @property
     def frame(self) -> bytes:
@@ -82,6 +101,7 @@ class Subscriber:
     skip_until: dict[str, int] = field(default_factory=dict)   # node -> index of its point
     resume: dict[str, protocol.ResumePoint] = field(default_factory=dict)
     batches: bool = False           # it takes "events" frames
+    lost: int = 0                   # events it fell behind by, not yet told in a "gap" event
 
     def has(self, item: Relayed, index: int) -> bool:
         """Whether this client has the event already (by its resume points)."""
@@ -94,12 +114,18 @@ class Subscriber:
 # Sends one frame to one client; False when it would block (come back later). Raises
 # LookupError when the socket cannot reach the client (treated alike: see pump).
 Send = Callable[[bytes, bytes], bool]
+# The frame of a "gap" event telling a subscriber how many events it lost.
+GapFrame = Callable[[int], bytes]
 
 
 class Relay:
     def __init__(self, capacity: int = BUFFER_EVENTS,
-                 subscriber_timeout_s: float = SUBSCRIBER_TIMEOUT_S) -> None:
-        self.buffer: deque[Relayed] = deque(maxlen=capacity)
+                 subscriber_timeout_s: float = SUBSCRIBER_TIMEOUT_S,
+                 max_bytes: int = BUFFER_BYTES, gap_frame: GapFrame | None = None) -> None:
+        self.buffer: deque[Relayed] = deque()
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.bytes = 0                # what the buffered events are counted for
+        self.gap_frame = gap_frame
         self.first = 0                # relay index of buffer[0]
         self.subscribers: dict[bytes, Subscriber] = {}
         self.subscriber_timeout_s = subscriber_timeout_s
@@ -110,9 +136,13 @@ class Relay:
         return self.first + len(self.buffer)
 
     def add(self, item: Relayed) -> None:
-        if len(self.buffer) == self.buffer.maxlen:
-            self.first += 1
+        """Buffer an event; the oldest leave while over either bound (the newest one stays)."""
         self.buffer.append(item)
+        self.bytes += item.size
+        while len(self.buffer) > 1 and (len(self.buffer) > self.capacity
+                                        or self.bytes > self.max_bytes):
+            self.bytes -= self.buffer.popleft().size
+            self.first += 1
 
     def subscribe(self, client: bytes, msg: protocol.Subscribe, now: float) -> None:
         """(Re)subscribe: from now on, or from the buffer's start minus what it has."""
@@ -150,7 +180,11 @@ class Relay:
         for client, sub in list(self.subscribers.items()):
             if sub.cursor < self.first:
                 self.skipped_behind += self.first - sub.cursor
+                sub.lost += self.first - sub.cursor
                 sub.cursor = self.first
+            if sub.lost and not self._tell_gap(send, sub, now):
+                behind = True
+                continue
             sent = 0
             while sub.cursor < self.end and sent < SENDS_PER_TURN:
                 frame, count, after = self._next(sub, SENDS_PER_TURN - sent)
@@ -165,6 +199,18 @@ class Relay:
                 sub.cursor = after
             behind = behind or sub.cursor < self.end
         return behind
+
+    def _tell_gap(self, send: Send, sub: Subscriber, now: float) -> bool:
+        """Send `sub` its "gap" event (if the coordinator makes them); False: try again later."""
+        if self.gap_frame is not None:
+            try:
+                if not send(sub.client, self.gap_frame(sub.lost)):
+                    return False
+            except LookupError:
+                return False
+            sub.last_sent = now
+        sub.lost = 0
+        return True
 
     def _next(self, sub: Subscriber, most: int) -> tuple[bytes | None, int, int]:
         """What to send `sub` next from its cursor: (frame or None when it has all of them,

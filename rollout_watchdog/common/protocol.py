@@ -25,7 +25,9 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                PAUSE_KINDS events, which say all that they change: "paused" and
                "pause_extended" set `paused` and `pause_deadline` (the event's `deadline`),
                "resumed" and "pause_expired" clear them (a fleet-wide pause is 8,000 of these,
-               at half the bytes).
+               at half the bytes). Its frame, encoded alone, is at most MAX_EVENT_BYTES
+               (64 KiB): a node cuts the longest texts of a bigger one to fit, and the
+               coordinator refuses a bigger one.
     events     (1.1) node -> coordinator -> client: events (a non-empty list of "event"
                messages, each a whole message with its own "v" and "kind", as it would be
                sent alone), in order. It stands for its events sent one by one: each is
@@ -68,6 +70,10 @@ MAX_MESSAGE_BYTES = 1 << 20
 # over 32 events, and a peer's queue of frames (high-water marks count frames) stays small.
 BATCH_EVENTS = 32
 BATCH_BYTES = 64 << 10
+# The most one event's frame (encode() of it alone) may hold: a node cuts the texts of a bigger
+# one to fit, and the coordinator refuses one over it (its relay buffer and journal hold
+# thousands of events).
+MAX_EVENT_BYTES = 64 << 10
 _INT_LIMIT = 1 << 63
 PAUSE_KINDS = ("paused", "pause_extended", "resumed", "pause_expired")
 STATUSES = ("ok", "error")

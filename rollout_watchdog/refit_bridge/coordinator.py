@@ -24,11 +24,12 @@ from typing import Any
 import zmq
 
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
-from rollout_watchdog.agent.hub_socket import bind_hub
+from rollout_watchdog.agent.hub_socket import NodeRoutes, bind_hub
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.limits import raise_nofile_limit
 from rollout_watchdog.refit_bridge import queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
@@ -63,7 +64,8 @@ class Coordinator:
         self.heartbeat_s = heartbeat_s
         self.boot = f"{BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.view = FleetView(node_timeout_s)
-        self.relay = Relay()
+        self.routes = NodeRoutes(curve=bool(keys))
+        self.relay = Relay(gap_frame=self._gap_frame)
         self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
         self._unjournaled: list[Relayed] = []
         self.fanout = Fanout()
@@ -125,7 +127,13 @@ class Coordinator:
 
     def run(self) -> int:
         """Serve in this thread until SIGTERM or SIGINT (the standalone coordinator); SIGHUP
-        reloads the authorized keys."""
+        reloads the authorized keys. The soft open-file limit goes up to the hard one first,
+        so that a flood of connections cannot run it out of descriptors (a driver embedding
+        the coordinator decides that for its own process: `common.limits`)."""
+        old, new = raise_nofile_limit()
+        if new != old:
+            log.info("open file limit raised from %d to %d", old, new)
+
         def stop(signum: int, frame: FrameType | None) -> None:
             self._stop.set()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -242,13 +250,17 @@ class Coordinator:
 
     def _receive_some(self) -> None:
         assert self.sock is not None
-        for _ in range(MESSAGES_PER_TURN):
+        taken = 0   # bytes: a turn takes less than the relay buffer holds, so that the events
+        for _ in range(MESSAGES_PER_TURN):   # reach subscribers before they could leave it
+            if taken > self.relay.max_bytes // 4:
+                break
             try:
                 received = self._recv()
             except zmq.Again:
                 break
             try:
                 if received is not None:
+                    taken += len(received[1])
                     self._receive(*received)
             except Exception:  # a bug on one message must not stop the fleet's hub
                 self.bad_messages["internal_error"] += 1
@@ -258,7 +270,7 @@ class Coordinator:
         self._unjournaled.clear()
         for node_id in self._acks:
             record = self.view.nodes[node_id]
-            self._send(node_id.encode(), protocol.encode(
+            self._send_node(node_id, protocol.encode(
                 protocol.Ack(record.boot, record.received_seq, batches=True)))
         self._acks.clear()
 
@@ -278,50 +290,63 @@ class Coordinator:
         self._bad("framing", f"{len(frames) - 1} frames instead of one")
         return None
 
-    def _receive(self, peer_id: bytes, data: bytes, user: str | None) -> None:
-        """One message from `peer_id`; `user` is the name of its CURVE key (None without)."""
+    def _receive(self, route: bytes, data: bytes, user: str | None) -> None:
+        """One message from the connection `route`; `user` is the name of its CURVE key (None
+        without). Only the connection a node's HELLO came from speaks for it (NodeRoutes)."""
         try:
             msg = protocol.decode(data)
         except protocol.ProtocolError as exc:
             self._bad("undecodable", str(exc))
             return
-        peer = peer_id.decode("utf-8", "replace")
+        node = self.routes.node_of(route)
         now, wall = time.monotonic(), time.time()
-        # A known node's routing id, or a node's message, needs that node's key (with
-        # CURVE): another admitted peer cannot speak for it, even holding its routing id.
-        from_node = (isinstance(msg, (protocol.Hello, protocol.Event, protocol.Events))
-                     or peer in self.view.nodes)
-        if from_node and self.keys and user != peer:
-            self._bad("unknown_node", f"{msg.KIND} from {peer!r} under the key of {user!r}")
+        if node is not None and self.keys and user != node:   # a routing id taken over
+            self._bad("unknown_node", f"{msg.KIND} from node {node!r}'s routing id under the "
+                                      f"key of {user!r}")
             return
         try:
             if isinstance(msg, protocol.Hello):
-                self._view_changed = True   # a snapshot: engines may differ, no event says so
-                self._own_events(self.view.hello(msg, peer, now, wall))
-                self._acks.add(peer)
-            elif isinstance(msg, protocol.Event):
-                self._event(msg, data, peer, now, wall)
-            elif isinstance(msg, protocol.Events):
-                self._events(msg, data, peer, now, wall)
+                self._hello(msg, route, user, now, wall)
+            elif isinstance(msg, (protocol.Event, protocol.Events)):
+                if node is None:
+                    raise Refused("no_hello", f"{msg.KIND} from a peer that sent no HELLO "
+                                              f"(routing id {route[:60]!r})")
+                if isinstance(msg, protocol.Event):
+                    self._event(msg, data, node, now, wall)
+                else:
+                    self._events(msg, data, node, now, wall)
             elif isinstance(msg, protocol.Reply):
-                self._own_events(self.view.heard(peer, now, wall))
-                gathering = self.fanout.answered(msg, peer)
-                if gathering is not None:
-                    self._answer(gathering)
+                if node is not None:   # anyone else's reply is no answer
+                    self._own_events(self.view.heard(node, now, wall))
+                    gathering = self.fanout.answered(msg, node)
+                    if gathering is not None:
+                        self._answer(gathering)
             elif isinstance(msg, protocol.Command):
-                self._command(peer_id, msg, now)
+                self._command(route, msg, now)
             elif isinstance(msg, protocol.Subscribe):
-                self.relay.subscribe(peer_id, msg, now)
+                self.relay.subscribe(route, msg, now)
             elif isinstance(msg, protocol.Heartbeat):
-                self._own_events(self.view.heard(peer, now, wall))
-                self.relay.heard(peer_id, now)
+                if node is not None:
+                    self._own_events(self.view.heard(node, now, wall))
+                self.relay.heard(route, now)
             else:
-                self._bad("wrong_direction", f"{msg.KIND} from {peer!r}")
+                self._bad("wrong_direction", f"{msg.KIND} from {route[:60]!r}")
         except Refused as exc:
             self._bad(exc.reason, str(exc))
 
+    def _hello(self, msg: protocol.Hello, route: bytes, user: str | None, now: float,
+               wall: float) -> None:
+        refusal = self.routes.refusal(route, msg.node_id, user)
+        if refusal is not None:
+            raise Refused("unknown_node", refusal)
+        self._view_changed = True   # a snapshot: engines may differ, no event says so
+        self._own_events(self.view.hello(msg, msg.node_id, now, wall))
+        self.routes.bind(route, msg.node_id)
+        self._acks.add(msg.node_id)
+
     def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
                ) -> None:
+        _check_size(msg, len(frame), peer)
         new, own = self.view.event(msg, peer, now, wall)
         self._own_events(own)
         self._acks.add(peer)
@@ -338,8 +363,11 @@ class Coordinator:
         new: list[protocol.Event] = []
         restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
         taken = False
+        big = len(frame) > protocol.MAX_EVENT_BYTES   # (never a batch from this package's nodes)
         for event in msg.events:
             try:
+                if big:
+                    _check_size(event, _encoded_size(event), peer)
                 fresh, own = self.view.event(event, peer, now, wall)
             except Refused as exc:
                 self._bad(exc.reason, str(exc))
@@ -392,7 +420,7 @@ class Coordinator:
             self._next_heartbeat = now + self.heartbeat_s
             beat = protocol.encode(protocol.Heartbeat(wall))
             for node in self.view.reachable():
-                self._send(node.encode(), beat)
+                self._send_node(node, beat)
             for client in list(self.relay.subscribers):
                 self._send(client, beat)
 
@@ -431,7 +459,7 @@ class Coordinator:
         timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
         gathering = Gathering(client, cmd, targets, now + timeout, finish=finish)
         for node, node_cmd in self.fanout.start(gathering):
-            if not self._send(node.encode(), protocol.encode(node_cmd)):
+            if not self._send_node(node, protocol.encode(node_cmd)):
                 gathering.gone.add(node)
         if self.fanout.settle(gathering):
             self._answer(gathering)
@@ -495,6 +523,15 @@ class Coordinator:
             self._relay(Relayed(event["node_id"], self.boot, self.own_seq,
                                 protocol.encode(message)))
 
+    def _gap_frame(self, lost: int) -> bytes:
+        """The "gap" event that tells a subscriber that fell out of the relay buffer how many
+        events it lost (its own: no other subscriber gets it)."""
+        self.own_seq += 1
+        event = node_event("*", "gap", f"{lost} event(s) lost: this subscriber fell behind the "
+                           f"relay buffer ({self.relay.capacity} events, "
+                           f"{self.relay.max_bytes >> 20} MiB)", time.time())
+        return protocol.encode(protocol.Event("*", self.boot, self.own_seq, event))
+
     def _relay(self, item: Relayed) -> None:
         self._view_changed = True   # every change of the view comes with an event
         self.relay.add(item)
@@ -506,6 +543,11 @@ class Coordinator:
         with contextlib.suppress(LookupError):
             return self._send_or_wait(peer, frame)
         return False
+
+    def _send_node(self, node_id: str, frame: bytes) -> bool:
+        """Send to a node's own connection (NodeRoutes); False as _send, or when it has none."""
+        route = self.routes.route_of(node_id)
+        return route is not None and self._send(route, frame)
 
     def _send_or_wait(self, peer: bytes, frame: bytes) -> bool:
         """False when the peer's queue is full (try later); LookupError when it is gone."""
@@ -525,6 +567,21 @@ class Coordinator:
         count = self.bad_messages[reason]
         if count <= 10 or count % 1000 == 0:  # a flood must not flood the log too
             log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
+
+
+def _check_size(event: protocol.Event, size: int, node: str) -> None:
+    """Refused: an event over MAX_EVENT_BYTES (a node cuts its own to fit, so this one came
+    from a hostile or broken node); never applied, relayed or journaled."""
+    if size > protocol.MAX_EVENT_BYTES:
+        raise Refused("oversized_event", f"event {event.seq} of node {node!r}: {size} bytes, "
+                                         f"over the limit of {protocol.MAX_EVENT_BYTES}")
+
+
+def _encoded_size(event: protocol.Event) -> int:
+    try:
+        return len(protocol.encode(event))
+    except protocol.ProtocolError:   # over the message limit once encoded again
+        return protocol.MAX_MESSAGE_BYTES + 1
 
 
 def _reencodes_small(frame: bytes) -> bool:

@@ -5,8 +5,8 @@
 - Every engine's environment carries a marker naming the node, the engine and the incarnation;
   every descendant inherits it, so a process found anywhere can be attributed exactly, even after
   it changed its session or its name.
-- The soft open-file limit goes up to the hard one at start (as Go's runtime does), so that a
-  pidfd per watched process cannot run the daemon out of descriptors.
+- The soft open-file limit goes up to the hard one at start (`common.limits`), so that a pidfd
+  per watched process cannot run the daemon out of descriptors.
 
 Plain functions, no daemon knowledge: the daemon decides when to call them.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -176,16 +175,3 @@ def find_marked(pids: Iterable[int] | None, prefix: str) -> dict[int, str]:
         if marker and marker.startswith(prefix):
             found[pid] = marker
     return found
-
-
-def raise_nofile_limit() -> tuple[int, int]:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; (old soft, new soft). Unchanged if the
-    kernel refuses. Children inherit the raised limit: fine for engines (SGLang wants many)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft == hard:
-        return soft, soft  # Linux caps NOFILE at nr_open, so infinity does not occur there
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (OSError, ValueError):
-        return soft, soft
-    return soft, hard

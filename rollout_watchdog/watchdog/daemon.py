@@ -27,6 +27,7 @@ import zmq
 
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import EventLog
+from rollout_watchdog.common.limits import raise_nofile_limit
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.logs import dropped_log_lines
@@ -34,7 +35,6 @@ from rollout_watchdog.watchdog import adoption, timers
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, probe_delegated_root
 from rollout_watchdog.watchdog.containment import (
     marker_prefix,
-    raise_nofile_limit,
     reap_children,
     set_child_subreaper,
 )
