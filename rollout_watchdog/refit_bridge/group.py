@@ -293,7 +293,11 @@ class WeightUpdateGroup:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - destroy never raises
-                log.info("%s at %s: %s", path.strip("/"), m.label(), exc or "no answer")
+                # A refusal is expected here (a relaunched incarnation has no group, an aborted
+                # update may have ended its session): DEBUG. No answer at all is news: INFO.
+                refused = isinstance(exc, engine_calls.EngineCallError) and exc.answered
+                log.log(logging.DEBUG if refused else logging.INFO, "%s at %s: %s",
+                        path.strip("/"), m.label(), exc or "no answer")
 
     # ---- the pieces -------------------------------------------------------------------------
 
