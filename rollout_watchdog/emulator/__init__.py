@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["build_parser", "main", "run"]
+from rollout_watchdog.emulator.weight_spec import write_weight_spec
+
+__all__ = ["build_parser", "main", "run", "write_weight_spec"]
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
