@@ -214,6 +214,7 @@ class FleetClient:
                 return {"nodes": nodes}
 
     def nodes(self, node: str | None = None, timeout_s: float | None = None) -> list[NodeView]:
+        """Every node the coordinator knows (or `node`), reachable or not, with its engines."""
         return nodes_of(self.status(node, timeout_s))
 
     def engines(self, node: str | None = None, timeout_s: float | None = None
@@ -277,6 +278,8 @@ class FleetClient:
 
     def resume(self, target: str | None = None, *, node: str | None = None, all: bool = False,
                timeout_s: float | None = None) -> FleetResult:
+        """Resume deep probes (of NODE/ENGINE, or with `all` of every engine of `node` or of
+        every reachable node)."""
         return self.command("resume", target, node=node, all=all, timeout_s=timeout_s)
 
     def restart(self, target: str, *, node: str | None = None,
