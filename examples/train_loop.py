@@ -78,9 +78,9 @@ def train(model: Policy, optimizer: torch.optim.Optimizer, rollouts: list[dict[s
 
 # ---------------------------------------------------------------------------------- rollouts
 
-def generate_one(router_url: str, prompt: str, attempts: int = 5) -> dict[str, Any]:
-    """One rollout through the router, retried when the engine serving it died mid-request
-    (the router answers an error; its next pick is a live engine)."""
+def generate_one(router_url: str, prompt: str, attempts: int = 10) -> dict[str, Any]:
+    """One rollout through the router, retried when it fails: the router retries a request
+    whose engine died on another one itself, but gives up after a few tries."""
     body = json.dumps({"text": prompt, "sampling_params": {"max_new_tokens": 256,
                                                            "temperature": 0}}).encode()
     for attempt in range(1, attempts + 1):
@@ -91,29 +91,50 @@ def generate_one(router_url: str, prompt: str, attempts: int = 5) -> dict[str, A
                 out: dict[str, Any] = json.loads(answer.read())
             out["attempts"] = attempt
             return out
-        except (urllib.error.URLError, OSError) as exc:
+        except urllib.error.HTTPError as exc:
+            log.info("rollout %r, attempt %d: HTTP %s %s", prompt, attempt, exc.code,
+                     exc.read()[:200].decode(errors="replace"))
+        except OSError as exc:   # (URLError included) no answer from the router
             log.info("rollout %r, attempt %d: %s", prompt, attempt, exc)
-            time.sleep(0.2 * attempt)
+        time.sleep(min(0.2 * attempt, 1.0))
     raise RuntimeError(f"rollout {prompt!r} failed {attempts} times")
 
 
 def generate_through_router(router_url: str, prompts: list[str],
                             during: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Every prompt through the router, 4 at a time; `during()` runs once the first is back."""
+    """Every prompt through the router, 4 at a time; `during()` runs while they are sent."""
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate_one, router_url, p) for p in prompts]
         if during is not None:
-            futures[0].result()
             during()
         return [f.result() for f in futures]
 
 
-def sigkill_one_engine(fleet: FleetClient) -> Callable[[], None]:
-    """`during` for generate_through_router: SIGKILL a serving engine's main process."""
+def running_requests(url: str) -> int:
+    """How many requests the engine is generating (SGLang's /server_info)."""
+    try:
+        with urllib.request.urlopen(f"{url}/server_info", timeout=5) as answer:
+            states = json.loads(answer.read()).get("internal_states") or [{}]
+    except (OSError, ValueError):
+        return 0
+    return int(states[0].get("num_running_reqs") or 0)
+
+
+def sigkill_one_engine(fleet: FleetClient, timeout_s: float = 30.0) -> Callable[[], None]:
+    """`during` for generate_through_router: SIGKILL the main process of a serving engine
+    that is generating a rollout (the router's answer for that request is an error)."""
     def kill() -> None:
-        victim = next(e for e in fleet.engines() if e.serving and e.pid)
-        os.kill(victim.pid or 0, signal.SIGKILL)
-        print(f"  SIGKILL to {victim.name} (pid {victim.pid}) during generation", flush=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for engine in fleet.engines():
+                if engine.serving and engine.pid and engine.url \
+                        and running_requests(engine.url) > 0:
+                    os.kill(engine.pid, signal.SIGKILL)
+                    print(f"  SIGKILL to {engine.name} (pid {engine.pid}) during generation",
+                          flush=True)
+                    return
+            time.sleep(0.01)
+        raise TimeoutError(f"no engine was generating within {timeout_s:g} s")
     return kill
 
 
@@ -281,6 +302,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)   # this loop's own retries
 
     workdir = Path(tempfile.mkdtemp(prefix="rw-loop-"))
     try:

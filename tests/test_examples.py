@@ -56,3 +56,4 @@ def test_the_example_training_loop_runs_to_its_end() -> None:
     assert "done: 5 steps;" in out and "the router lists 4 engines; every rollout at version " \
         "5" in out, out
     assert "#2 at 5" in out, out   # the relaunched incarnation got the last weights
+    assert "Failed to initialize NumPy" not in done.stderr   # numpy comes with the torch extras
