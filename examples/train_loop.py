@@ -199,8 +199,11 @@ def report(step: int, rollouts: list[dict[str, Any]], loss: float) -> None:
 
 
 def describe(view: list[EngineView]) -> str:
-    return ", ".join(f"{e.name}#{e.incarnation} at {e.weight_version or 'its disk weights'}"
-                     for e in view)
+    """`NODE/ENGINE#INCARNATION at VERSION`, with the last failure of an engine relaunched."""
+    return ", ".join(
+        f"{e.name}#{e.incarnation} at {e.weight_version or 'its disk weights'}" + (
+            f" (last failure: {e.last_failure.get('cause')}: {e.last_failure.get('detail')})"
+            if e.last_failure else "") for e in view)
 
 
 # ---------------------------------------------------------------------------------- the fleet
