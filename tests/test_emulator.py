@@ -344,6 +344,8 @@ def test_dead_scheduler_zombie_keeps_http(spawn: Any) -> None:
 
 def test_crash_kills_main_and_orphan_survives(spawn: Any) -> None:
     emu = spawn("--orphan")
+    # --orphan acts once the server is ready, a moment after its port answers.
+    wait_until(lambda: emu.info()["orphan_pids"], 10, what="the orphan spawned")
     info = emu.info()
     emu.orphans.extend(info["orphan_pids"])
     assert len(emu.orphans) == 1 and pid_alive(emu.orphans[0])

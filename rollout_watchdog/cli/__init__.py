@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -21,10 +22,10 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
 def _doc(name: str) -> str:
-    """The wire-spec docstring of a control command, first line as help."""
+    """The wire-spec docstring of a control command (indentation removed): the description."""
     from rollout_watchdog.watchdog.commands import COMMANDS
 
-    return (COMMANDS[name].__doc__ or "").strip()
+    return inspect.cleandoc(COMMANDS[name].__doc__ or "")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -189,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def control_command(name: str, help_text: str, func: Callable[[argparse.Namespace], int]
                         ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text.splitlines()[0], description=help_text,
+        # The summary is the docstring's whole first paragraph, which may wrap over lines.
+        summary = " ".join(help_text.split("\n\n")[0].split())
+        p = sub.add_parser(name, help=summary, description=help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         where = p.add_mutually_exclusive_group() if name in fleet.FLEET_COMMANDS else p
         where.add_argument("--control", help="control endpoint (default: "

@@ -4,6 +4,10 @@
 starts an HTTP server with SGLang 0.5.23's endpoints, a scheduler child process running a tiny
 torch model, and fault injection (start-up flags and ``POST /_emulator/fault``).
 
+``--weight-spec tiny|learn|FILE`` sets which parameter names and shapes a weight update may carry:
+the tiny model's own, whatever the first refit sends, or a JSON spec written by
+:func:`write_weight_spec` from the user's own model (see :mod:`.weight_spec`).
+
 This package is imported by the scheduler child too, so it stays light: the server module is
 loaded only when run, and torch only inside the scheduler child.
 """
@@ -12,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["build_parser", "main", "run"]
+from rollout_watchdog.emulator.weight_spec import write_weight_spec
+
+__all__ = ["build_parser", "main", "run", "write_weight_spec"]
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -6,8 +6,9 @@ Only argparse and the fault table: building the parser starts nothing.
 from __future__ import annotations
 
 import argparse
+import os
 
-from rollout_watchdog.emulator import faults
+from rollout_watchdog.emulator import faults, weight_spec
 from rollout_watchdog.emulator.common import EMULATED_SGLANG_VERSION, version_tuple
 
 
@@ -36,6 +37,13 @@ def _hidden_size(text: str) -> int:
     if not 1 <= size <= 16384:
         raise argparse.ArgumentTypeError(f"must be between 1 and 16384, got {size}")
     return size
+
+
+def _weight_spec(text: str) -> str | weight_spec.Spec:
+    try:
+        return weight_spec.resolve(text)
+    except weight_spec.SpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _sglang_version(text: str) -> str:
@@ -70,6 +78,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--hidden-size", type=_hidden_size, default=64, metavar="N",
                         help="the tiny model's hidden size (default 64, ~50k parameters); "
                         "3584 makes ~100 MB of fp32 weights, for refit benchmarks")
+    parser.add_argument(
+        "--weight-spec", type=_weight_spec, metavar="tiny|learn|FILE",
+        default=os.environ.get(weight_spec.ENV) or weight_spec.TINY,  # argparse applies type
+        help="the parameter names and shapes a weight update may carry: tiny = the tiny "
+        "model's own (default); learn = whatever the first refit sends, fixed from then on; "
+        "FILE = a JSON spec {\"name\": [dims]} (unknown names and wrong shapes fail, as in "
+        f"SGLang). Default: ${weight_spec.ENV}, else tiny")
     parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
     parser.add_argument(
         "--enable-memory-saver",

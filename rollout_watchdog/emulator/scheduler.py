@@ -55,6 +55,7 @@ from rollout_watchdog.emulator.common import (
     decode,
     version_tuple,
 )
+from rollout_watchdog.emulator.weight_spec import LEARN, TINY
 
 if TYPE_CHECKING:
     from rollout_watchdog.emulator.weight_sync import WeightSync
@@ -311,9 +312,11 @@ class Scheduler:
 
     def _weight_sync(self) -> WeightSync:
         if self.weight_sync is None:
-            from rollout_watchdog.emulator.weight_sync import WeightSync
+            from rollout_watchdog.emulator.weight_sync import HeldWeights, WeightSync
 
-            self.weight_sync = WeightSync(self.model, self.version >= WEIGHT_SESSION_SINCE)
+            spec = self.config.get("weight_spec", TINY)
+            held = None if spec == TINY else HeldWeights(None if spec == LEARN else spec)
+            self.weight_sync = WeightSync(self.model, self.version >= WEIGHT_SESSION_SINCE, held)
         return self.weight_sync
 
     def _update_weights(self, args: dict[str, Any]) -> tuple[bool, str] | None:
@@ -331,7 +334,7 @@ class Scheduler:
             return False, f"Failed to receive weights: {exc}"
         if hang:
             return None  # received the tensors, never loads them nor answers
-        ok, message = sync.load(weights)
+        ok, message = sync.load(weights, sets_version=args.get("weight_version") is not None)
         if ok and args.get("flush_cache", True) and (self.waiting or self.running):
             if self.version < FLUSH_FAILURE_ANSWERED_SINCE:
                 # Before 0.5.22 the refused flush is an assert in the scheduler: the server dies.

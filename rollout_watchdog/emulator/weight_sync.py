@@ -42,11 +42,39 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+class HeldWeights:
+    """The parameters of a model the emulator does not run (``--weight-spec learn`` or a spec
+    file, see :mod:`weight_spec`): received tensors are checked against the spec and kept."""
+
+    def __init__(self, spec: dict[str, list[int]] | None) -> None:
+        self.spec = dict(spec or {})
+        self.learning = spec is None  # learn: the first refit defines the names and shapes
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def target(self, name: str, received: torch.Tensor) -> torch.Tensor:
+        """Where ``received`` goes; KeyError for a name the model does not have (as SGLang's
+        ``params_dict[name]``)."""
+        if name not in self.spec:
+            if not self.learning:
+                raise KeyError(name)
+            self.spec[name] = list(received.shape)
+        if name not in self.tensors:
+            self.tensors[name] = torch.empty(self.spec[name], dtype=received.dtype)
+        return self.tensors[name]
+
+    def loaded(self, sets_version: bool) -> None:
+        """After a successful load: the update that sets a version ends the learning."""
+        if sets_version and self.spec:
+            self.learning = False
+
+
 class WeightSync:
     """Weight-update groups by name, the begin/end session, receive and load."""
 
-    def __init__(self, model: nn.Module, session_required: bool) -> None:
+    def __init__(self, model: nn.Module, session_required: bool,
+                 held: HeldWeights | None = None) -> None:
         self.model = model
+        self.held = held  # None: updates load into the tiny model itself
         self.session_required = session_required  # SGLang 0.5.21+
         self.session_open = False
         self.groups: dict[str, Any] = {}  # group name -> torch ProcessGroup
@@ -118,13 +146,16 @@ class WeightSync:
             handle.wait()
         return weights
 
-    def load(self, weights: list[tuple[str, torch.Tensor]]) -> Result:
-        """Copy received tensors into the model's parameters (a failure leaves them partial)."""
-        params = dict(self.model.named_parameters())
+    def load(self, weights: list[tuple[str, torch.Tensor]], sets_version: bool = False
+             ) -> Result:
+        """Copy received tensors into the model's parameters (a failure leaves them partial).
+        ``sets_version``: the update carries a ``weight_version`` (ends ``learn``'s learning)."""
+        held = self.held
+        params = dict(self.model.named_parameters()) if held is None else {}
         try:
             with torch.no_grad():
                 for name, tensor in weights:
-                    param = params[name]
+                    param = params[name] if held is None else held.target(name, tensor)
                     if param.shape != tensor.shape:
                         raise ValueError(
                             f"shape mismatch for {name}: received {list(tensor.shape)}, "
@@ -136,6 +167,8 @@ class WeightSync:
                 f"Failed to update parameter online: {exc}. The full weights of the "
                 "ModelRunner are partially updated. Please discard the whole weights."
             )
+        if held is not None:
+            held.loaded(sets_version)
         return True, "Succeeded to update parameter online."
 
 

@@ -214,6 +214,7 @@ class FleetClient:
                 return {"nodes": nodes}
 
     def nodes(self, node: str | None = None, timeout_s: float | None = None) -> list[NodeView]:
+        """Every node the coordinator knows (or `node`), reachable or not, with its engines."""
         return nodes_of(self.status(node, timeout_s))
 
     def engines(self, node: str | None = None, timeout_s: float | None = None
@@ -277,6 +278,8 @@ class FleetClient:
 
     def resume(self, target: str | None = None, *, node: str | None = None, all: bool = False,
                timeout_s: float | None = None) -> FleetResult:
+        """Resume deep probes (of NODE/ENGINE, or with `all` of every engine of `node` or of
+        every reachable node)."""
         return self.command("resume", target, node=node, all=all, timeout_s=timeout_s)
 
     def restart(self, target: str, *, node: str | None = None,
@@ -326,3 +329,35 @@ class FleetClient:
         return EventStream(self, resume=resume, idle_s=idle_s,
                            silence_s=SILENCE_S if silence_s is None else silence_s)
 
+
+    # ------------------------------------------------------------------ the router
+
+    def wait_router_synced(self, timeout_s: float, interval_s: float = POLL_INTERVAL_S
+                           ) -> list[str]:
+        """Wait until the router lists exactly the serving engines of reachable nodes in the
+        fleet view (and `ping` says `router.synced`): a commit, a relaunch or a death reaches
+        the router a moment after the view. Returns the URLs the router lists; `[]` at once
+        when the coordinator has no router. TimeoutError, naming what the router listed and
+        what it should list, when not in sync within `timeout_s` (a coordinator away
+        meanwhile is waited for too)."""
+        from rollout_watchdog.refit_bridge.router import normalize_url
+
+        deadline = time.monotonic() + timeout_s
+        router: Any = None
+        want: set[str] = set()
+        while (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(CoordinatorUnavailable):
+                want = {normalize_url(str(e.url)) for n in self.nodes(timeout_s=left)
+                        if n.reachable for e in n.engines if e.serving and e.url}
+                _, result = self.call("ping", timeout_s=min(self.timeout_s, left))
+                router = result.get("router") if isinstance(result, dict) else None
+                if not isinstance(router, dict):
+                    return []
+                desired = {normalize_url(str(url)) for url in router.get("desired") or ()}
+                if router.get("synced") is True and desired == want:
+                    return [str(url) for url in router.get("listed") or ()]
+            time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
+        seen = "no answer from the coordinator" if router is None else (
+            f"it lists {router.get('listed')}, the view routes {sorted(want)}, last error "
+            f"{router.get('last_error')!r}")
+        raise TimeoutError(f"the router was not in sync within {timeout_s:g} s ({seen})")

@@ -293,7 +293,14 @@ class WeightUpdateGroup:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - destroy never raises
-                log.info("%s at %s: %s", path.strip("/"), m.label(), exc or "no answer")
+                # Expected here, DEBUG: a refusal (a relaunched incarnation has no group, an
+                # aborted update may have ended its session) and a refused connection (a dead
+                # incarnation, reported by the refit and its watchdog). A live engine that does
+                # not answer is news: INFO.
+                expected = isinstance(exc, engine_calls.EngineCallError) and (
+                    exc.answered or isinstance(exc.__cause__, ConnectionRefusedError))
+                log.log(logging.DEBUG if expected else logging.INFO, "%s at %s: %s",
+                        path.strip("/"), m.label(), exc or "no answer")
 
     # ---- the pieces -------------------------------------------------------------------------
 

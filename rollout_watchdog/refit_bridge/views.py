@@ -28,20 +28,37 @@ class EngineView:
     """One engine of the fleet, as the coordinator last heard of it from its node."""
 
     node_id: str
+    """The node daemon's `node_id` (its config's, default the host name)."""
     id: str
+    """The engine's id on its node (`[[engine]] id`); `name` is `NODE/ENGINE`."""
     state: str
+    """`starting`, `healthy`, `suspect`, `stopping`, `backoff`, `failed` or `stopped`."""
     incarnation: int
+    """Which process of the engine: a new number at every launch, never reused."""
     url: str | None
+    """Where the coordinator, the router and a refit reach the engine."""
     pid: int | None
+    """The engine's main process on its node, None while it is not running."""
     paused: bool
+    """Whether its deep probes are paused (`finish_generation()`, a refit, `pause`)."""
     weight_version: Any
+    """The version a refit committed on this incarnation; None before the first refit reached
+    it (it runs the weights it loaded from disk)."""
     serving: bool
+    """Whether the coordinator routes it: healthy, on a reachable node, with current weights."""
     tp_size: int | None
-    reachable: bool           # its node is reachable (else: the last state heard)
+    """The ranks it takes in the weight-update group (config, else its `/server_info`)."""
+    reachable: bool
+    """Whether its node is reachable; if not, the fields are the last state heard."""
     restarts: int
+    """Relaunches after failures within the restart window."""
     last_failure: dict[str, Any] | None
+    """`{"cause", "detail", "ts"}` of its last failure, or None."""
     group: str | None
+    """The multi-node engine it is a part of (its config's `group`), whose parts are restarted
+    together; None for an engine of one node."""
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    """The JSON object this view was made from (fields a newer coordinator adds are kept)."""
 
     @property
     def name(self) -> str:
