@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
-.venv/bin/ruff check rollout_watchdog tests bench
+.venv/bin/ruff check rollout_watchdog tests bench examples
 .venv/bin/mypy   # strict for the node daemon (pyproject.toml)
 .venv/bin/lint-imports   # the layering (setup.cfg, [importlinter])
 exec .venv/bin/python -m pytest -q "$@"
