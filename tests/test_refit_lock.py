@@ -164,10 +164,13 @@ def test_lock_commit_abort_and_wedged_restart_against_real_nodes(
             ok(client.call("refit_abort", args={"holder": "trainer-b", "token": second["token"],
                                                 "members": members(second), "wedged": [e1],
                                                 "reason": "deadline"}))
-            wait_for(lambda: ((e := engines_of(client.fleet())["node0/e1"])["last_failure"]
-                              or {}).get("cause") == "refit_wedged"
-                     and e["incarnation"] > e1[2] and e["state"] == "healthy", 60,
-                     "e1 restarted as refit_wedged")
+            # Renewed while waiting: on a loaded host the restart may take more than 5 s.
+            renew = {"holder": "trainer-b", "token": second["token"]}
+            wait_for(lambda: ok(client.call("refit_renew", args=renew)) and (
+                (e := engines_of(client.fleet())["node0/e1"])["last_failure"]
+                or {}).get("cause") == "refit_wedged"
+                and e["incarnation"] > e1[2] and e["state"] == "healthy", 60,
+                "e1 restarted as refit_wedged")
             ok(client.call("refit_release", args={"holder": "trainer-b",
                                                   "token": second["token"]}))
             view = engines_of(client.fleet())

@@ -33,10 +33,10 @@ A lease that ends with members neither committed nor aborted (it ran out, its ho
 silent, or released without either) first puts them back in service off the loop
 (putback.py: `end_weight_update`, `continue_generation`, each bounded), marks them stale, and
 only then lifts its pause: a dead trainer's paused generation must not fail their deep probes.
-Until then the lock is refused as held by the coordinator.
+Until then the lock is refused as held by `coordinator` (so `ping`'s holder says too).
 
 With a state dir, every reply waits until the state it reports is on disk (refit.json, written
-off the loop by durable.DurableWriter: a fencing token handed out must never be handed out again
+off the loop by durable.DurableWriter: the members of a refit in flight must be known stale
 after a crash). A write that fails, or takes longer than `state_write_timeout_s`, turns the reply
 into an error naming the file: `refit_acquire` then leaves the lock free; any other call took
 effect, but a restarted coordinator would not know it.
@@ -410,10 +410,13 @@ class RefitService:
 
     def status(self, now: float) -> dict[str, Any]:
         lease = self.lock.lease
-        return {"current_version": self.book.current,
-                "holder": None if lease is None else {   # (never its token)
-                    "holder": lease.holder, "version": lease.version,
-                    "expires_in_s": max(0.0, lease.expires - now)}}
+        holder = None if lease is None else {   # (never its token)
+            "holder": lease.holder, "version": lease.version,
+            "expires_in_s": max(0.0, lease.expires - now)}
+        if self._putback is not None:
+            holder = {"holder": "coordinator", "version": self._putback[1].version,
+                      "expires_in_s": 2 * PUTBACK_CALL_S}
+        return {"current_version": self.book.current, "holder": holder}
 
     def _relaunch_deferred(self, core: Core, now: float) -> list[tuple[str, str]]:
         out = []

@@ -115,8 +115,9 @@ def members_of(rows: object) -> list[Member]:
 
 
 class RefitState:
-    """The refit state the coordinator keeps on disk: the weight book, the next fencing token,
-    and the members of the refit in flight (stale if the coordinator stops before it ends).
+    """The refit state the coordinator keeps on disk: the weight book, the counter of the next
+    fencing token (the token's epoch is drawn afresh at every start), and the members of the
+    refit in flight (stale if the coordinator stops before it ends).
     Written atomically and durably, off the coordinator's loop (durable.DurableWriter)."""
 
     FILE = "refit.json"
