@@ -27,12 +27,13 @@ def weights(seed: int) -> list[tuple[str, Any]]:
 
 
 def start_fleet(make_node: Callable[..., Node], endpoint: str, nodes: int, engines: int,
-                flags: tuple[str, ...] = ()) -> list[Node]:
+                flags: tuple[str, ...] = (), **node_kwargs: Any) -> list[Node]:
     out = []
     for i in range(nodes):
         node = make_node([EngineSpec(f"e{j}", flags=flags, extra={"tp_size": 1})
                           for j in range(engines)], node_id=f"node{i}",
-                         top={"coordinator": endpoint}, probe={"health_interval_s": 0.5})
+                         top={"coordinator": endpoint}, probe={"health_interval_s": 0.5},
+                         **node_kwargs)
         node.start()
         out.append(node)
     return out

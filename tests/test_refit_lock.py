@@ -25,27 +25,40 @@ from rollout_watchdog.refit_bridge.weights import RefitState, WeightBook
 def test_one_holder_at_a_time_and_a_late_holder_is_fenced() -> None:
     lock = RefitLock(next_token=7, holder_timeout_s=5.0)
     first = lock.acquire("trainer-a", "v1", lease_s=10.0, now=0.0)
-    assert first.token == 7
+    assert first.number == 7 and first.token == f"{lock.epoch}-7"
     assert lock.expire(now=30.0) is None          # its fleet-wide pause is not answered yet
     first.granted(0.0)
-    with pytest.raises(LockHeld, match="held by trainer-a"):
+    with pytest.raises(LockHeld, match="held by trainer-a") as held:
         lock.acquire("trainer-b", "v1", lease_s=10.0, now=1.0)
-    lock.renew(7, now=4.0)
-    lock.renew(7, now=8.0)
+    assert first.token not in str(held.value)     # the token is its holder's alone
+    lock.renew(first.token, "trainer-a", now=4.0)
+    lock.renew(first.token, "trainer-a", now=8.0)
     assert lock.expire(now=12.0) is None          # renewed at 8: ends at 18
     ended = lock.expire(now=13.5)                 # ... but silent since 8, for 5.5 s
     assert ended is not None and "silent" in ended[1]
     second = lock.acquire("trainer-b", "v2", lease_s=10.0, now=14.0)
     second.granted(14.0)
-    assert second.token == 8
-    with pytest.raises(Fenced, match="lease lost: token 7"):
-        lock.renew(7, now=14.5)
-    lock.renew(8, now=15.0)
+    assert second.number == 8
+    with pytest.raises(Fenced, match="lease lost: trainer-a with token") as fenced:
+        lock.renew(first.token, "trainer-a", now=14.5)
+    assert second.token not in str(fenced.value)
+    with pytest.raises(Fenced, match="lease lost: trainer-a"):   # the token, not its holder
+        lock.renew(second.token, "trainer-a", now=14.5)
+    with pytest.raises(Fenced, match="names no holder"):
+        lock.renew(second.token, None, now=14.5)
+    lock.renew(second.token, "trainer-b", now=15.0)
     assert lock.expire(now=19.0) is None
     ended = lock.expire(now=25.0)
     assert ended is not None and "ran out" in ended[1]
     with pytest.raises(ValueError, match="lease_s"):
         lock.acquire("trainer-c", "v3", lease_s=0.0, now=30.0)
+
+
+def test_tokens_never_repeat_across_restarts_even_from_the_same_counter() -> None:
+    """A restarted coordinator without a state dir counts from 1 again: its epoch differs."""
+    before = RefitLock().acquire("trainer-a", "v1", lease_s=10.0, now=0.0)
+    after = RefitLock().acquire("trainer-b", "v1", lease_s=10.0, now=0.0)
+    assert before.number == after.number == 1 and before.token != after.token
 
 
 def test_weight_book_serving_pending_and_stale() -> None:
@@ -117,16 +130,19 @@ def test_lock_commit_abort_and_wedged_restart_against_real_nodes(
             held = client.call("refit_acquire", args={"holder": "trainer-b", "version": "v1"})
             assert held is not None and held.status == "error"
             assert "trainer-a" in str(held.reason) and held.result["holder"] == "trainer-a"
+            assert token not in json.dumps([held.reason, held.result])
+            assert token not in json.dumps(ok(client.call("ping")))
 
             committed = ok(client.call("refit_commit", args={
-                "token": token, "version": "v1", "members": members(taken), "release": True}))
+                "holder": "trainer-a", "token": token, "version": "v1",
+                "members": members(taken), "release": True}))
             assert committed["released"] == token   # the lock too, in the same call
             view = engines_of(client.fleet())
             assert {(e["weight_version"], e["serving"]) for e in view.values()} == {("v1", True)}
             wait_for(lambda: not any(e["paused"] for e in engines_of(client.fleet()).values()),
                      10, "deep probes resumed")
-            late = client.call("refit_commit", args={"token": token, "version": "v9",
-                                                     "members": members(taken)})
+            late = client.call("refit_commit", args={"holder": "trainer-a", "token": token,
+                                                     "version": "v9", "members": members(taken)})
             assert late is not None and late.status == "error"
             assert str(late.reason).startswith("lease lost")
 
@@ -143,16 +159,20 @@ def test_lock_commit_abort_and_wedged_restart_against_real_nodes(
             # A refit aborted with e1 wedged: both stale, e1 restarted with refit_wedged.
             second = ok(client.call("refit_acquire", args={"holder": "trainer-b",
                                                            "version": "v2"}))
-            assert second["token"] > token
+            assert second["token"] != token
             e1 = next(m for m in members(second) if m[1] == "e1")
-            ok(client.call("refit_abort", args={"token": second["token"],
+            ok(client.call("refit_abort", args={"holder": "trainer-b", "token": second["token"],
                                                 "members": members(second), "wedged": [e1],
                                                 "reason": "deadline"}))
-            wait_for(lambda: ((e := engines_of(client.fleet())["node0/e1"])["last_failure"]
-                              or {}).get("cause") == "refit_wedged"
-                     and e["incarnation"] > e1[2] and e["state"] == "healthy", 60,
-                     "e1 restarted as refit_wedged")
-            ok(client.call("refit_release", args={"token": second["token"]}))
+            # Renewed while waiting: on a loaded host the restart may take more than 5 s.
+            renew = {"holder": "trainer-b", "token": second["token"]}
+            wait_for(lambda: ok(client.call("refit_renew", args=renew)) and (
+                (e := engines_of(client.fleet())["node0/e1"])["last_failure"]
+                or {}).get("cause") == "refit_wedged"
+                and e["incarnation"] > e1[2] and e["state"] == "healthy", 60,
+                "e1 restarted as refit_wedged")
+            ok(client.call("refit_release", args={"holder": "trainer-b",
+                                                  "token": second["token"]}))
             view = engines_of(client.fleet())
             assert not view["node0/e0"]["serving"] and not view["node0/e1"]["serving"]
         finally:
@@ -170,17 +190,17 @@ def test_an_expired_lease_frees_the_lock_and_its_members_stay_stale_across_a_res
             fleet_of(make_node, endpoint, 1, engines=two_engines)
             wait_for(all_healthy(client, 2), 60, "the fleet healthy")
             first = ok(client.call("refit_acquire", args={"holder": "a", "version": "v1"}))
-            ok(client.call("refit_commit", args={"token": first["token"], "version": "v1",
-                                                 "members": members(first)}))
-            ok(client.call("refit_release", args={"token": first["token"]}))
+            ok(client.call("refit_commit", args={"holder": "a", "token": first["token"],
+                                                 "version": "v1", "members": members(first)}))
+            ok(client.call("refit_release", args={"holder": "a", "token": first["token"]}))
             # A holder that dies mid-refit: its 1 s lease ends, the lock is free again.
             dying = ok(client.call("refit_acquire", args={"holder": "dies", "version": "v2",
                                                           "lease_s": 1.0}))
             after = wait_for(lambda: (r := client.call("refit_acquire", args={
                 "holder": "next", "version": "v2"})) is not None and r.status == "ok" and r,
                 20, "the lock free after the lease")
-            assert after.result["token"] > dying["token"]
-            stale = client.call("refit_renew", args={"token": dying["token"]})
+            assert after.result["token"] != dying["token"]
+            stale = client.call("refit_renew", args={"holder": "dies", "token": dying["token"]})
             assert stale is not None and str(stale.reason).startswith("lease lost")
             assert {e["serving"] for e in engines_of(client.fleet()).values()} == {False}
             # The coordinator stops while "next" holds the lock.
@@ -196,7 +216,7 @@ def test_an_expired_lease_frees_the_lock_and_its_members_stay_stale_across_a_res
             assert {(e["weight_version"], e["serving"]) for e in view.values()} \
                 == {(None, False)}
             again = ok(client.call("refit_acquire", args={"holder": "z", "version": "v3"}))
-            assert again["token"] > after.result["token"]
+            assert again["token"] != after.result["token"]
         finally:
             client.close()
 

@@ -77,14 +77,15 @@ def test_a_failing_disk_refuses_the_lock_and_names_the_file(
         taken = call(client, "refit_acquire", args={"holder": "b", "version": "v1"})
         assert taken.status == "ok", taken
         token = taken.result["token"]
-        assert json.loads((state / "refit.json").read_text())["next_token"] == token + 1
+        assert json.loads((state / "refit.json").read_text())["next_token"] \
+            == int(token.rsplit("-", 1)[1]) + 1
         blocker.mkdir()
-        commit = call(client, "refit_commit", args={"token": token, "version": "v1",
+        commit = call(client, "refit_commit", args={"holder": "b", "token": token, "version": "v1",
                                                     "members": []})
         assert commit.status == "error"
         assert str(commit.reason).startswith("refit_commit took effect but is not saved")
         blocker.rmdir()
-        released = call(client, "refit_release", args={"token": token})
+        released = call(client, "refit_release", args={"holder": "b", "token": token})
         assert released.status == "ok", released
         saved = json.loads((state / "refit.json").read_text())
         assert saved["weights"]["current"] == "v1" and saved["in_flight"] == []

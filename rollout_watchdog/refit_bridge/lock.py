@@ -2,14 +2,19 @@
 
 A trainer takes the lock for the length of a refit and renews its lease in the background. The
 lock is released when the holder says so, when the lease runs out, or when the holder has gone
-silent for `holder_timeout_s` (its connection is gone: a live holder renews every second). Each
-acquisition gets a new fencing token, larger than every token before it, also across
-coordinator restarts (the coordinator persists `next_token`): a holder whose lease ended and who
-acts late is told so by its token, never mistaken for the current holder.
+silent for `holder_timeout_s` (its connection is gone: a live holder renews every second).
+
+Each acquisition gets a fencing token that is never handed out again, also across coordinator
+restarts with no state dir or a state file moved away: the pair (the coordinator's epoch, a
+counter), the epoch drawn at random when the lock is made. The wire token is that pair as an
+opaque string, known to its holder only (a refusal names the holder, never its token); a
+refit-scoped call must carry both the token and the holder's name, so a holder whose lease
+ended and who acts late is told so, never mistaken for the current holder.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 MIN_LEASE_S = 1.0
@@ -23,8 +28,8 @@ class LockHeld(Exception):
     def __init__(self, lease: Lease, now: float) -> None:
         self.lease = lease
         self.expires_in_s = max(0.0, lease.expires - now)
-        super().__init__(f"the refit lock is held by {lease.holder} (token {lease.token}, "
-                         f"refit to version {lease.version!r}, lease ends in "
+        super().__init__(f"the refit lock is held by {lease.holder} (refit #{lease.number} "
+                         f"to version {lease.version!r}, lease ends in "
                          f"{self.expires_in_s:.1f} s unless renewed)")
 
 
@@ -34,7 +39,8 @@ class Fenced(Exception):
 
 @dataclass
 class Lease:
-    token: int
+    token: str           # "EPOCH-NUMBER": opaque to clients, shown to its holder only
+    number: int          # the counter half: names the refit in logs and refusals
     holder: str
     version: str
     lease_s: float
@@ -42,9 +48,9 @@ class Lease:
     heard: float         # monotonic: the holder's last call
     members: list[tuple[str, str, int]]   # (node, engine, incarnation) the refit updates
     committed: bool = False
-    # Nodes whose deep probes the lock paused (and resumes at its end); nodes already paused
-    # (finish_generation before the refit) stay paused until prepare_for_generation.
-    paused_nodes: list[str] = field(default_factory=list)
+    # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts
+    # that pause only (a finish_generation pause stays until prepare_for_generation).
+    pause_owner: str = field(default_factory=lambda: f"refit-{secrets.token_hex(6)}")
     # Until the acquisition's pause is answered the holder has no token to renew with: the
     # lease is held, its clock starts with the answer (`granted`).
     granting: bool = True
@@ -56,8 +62,10 @@ class Lease:
 
 
 class RefitLock:
-    def __init__(self, next_token: int = 1, holder_timeout_s: float = HOLDER_TIMEOUT_S) -> None:
-        self.next_token = next_token
+    def __init__(self, next_token: int = 1, holder_timeout_s: float = HOLDER_TIMEOUT_S,
+                 epoch: str | None = None) -> None:
+        self.next_token = next_token   # the counter; persisted with a state dir (for the logs)
+        self.epoch = epoch or secrets.token_hex(8)   # fresh at every start: tokens never repeat
         self.holder_timeout_s = holder_timeout_s
         self.lease: Lease | None = None
 
@@ -68,27 +76,33 @@ class RefitLock:
                              f"got {lease_s:g}")
         if self.lease is not None:
             raise LockHeld(self.lease, now)
-        self.lease = Lease(self.next_token, holder, version, lease_s, now + lease_s, now, [])
+        self.lease = Lease(f"{self.epoch}-{self.next_token}", self.next_token, holder, version,
+                           lease_s, now + lease_s, now, [])
         self.next_token += 1
         return self.lease
 
-    def check(self, token: object, now: float) -> Lease:
-        """The current lease if `token` is its token (the holder is heard); raises Fenced."""
+    def check(self, token: object, holder: object, now: float) -> Lease:
+        """The current lease if `token` and `holder` are its own (the holder is heard);
+        raises Fenced, naming the current holder but never its token."""
         lease = self.lease
-        if lease is None or token != lease.token:
-            held = (f"the lock is now held by {lease.holder} (token {lease.token})"
+        if lease is None or token != lease.token or holder != lease.holder:
+            held = (f"the lock is now held by {lease.holder} (refit #{lease.number})"
                     if lease is not None else "nobody holds the lock")
-            raise Fenced(f"lease lost: token {token!r} is not the current holder's ({held})")
+            if not isinstance(holder, str) or not holder:
+                why = "the call names no holder (a refit call carries 'holder' and 'token')"
+            else:
+                why = f"{holder} with token {str(token)[:40]!r} is not the current holder"
+            raise Fenced(f"lease lost: {why} ({held})")
         lease.heard = now
         return lease
 
-    def renew(self, token: object, now: float) -> Lease:
-        lease = self.check(token, now)
+    def renew(self, token: object, holder: object, now: float) -> Lease:
+        lease = self.check(token, holder, now)
         lease.expires = now + lease.lease_s
         return lease
 
-    def release(self, token: object, now: float) -> Lease:
-        lease = self.check(token, now)
+    def release(self, token: object, holder: object, now: float) -> Lease:
+        lease = self.check(token, holder, now)
         self.lease = None
         return lease
 

@@ -38,6 +38,7 @@ from rollout_watchdog.common.errors import (
 from rollout_watchdog.refit_bridge import engine_calls
 from rollout_watchdog.refit_bridge.rendezvous import master_address_for
 from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent
+from rollout_watchdog.refit_bridge.weights import check_version
 
 if TYPE_CHECKING:
     import torch
@@ -69,8 +70,7 @@ class Refit:
     def __init__(self, client: FleetClient, version: str, *, lease_s: float = 30.0,
                  timeout_s: float = 600.0, backend: str = "nccl",
                  master_address: str | None = None, pause_mode: str = PAUSE_MODE) -> None:
-        if not isinstance(version, str) or not version:
-            raise ValueError(f"version must be a non-empty string, got {version!r}")
+        check_version(version)
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.client, self.version, self.lease_s = client, version, lease_s
@@ -80,7 +80,7 @@ class Refit:
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.engines: list[EngineView] = []
         self._by_key: dict[tuple[str, str], EngineView] = {}
-        self.token: int | None = None
+        self.token: str | None = None   # opaque: echoed with the holder on every call
         self.deadline = 0.0
         self.committed = False
         self.released = False   # the commit releases the lock too
@@ -266,7 +266,8 @@ class Refit:
     def _call(self, cmd: str, args: dict[str, Any], timeout_s: float | None = None
               ) -> dict[str, Any]:
         try:
-            _, result = self.client.call(cmd, {**args, "token": self.token},
+            _, result = self.client.call(cmd, {**args, "holder": self.holder,
+                                               "token": self.token},
                                          timeout_s=timeout_s or CALL_TIMEOUT_S)
         except CommandRefused as exc:
             if exc.reason.startswith("lease lost"):

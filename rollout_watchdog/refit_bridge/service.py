@@ -1,34 +1,42 @@
 """The coordinator's refit commands: the lock, membership and the weight book.
 
-The wire spec (each a COMMAND to the coordinator; every reply carries status and reason; a
-refit-scoped call whose `token` is not the current holder's is refused with a reason starting
-"lease lost"):
+The wire spec (each a COMMAND to the coordinator; every reply carries status and reason). A
+refit-scoped call carries the `holder` that took the lock and its `token`, an opaque string
+shown to that holder only (never in a refusal, `ping` or `status`) and never handed out again,
+also by a restarted coordinator; a call whose pair is not the current holder's is refused with a
+reason starting "lease lost". A `version` is 1 to 256 printable characters.
 
 - `refit_acquire {holder, version, lease_s, deadline_s}`: take the lock. Pauses deep probes on
-  every reachable node (answering once in-flight probes ended, as `pause --all` does; nodes
-  resume by themselves after `deadline_s` if nothing else resumes them), relaunches `deferred`
-  engines that wait for it, and answers `{token, lease_s, version, members, relaunched,
-  pause_problems}`. `members` are the engines the refit updates: healthy, on reachable nodes,
-  serving or `pending_weights` (each `{node_id, id, incarnation, url, tp_size, weight_version}`).
-  Held by another: an error naming the holder, with `{holder, token, version, expires_in_s}`.
-- `refit_members {token}`: the members again, now including the relaunched engines that have
-  become healthy; an engine that comes back otherwise waits for the next refit (admission is
-  frozen while the lock is held).
-- `refit_renew {token}`: extend the lease by its `lease_s`; `{expires_in_s}`.
-- `refit_commit {token, version, members, release}`: these `[node, engine, incarnation]` hold
-  `version` now, which becomes the fleet's current version; the router gets them. With
-  `release: true`, the lock is released too, as `refit_release` does (one round trip fewer).
-- `refit_abort {token, members, wedged, reason}`: the refit failed; every member is stale until a
-  later commit; each `wedged` member is restarted by its watchdog with cause `refit_wedged`.
-- `refit_release {token}`: end the refit; deep probes resume on the nodes the lock paused
-  (nodes whose engines were all paused before, by `finish_generation`, stay paused until
-  `prepare_for_generation`: a colocated engine may not have its KV cache back yet).
+  every reachable node with the refit's own owner tag (answering once in-flight probes ended,
+  as `pause --all` does; nodes resume by themselves after `deadline_s` if nothing else resumes
+  them), relaunches `deferred` engines that wait for it, and answers `{token, lease_s, version,
+  members, relaunched, pause_problems}`. `members` are the engines the refit updates: healthy,
+  on reachable nodes, serving or `pending_weights` (each `{node_id, id, incarnation, url,
+  tp_size, weight_version}`). Held by another: an error naming the holder, with `{holder,
+  version, expires_in_s}`.
+- `refit_members {holder, token}`: the members again, now including the relaunched engines
+  that have become healthy; an engine that comes back otherwise waits for the next refit
+  (admission is frozen while the lock is held).
+- `refit_renew {holder, token}`: extend the lease by its `lease_s`; `{expires_in_s}`.
+- `refit_commit {holder, token, version, members, release}`: these `[node, engine,
+  incarnation]` hold `version` now, which becomes the fleet's current version; the router gets
+  them. With `release: true`, the lock is released too, as `refit_release` does (one round trip
+  fewer).
+- `refit_abort {holder, token, members, wedged, reason}`: the refit failed; every member is
+  stale until a later commit; each `wedged` member is restarted by its watchdog with cause
+  `refit_wedged`.
+- `refit_release {holder, token}`: end the refit; the refit's own pause is lifted on every
+  reachable node (`resume` with its owner tag: a node paused by `finish_generation` too stays
+  paused until `prepare_for_generation`, as a colocated engine may not have its KV cache back).
 
-A lease that runs out, or whose holder goes silent, ends like an abort of its members (unless
-it committed) followed by a release.
+A lease that ends with members neither committed nor aborted (it ran out, its holder went
+silent, or released without either) first puts them back in service off the loop
+(putback.py: `end_weight_update`, `continue_generation`, each bounded), marks them stale, and
+only then lifts its pause: a dead trainer's paused generation must not fail their deep probes.
+Until then the lock is refused as held by `coordinator` (so `ping`'s holder says too).
 
 With a state dir, every reply waits until the state it reports is on disk (refit.json, written
-off the loop by durable.DurableWriter: a fencing token handed out must never be handed out again
+off the loop by durable.DurableWriter: the members of a refit in flight must be known stale
 after a crash). A write that fails, or takes longer than `state_write_timeout_s`, turns the reply
 into an error naming the file: `refit_acquire` then leaves the lock free; any other call took
 effect, but a restarted coordinator would not know it.
@@ -54,13 +62,21 @@ from rollout_watchdog.refit_bridge.lock import (
     LockHeld,
     RefitLock,
 )
-from rollout_watchdog.refit_bridge.weights import Member, RefitState, WeightBook, members_of
+from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
+from rollout_watchdog.refit_bridge.weights import (
+    Member,
+    RefitState,
+    WeightBook,
+    check_version,
+    members_of,
+)
 
 log = logging.getLogger(__name__)
 COMMANDS = ("refit_acquire", "refit_members", "refit_renew", "refit_commit", "refit_abort",
             "refit_release")
 PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
 RELEASE_TIMEOUT_S = 5.0
+PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
 Finish = Callable[[Gathering], protocol.Reply]
 Then = Callable[[bytes, "str | None"], None]   # (client, None or why the state is not saved)
 
@@ -109,6 +125,8 @@ class RefitService:
             self.book.stale(in_flight)
         self.lock = RefitLock(next_token, holder_timeout_s)
         self.relaunched: list[tuple[str, str]] = []
+        # A lease that ended uncommitted: its members' put-back, then its resume.
+        self._putback: tuple[PutBack, Lease] | None = None
         self._unsaved: list[Unsaved] = []   # replies waiting for the state to be on disk
         if self.state.writer is not None:
             try:
@@ -186,15 +204,21 @@ class RefitService:
 
     def _acquire(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
         holder = _text(cmd.args, "holder")
-        version = _text(cmd.args, "version")
+        version = check_version(cmd.args.get("version"))
         lease_s = _number(cmd.args, "lease_s", 30.0)
         deadline_s = _number(cmd.args, "deadline_s", 600.0)
+        if self._putback is not None:
+            ended = self._putback[1]
+            raise RefitError(
+                f"the refit lock is held by the coordinator: it puts the members of refit "
+                f"#{ended.number} (by {ended.holder}, which neither committed nor aborted) back "
+                "in service", {"holder": "coordinator", "version": ended.version,
+                               "expires_in_s": 2 * PUTBACK_CALL_S})
         try:
             lease = self.lock.acquire(holder, version, lease_s, now)
         except LockHeld as exc:
-            held = exc.lease
-            raise RefitError(str(exc), {"holder": held.holder, "token": held.token,
-                                        "version": held.version,
+            held = exc.lease   # (never its token: that is its holder's alone)
+            raise RefitError(str(exc), {"holder": held.holder, "version": held.version,
                                         "expires_in_s": exc.expires_in_s}) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self.members(core)]
         self._save()
@@ -214,22 +238,20 @@ class RefitService:
                   deadline_s: float) -> None:
         """The lease is on disk: pause the fleet, relaunch deferred engines, then answer."""
         now = time.monotonic()
-        lease.paused_nodes = [n for n in core.view.reachable()
-                              if not all(e.get("paused") for e in
-                                         core.view.nodes[n].engines.values())]
         self.relaunched = self._relaunch_deferred(core, now)
-        log.info("refit lock taken by %s (token %d, version %r, %d member(s))", lease.holder,
-                 lease.token, lease.version, len(lease.members))
+        log.info("refit lock taken by %s (refit #%d, version %r, %d member(s))", lease.holder,
+                 lease.number, lease.version, len(lease.members))
         pause = protocol.Command(cmd.request_id, "pause",
-                                 {"all": True, "deadline_s": deadline_s,
+                                 {"all": True, "deadline_s": deadline_s, "owner": lease.pause_owner,
                                   "wait_s": PAUSE_WAIT_S - 1.0}, None, None, PAUSE_WAIT_S)
 
         def finish(gathering: Gathering) -> protocol.Reply:
             paused = gathering.reply()
             lease.granted(time.monotonic())   # (the pause is bounded by PAUSE_WAIT_S)
             for node_id, engine in self.relaunched:   # a starting engine needs its probes
-                resume = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "resume", {},
-                                          node_id, engine, RELEASE_TIMEOUT_S)
+                resume = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "resume",
+                                          {"owner": lease.pause_owner}, node_id, engine,
+                                          RELEASE_TIMEOUT_S)
                 core.gather(None, resume, [node_id], time.monotonic())
             return protocol.Reply(cmd.request_id, "ok", None, {
                 "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
@@ -238,19 +260,19 @@ class RefitService:
         core.gather(client, pause, core.view.reachable(), now, finish)
 
     def _members(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.check(cmd.args.get("token"), now)
+        lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
         members = self.members(core, lease)
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in members]
         self._save()
         return {"members": members}
 
     def _renew(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.renew(cmd.args.get("token"), now)
+        lease = self.lock.renew(cmd.args.get("token"), cmd.args.get("holder"), now)
         return {"expires_in_s": lease.expires - now}
 
     def _commit(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.check(cmd.args.get("token"), now)
-        version = _text(cmd.args, "version")
+        lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
+        version = check_version(cmd.args.get("version"))
         members = members_of(cmd.args.get("members"))
         self.book.commit(version, members)
         lease.committed = True
@@ -265,7 +287,7 @@ class RefitService:
         return {"version": version, "members": len(members)}
 
     def _abort(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.check(cmd.args.get("token"), now)
+        lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
         members = members_of(cmd.args.get("members", [list(m) for m in lease.members]))
         wedged = members_of(cmd.args.get("wedged", []))
         reason = str(cmd.args.get("reason") or "aborted by its holder")[:500]
@@ -288,7 +310,7 @@ class RefitService:
         return {"stale": len(members), "restarted": [[n, e] for n, e, _ in wedged]}
 
     def _release(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.release(cmd.args.get("token"), now)
+        lease = self.lock.release(cmd.args.get("token"), cmd.args.get("holder"), now)
         self._ended(core, lease, now, "released by its holder")
         return {"released": lease.token}
 
@@ -296,28 +318,58 @@ class RefitService:
 
     def tick(self, core: Core, now: float) -> None:
         self.saved(now)
+        if self._putback is not None and self._putback[0].done():
+            lease = self._putback[1]
+            self._putback = None
+            self._resume(core, lease, now)
         expired = self.lock.expire(now)
         if expired is None:
             return
         lease, why = expired
-        log.warning("refit lock of %s (token %d) released: %s", lease.holder, lease.token, why)
+        log.warning("refit lock of %s (refit #%d) released: %s", lease.holder, lease.number,
+                    why)
         self._ended(core, lease, now, why)
 
     def next_deadline(self) -> float | None:
         unsaved = self._unsaved[0].deadline if self._unsaved else None   # (the oldest first)
-        return min((d for d in (unsaved, self.lock.next_deadline()) if d is not None),
+        putback = None if self._putback is None else time.monotonic() + PUTBACK_POLL_S
+        return min((d for d in (unsaved, putback, self.lock.next_deadline()) if d is not None),
                    default=None)
 
     def _ended(self, core: Core, lease: Lease, now: float, why: str) -> None:
-        if lease.members:   # neither committed nor aborted: its weights are unknown
-            self.book.stale(lease.members)
-            core.weights_changed()
         self.relaunched = []
+        if not lease.members:
+            self._save()
+            self._resume(core, lease, now)
+            return
+        # Neither committed nor aborted: its weights are unknown, and its holder may have left
+        # their generation paused. Put them back in service before their probes resume.
+        urls = self._urls(core, lease.members)
+        self.book.stale(lease.members)
+        core.weights_changed()
         self._save()
-        resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume", {"all": True},
-                                  None, None, RELEASE_TIMEOUT_S)
-        reachable = set(core.view.reachable())
-        core.gather(None, resume, [n for n in lease.paused_nodes if n in reachable], now)
+        log.warning("refit %r (refit #%d) ended uncommitted (%s): putting %d member(s) back in "
+                    "service, stale", lease.version, lease.number, why, len(urls))
+        self._putback = (PutBack(f"refit #{lease.number}", urls), lease)
+
+    def _resume(self, core: Core, lease: Lease, now: float) -> None:
+        """Lift the refit's own pause on every reachable node (its owner tag: a pause by
+        finish_generation, or by a later refit, stays)."""
+        resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume",
+                                  {"all": True, "owner": lease.pause_owner}, None, None,
+                                  RELEASE_TIMEOUT_S)
+        core.gather(None, resume, core.view.reachable(), now)
+
+    @staticmethod
+    def _urls(core: Core, members: list[Member]) -> list[str]:
+        """The URLs of those incarnations still in the view (a replaced one is not paused)."""
+        urls = []
+        for node, engine, incarnation in members:
+            record = core.view.nodes.get(node)
+            view = record.engines.get(engine) if record is not None else None
+            if view is not None and view.get("incarnation") == incarnation and view.get("url"):
+                urls.append(str(view["url"]))
+        return urls
 
     # ------------------------------------------------------------------ questions
 
@@ -360,10 +412,13 @@ class RefitService:
 
     def status(self, now: float) -> dict[str, Any]:
         lease = self.lock.lease
-        return {"current_version": self.book.current,
-                "holder": None if lease is None else {
-                    "holder": lease.holder, "token": lease.token, "version": lease.version,
-                    "expires_in_s": max(0.0, lease.expires - now)}}
+        holder = None if lease is None else {   # (never its token)
+            "holder": lease.holder, "version": lease.version,
+            "expires_in_s": max(0.0, lease.expires - now)}
+        if self._putback is not None:
+            holder = {"holder": "coordinator", "version": self._putback[1].version,
+                      "expires_in_s": 2 * PUTBACK_CALL_S}
+        return {"current_version": self.book.current, "holder": holder}
 
     def _relaunch_deferred(self, core: Core, now: float) -> list[tuple[str, str]]:
         out = []

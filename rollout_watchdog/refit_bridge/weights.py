@@ -21,6 +21,22 @@ from rollout_watchdog.refit_bridge.durable import DurableWriter
 
 Member = tuple[str, str, int]   # (node_id, engine, incarnation)
 SERVING_STATES = ("healthy",)
+# A version goes into every acquire reply (once per member), every status page and the state
+# file: a long one would push them past the frame limit, for good.
+MAX_VERSION_CHARS = 256
+
+
+def check_version(version: object) -> str:
+    """`version` if it is a weight version (1 to MAX_VERSION_CHARS printable characters);
+    ValueError naming the problem otherwise."""
+    if not isinstance(version, str) or not version:
+        raise ValueError(f"version must be a non-empty string, got {str(version)[:40]!r}")
+    if len(version) > MAX_VERSION_CHARS:
+        raise ValueError(f"version must be at most {MAX_VERSION_CHARS} characters, got "
+                         f"{len(version)}: {version[:40]!r}...")
+    if not version.isprintable():
+        raise ValueError(f"version must be printable characters only, got {version[:80]!r}")
+    return version
 
 
 @dataclass
@@ -104,8 +120,9 @@ def members_of(rows: object) -> list[Member]:
 
 
 class RefitState:
-    """The refit state the coordinator keeps on disk: the weight book, the next fencing token,
-    and the members of the refit in flight (stale if the coordinator stops before it ends).
+    """The refit state the coordinator keeps on disk: the weight book, the counter of the next
+    fencing token (the token's epoch is drawn afresh at every start), and the members of the
+    refit in flight (stale if the coordinator stops before it ends).
     Written atomically and durably, off the coordinator's loop (durable.DurableWriter)."""
 
     FILE = "refit.json"

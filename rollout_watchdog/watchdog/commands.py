@@ -110,6 +110,15 @@ def one_engine(node: Node, args: dict[str, Any]) -> EngineRuntime:
     return node.engines[engine_id]
 
 
+def _owner(args: dict[str, Any]) -> str | None:
+    """A pause's owner tag (`owner`), or None when the command names none."""
+    owner = args.get("owner")
+    if owner is not None and not (isinstance(owner, str) and 0 < len(owner) <= 100):
+        raise CommandError(f"'owner' must be a string of 1 to 100 characters, got "
+                           f"{str(owner)[:40]!r}")
+    return owner
+
+
 def _number(args: dict[str, Any], key: str, default: float) -> float:
     value = args.get(key, default)
     try:
@@ -174,11 +183,13 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
 
     args: {"engine": ID} or {"all": true}, optional "deadline_s" (default 600), optional
     "wait_s": how long to wait for in-flight probes before answering with an error (the pause
-    stays recorded). Answered only once no probe of those engines is in flight, so no probe
-    can overlap a release_memory_occupation that follows. Liveness is never paused. A pause
-    never shortens one already in place (the later deadline holds: a refit's pause must not
-    cut short `finish_generation`'s, whose engine may have no KV cache yet; a later one is a
-    "pause_extended" event); `resume` ends both.
+    stays recorded), optional "owner": who pauses (a refit tags its pause so that its resume
+    lifts its own pause only). Answered only once no probe of those engines is in flight, so
+    no probe can overlap a release_memory_occupation that follows. Liveness is never paused. A
+    pause never shortens one already in place (the later deadline holds: a refit's pause must
+    not cut short `finish_generation`'s, whose engine may have no KV cache yet; a later one is
+    a "pause_extended" event); the engine stays paused until every owner resumed it (or a
+    resume without an owner, or the deadline).
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
     deadline_s = _number(args, "deadline_s", DEFAULT_PAUSE_S)
@@ -186,6 +197,7 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
         raise CommandError(f"the pause deadline must be more than 0 and at most "
                            f"{MAX_PAUSE_S:g} s (probing must come back), got {deadline_s:g}")
     wait_s = _number(args, "wait_s", 0.0) if "wait_s" in args else None
+    owner = _owner(args) or ""
     ids = engine_ids(node, args)
     clock = node.clock
     deadline = clock.wall() + deadline_s
@@ -193,8 +205,11 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     for engine_id in ids:
         engine = node.engines[engine_id]
         before = engine.paused
+        owners = frozenset({owner}) | (before.owners if before is not None else frozenset())
         if before is None or before.expires < expires:
-            engine.paused = Pause(deadline, expires)
+            engine.paused = Pause(deadline, expires, owners)
+        else:
+            before.owners = owners
         engine.progress_tokens = None  # paused generation is not a stall
         if before is None:
             node.emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s",
@@ -225,11 +240,17 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
 def resume(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Resume deep probes of ENGINE (or all).
 
-    args: {"engine": ID} or {"all": true}. result: {"resumed": [ID, ...]}
+    args: {"engine": ID} or {"all": true}, optional "owner": lift that owner's pause only (an
+    engine another owner paused too stays paused). result: {"resumed": [ID, ...]}
     """
+    owner = _owner(args)
     resumed = []
     for engine_id in engine_ids(node, args):
         engine = node.engines[engine_id]
+        if engine.paused is not None and owner is not None:
+            engine.paused.owners -= {owner}
+            if engine.paused.owners:
+                continue
         if engine.paused is not None:
             engine.paused = None
             engine.next_probe = node.clock.monotonic()

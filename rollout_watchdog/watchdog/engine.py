@@ -47,6 +47,9 @@ class Pause:
 
     deadline: float                 # wall clock
     expires: float                  # monotonic
+    # Who paused (`owner` of each pause command, "" untagged); a resume naming an owner lifts
+    # that owner's part only. Empty (a pause adopted after a restart): any resume lifts it.
+    owners: frozenset[str] = frozenset()
 
 
 @dataclass
