@@ -53,6 +53,11 @@ def test_the_fleet_in_numbers(make_node: Callable[..., Node]) -> None:
                        ("rollout_watchdog_fleet_engines_serving", 4),
                        ("rollout_watchdog_fleet_engines_pending_weights", 0)),
                  15, "the committed version")
+        samples = scrape(port)
+        assert samples['rollout_watchdog_refits_total{outcome="committed"}'] == 1
+        assert samples['rollout_watchdog_refits_total{outcome="aborted"}'] == 0
+        assert samples['rollout_watchdog_refit_duration_seconds_count{outcome="committed"}'] == 1
+        assert samples['rollout_watchdog_refit_duration_seconds_sum{outcome="committed"}'] > 0
 
         nodes[1].kill_daemon()   # SIGKILL: its node goes silent
         wait_for(shows(('rollout_watchdog_fleet_nodes{reachable="true"}', 1),
@@ -87,6 +92,12 @@ def test_the_lock_holder_and_its_lease_while_a_trainer_holds_it(
         finally:
             holder.send_signal(signal.SIGKILL)
             holder.wait(10)
+        # the dead holder falls silent: its lease ends, counted as expired
+        wait_for(lambda: scrape(port).get(
+            'rollout_watchdog_refits_total{outcome="expired"}') == 1, 30, "an expired refit")
+        wait_for(lambda: scrape(port).get(
+            'rollout_watchdog_refit_lock_held{holder="",version=""}') == 0, 30,
+            "the lock free once the coordinator put the members back")
 
 
 def test_a_port_in_use_is_named() -> None:

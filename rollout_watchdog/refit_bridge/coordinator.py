@@ -472,6 +472,10 @@ class Coordinator:
         self._view_changed = True
         self._sync_router()
 
+    def refit_ended(self, outcome: str, duration_s: float) -> None:
+        if self.metrics is not None:
+            self.metrics.refit_ended(outcome, duration_s)
+
     def _sync_router(self) -> None:
         """The router's membership, once the fleet view is warm (a restarted coordinator must
         not empty the router before its nodes are back)."""

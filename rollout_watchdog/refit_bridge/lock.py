@@ -48,12 +48,14 @@ class Lease:
     heard: float         # monotonic: the holder's last call
     members: list[tuple[str, str, int]]   # (node, engine, incarnation) the refit updates
     committed: bool = False
+    aborted: bool = False
     # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts
     # that pause only (a finish_generation pause stays until prepare_for_generation).
     pause_owner: str = field(default_factory=lambda: f"refit-{secrets.token_hex(6)}")
     # Until the acquisition's pause is answered the holder has no token to renew with: the
     # lease is held, its clock starts with the answer (`granted`).
     granting: bool = True
+    taken: float = 0.0   # monotonic: when the lock was taken (the refit's duration starts)
 
     def granted(self, now: float) -> None:
         self.granting = False
@@ -77,7 +79,7 @@ class RefitLock:
         if self.lease is not None:
             raise LockHeld(self.lease, now)
         self.lease = Lease(f"{self.epoch}-{self.next_token}", self.next_token, holder, version,
-                           lease_s, now + lease_s, now, [])
+                           lease_s, now + lease_s, now, [], taken=now)
         self.next_token += 1
         return self.lease
 

@@ -101,6 +101,7 @@ class Core(Protocol):
                now: float, finish: Finish | None = None) -> None: ...
     def reply(self, client: bytes, reply: protocol.Reply) -> None: ...
     def weights_changed(self) -> None: ...
+    def refit_ended(self, outcome: str, duration_s: float) -> None: ...
 
 
 class RefitError(Exception):
@@ -293,6 +294,7 @@ class RefitService:
         reason = str(cmd.args.get("reason") or "aborted by its holder")[:500]
         if not lease.committed:   # (an abort after a commit whose answer was lost)
             self.book.stale(members + lease.members)
+            lease.aborted = True
         lease.members = []
         self._save()
         core.weights_changed()
@@ -311,7 +313,7 @@ class RefitService:
 
     def _release(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
         lease = self.lock.release(cmd.args.get("token"), cmd.args.get("holder"), now)
-        self._ended(core, lease, now, "released by its holder")
+        self._ended(core, lease, now, "released by its holder", expired=False)
         return {"released": lease.token}
 
     # ------------------------------------------------------------------ the loop's turn
@@ -328,7 +330,7 @@ class RefitService:
         lease, why = expired
         log.warning("refit lock of %s (refit #%d) released: %s", lease.holder, lease.number,
                     why)
-        self._ended(core, lease, now, why)
+        self._ended(core, lease, now, why, expired=True)
 
     def next_deadline(self) -> float | None:
         unsaved = self._unsaved[0].deadline if self._unsaved else None   # (the oldest first)
@@ -336,7 +338,9 @@ class RefitService:
         return min((d for d in (unsaved, putback, self.lock.next_deadline()) if d is not None),
                    default=None)
 
-    def _ended(self, core: Core, lease: Lease, now: float, why: str) -> None:
+    def _ended(self, core: Core, lease: Lease, now: float, why: str, expired: bool) -> None:
+        core.refit_ended("committed" if lease.committed else "aborted" if lease.aborted
+                         else "expired" if expired else "released", now - lease.taken)
         self.relaunched = []
         if not lease.members:
             self._save()
