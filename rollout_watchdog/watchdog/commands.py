@@ -61,6 +61,7 @@ class Node(Protocol):
     def probe_in_flight(self, engine_id: str) -> bool: ...
     def forget(self, engine: EngineRuntime, kind: str, detail: str) -> None: ...
     def unconfigured_engine(self, engine_id: str, url: str) -> EngineConfig: ...
+    def next_incarnation(self, engine_id: str) -> int: ...
     def track(self, engine: EngineRuntime) -> None: ...
 
 
@@ -390,7 +391,7 @@ def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
             raise CommandError(f"{url} is engine {other.id}'s address")
     now = node.clock.monotonic()
     engine = EngineRuntime(cfg=node.unconfigured_engine(engine_id, url), external=True,
-                           incarnation=existing.incarnation + 1 if existing else 1,
+                           incarnation=node.next_incarnation(engine_id),
                            main=key, procs={key: True}, launched_at=now, next_probe=now)
     node.engines[engine_id] = engine
     node.transition(engine, S.STARTING, Cause.LAUNCHED, f"external pid {key.pid}")
