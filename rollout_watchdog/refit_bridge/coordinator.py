@@ -34,7 +34,7 @@ from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
-from rollout_watchdog.refit_bridge.router_sync import RouterSync
+from rollout_watchdog.refit_bridge.router_sync import VERIFY_S, RouterSync
 from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class Coordinator:
                  router_url: str | None = None, state_dir: str | None = None,
                  node_timeout_s: float = NODE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S,
                  holder_timeout_s: float = HOLDER_TIMEOUT_S,
-                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S) -> None:
+                 state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S,
+                 router_verify_s: float = VERIFY_S) -> None:
         check_bind(bind, keys, insecure)
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
@@ -66,7 +67,8 @@ class Coordinator:
         self.fanout = Fanout()
         self.refit = refit.RefitService(state_dir, holder_timeout_s,  # raises for bad state
                                         state_write_timeout_s)
-        self.router = RouterSync(router_url) if router_url else None
+        # (router_verify_s: how often every routed engine's own weight_version is checked)
+        self.router = RouterSync(router_url, verify_s=router_verify_s) if router_url else None
         self._router_members: dict[str, str | None] | None = None   # None: not started
         self._started_at = 0.0
         self._view_changed = True     # since the router was last told
