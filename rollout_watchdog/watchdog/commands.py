@@ -128,7 +128,8 @@ def status(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Show every engine: state, pause, pid, incarnation, restarts, last failure.
 
     args: {}. result: {"node_id", "boot_id", "engines": [{"id", "state", "paused", "pid",
-    "incarnation", "restarts", "url", "last_failure": {"cause", "detail", "ts"} | null, ...}]},
+    "process", "incarnation", "restarts", "url", "last_failure": {"cause", "detail", "ts"} |
+    null, ...}]} ("process" names the main process: kernel boot, pid, start time),
     plus, with a coordinator configured, "link": {"coordinator", "connected", "outbox",
     "unsent", "dropped", "bad_messages"}
     """
@@ -354,6 +355,7 @@ def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Watch an engine started by someone else (a Ray actor): probed and killed like the
     node's own, never relaunched.
 
+    Each registration is a new incarnation, never a number the engine id had before.
     args: {"engine": ID, "url": URL, "pid": PID}. result: {"engine": ID, "action": TEXT}
     """
     engine_id, url, pid = args.get("engine"), args.get("url"), args.get("pid")
@@ -412,7 +414,8 @@ def protected_pids(ops: ProcessOps) -> set[int]:
 
 @command("unregister")
 def unregister(node: Node, args: dict[str, Any]) -> dict[str, Any]:
-    """Stop watching an external engine (it is not killed).
+    """Stop watching an external engine (it is not killed); it leaves the fleet view and the
+    router at once.
 
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """
