@@ -264,6 +264,8 @@ class RouterSync:
                 self._last_mismatch = f"{engine_url} {why}"
             if not self._remove([worker]):
                 return False
+            with self._lock:   # still desired: out of sync until a listing shows it back
+                self._listed = [w for w in self._listed or () if w.id != worker.id]
             self._next_try[engine_url] = time.monotonic() + self._retry_s
             self._set_pending(engine_url, why)
         return True
