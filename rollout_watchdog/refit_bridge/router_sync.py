@@ -302,7 +302,7 @@ class RouterSync:
 
     def _next_wait(self) -> float:
         """Soon after a change, retry_s while out of sync, failing or a registration may still
-        land, else resync_s."""
+        land, else resync_s; never past the next check of the routed engines' versions."""
         now = time.monotonic()
         if now < self._confirm_until:
             return CONFIRM_S
