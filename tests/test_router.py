@@ -93,8 +93,10 @@ def router() -> Iterator[Router]:
 def make_sync() -> Iterator[Callable[..., RouterSync]]:
     made: list[RouterSync] = []
 
-    def make(url: str, timeout_s: float = 5.0, resync_s: float = 0.5) -> RouterSync:
-        sync = RouterSync(url, timeout_s=timeout_s, retry_s=0.2, resync_s=resync_s)
+    def make(url: str, timeout_s: float = 5.0, resync_s: float = 0.5,
+             verify_s: float = 10.0) -> RouterSync:
+        sync = RouterSync(url, timeout_s=timeout_s, retry_s=0.2, resync_s=resync_s,
+                          verify_s=verify_s)
         made.append(sync)
         return sync
 
@@ -183,6 +185,31 @@ def test_add_waits_for_expected_weight_version(router: Router, engines: Engines,
     assert status == 200
     assert sync.wait_synced(DEADLINE_S), sync.status()
     assert listed_urls(client) == {engine} and sync.status()["pending"] == {}
+
+
+def test_a_routed_engine_whose_version_drifts_is_pulled_counted_and_readded(
+        router: Router, engines: Engines, make_sync: Callable[..., RouterSync]) -> None:
+    """Defence in depth: a routed engine that reports another weight_version itself (weights
+    loaded behind the coordinator's back) leaves the router at the next check, without any
+    set_desired, and comes back once it reports the expected version."""
+    steady, drifting = engines.start(2, version="v1")
+    client = RouterClient(router.url)
+    sync = make_sync(router.url, verify_s=0.3)
+    sync.set_desired({steady: "v1", drifting: "v1"})
+    sync.start()
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert sync.status()["version_mismatches"] == 0
+    status, _ = http_request(f"{drifting}/update_weight_version", "POST", {"new_version": "v0"})
+    assert status == 200
+    wait_until(lambda: listed_urls(client) == {steady}, DEADLINE_S,
+               what="the drifted engine out of the router")
+    state = sync.status()
+    assert state["version_mismatches"] == 1 and "'v0'" in state["last_mismatch"], state
+    assert "'v0'" in state["pending"][drifting], state
+    status, _ = http_request(f"{drifting}/update_weight_version", "POST", {"new_version": "v1"})
+    assert status == 200
+    assert sync.wait_synced(DEADLINE_S), sync.status()
+    assert listed_urls(client) == {steady, drifting}
 
 
 def test_killed_engine_leaves_router_and_survivors_serve(

@@ -137,7 +137,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                   state_write_timeout_s=args.state_write_timeout,
                                   metrics_port=args.metrics_port,
                                   metrics_host=args.metrics_host,
-                                  route_after_first_refit=args.route_after_first_refit)
+                                  route_after_first_refit=args.route_after_first_refit,
+                                  router_verify_s=args.router_verify_interval)
         return int(coordinator.run())
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
         print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
@@ -146,6 +147,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                            seconds: Callable[[str], float]) -> None:
+    from rollout_watchdog.refit_bridge.router_sync import VERIFY_S  # (requests: not at import)
+
     p = sub.add_parser("coordinator", help="run the fleet's coordinator", description=(
         "Run a standalone coordinator: nodes and clients connect to ENDPOINT. DIR holds "
         "coordinator.key_secret and authorized/ (the public keys let in). A non-loopback bind "
@@ -155,6 +158,10 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback bind without keys (no authentication)")
     p.add_argument("--router-url", metavar="URL", help="the SGLang router to keep in step")
+    p.add_argument("--router-verify-interval", type=seconds, default=VERIFY_S, metavar="S",
+                   help="seconds between checks that every routed engine reports the fleet's "
+                        "weight version itself (one GET /model_info each); one that does not "
+                        f"is pulled from the router (default {VERIFY_S:g})")
     p.add_argument("--state-dir", metavar="DIR", help=(
         "keep a journal of relayed events here, so a restart loses none a client lacks, and "
         "the refit state (refit.json: fencing token, each engine's weight version)"))

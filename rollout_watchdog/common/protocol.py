@@ -25,9 +25,11 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                PAUSE_KINDS events, which say all that they change: "paused" and
                "pause_extended" set `paused` and `pause_deadline` (the event's `deadline`),
                "resumed" and "pause_expired" clear them (a fleet-wide pause is 8,000 of these,
-               at half the bytes). Its frame, encoded alone, is at most MAX_EVENT_BYTES
-               (64 KiB): a node cuts the longest texts of a bigger one to fit, and the
-               coordinator refuses a bigger one.
+               at half the bytes). A FORGETTING_KINDS event ("unregistered", "removed")
+               comes without one too: the node no longer has the engine, and the fleet view
+               drops it (and the router with it) at once. Its frame, encoded alone, is at most
+               MAX_EVENT_BYTES (64 KiB): a node cuts the longest texts of a bigger one to fit,
+               and the coordinator refuses a bigger one.
     events     (1.1) node -> coordinator -> client: events (a non-empty list of "event"
                messages, each a whole message with its own "v" and "kind", as it would be
                sent alone), in order. It stands for its events sent one by one: each is
@@ -76,6 +78,8 @@ BATCH_BYTES = 64 << 10
 MAX_EVENT_BYTES = 64 << 10
 _INT_LIMIT = 1 << 63
 PAUSE_KINDS = ("paused", "pause_extended", "resumed", "pause_expired")
+# Events after which an engine is no longer on its node (unwatched, or out of the config)
+FORGETTING_KINDS = ("unregistered", "removed")
 STATUSES = ("ok", "error")
 
 

@@ -36,7 +36,7 @@ from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, Refused, node_event
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 from rollout_watchdog.refit_bridge.metrics import CoordinatorMetrics
-from rollout_watchdog.refit_bridge.router_sync import RouterSync
+from rollout_watchdog.refit_bridge.router_sync import VERIFY_S, RouterSync
 from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class Coordinator:
                  holder_timeout_s: float = HOLDER_TIMEOUT_S,
                  state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 route_after_first_refit: bool = False) -> None:
+                 route_after_first_refit: bool = False,
+                 router_verify_s: float = VERIFY_S) -> None:
         check_bind(bind, keys, insecure)
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
@@ -71,7 +72,8 @@ class Coordinator:
         self.fanout = Fanout()
         self.refit = refit.RefitService(state_dir, holder_timeout_s,  # raises for bad state
                                         state_write_timeout_s, route_after_first_refit)
-        self.router = RouterSync(router_url) if router_url else None
+        # (router_verify_s: how often every routed engine's own weight_version is checked)
+        self.router = RouterSync(router_url, verify_s=router_verify_s) if router_url else None
         # Prometheus (`--metrics-port`; 0 picks a free port, then `metrics_port` is it)
         self.metrics = CoordinatorMetrics() if metrics_port is not None else None
         self.metrics_port, self.metrics_host = metrics_port, metrics_host

@@ -37,11 +37,16 @@ class EngineCallError(RolloutWatchdogError):
 
 
 def split_url(url: str) -> tuple[str, int]:
-    """``http://host:port`` -> (host, port); anything else is a clear ValueError."""
+    """``http://host[:port]`` -> (host, port); 80 when left out (a normalized URL leaves the
+    default port out). Anything else is a clear ValueError."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+    try:
+        port = 80 if parts.port is None else parts.port
+    except ValueError:   # not a number, or out of range
+        port = 0
+    if parts.scheme != "http" or not parts.hostname or port == 0:
         raise ValueError(f"engine url {url!r} is not of the form http://HOST:PORT")
-    return parts.hostname, parts.port
+    return parts.hostname, port
 
 
 def call(

@@ -176,6 +176,16 @@ class FleetView:
             page.append(entry)
         return {"nodes": page, "next": None}
 
+    def process_of(self, node_id: str, engine_id: str, incarnation: int) -> str | None:
+        """The identity of the main process of this incarnation, as its node shows it (None
+        if the view shows another incarnation, or a node too old to say)."""
+        record = self.nodes.get(node_id)
+        engine = record.engines.get(engine_id) if record else None
+        if engine is None or engine.get("incarnation") != incarnation:
+            return None
+        process = engine.get("process")
+        return process if isinstance(process, str) else None
+
     def group_restarts(self, node_id: str, event: dict[str, Any]) -> list[tuple[str, str]]:
         """The other parts of a multi-node engine to restart because this event says one
         part failed: a running part going to `stopping` for any cause but `commanded`."""
@@ -207,6 +217,10 @@ def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None
     event = msg.event
     engine = engines.get(str(event.get("engine")))
     if engine is None:
+        return
+    if event.get("kind") in protocol.FORGETTING_KINDS and event.get("incarnation") in (
+            None, engine.get("incarnation")):
+        del engines[str(event.get("engine"))]   # gone from its node: from the view and router
         return
     if event.get("incarnation") is not None:
         engine["incarnation"] = event["incarnation"]

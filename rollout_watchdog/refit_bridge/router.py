@@ -33,7 +33,7 @@ import requests
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
 
-__all__ = ["RouterClient", "RouterError", "RouterWorker", "normalize_url", "reconcile"]
+__all__ = ["RouterClient", "RouterError", "RouterWorker", "normalize_url", "reconcile", "url_key"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _DETAIL_CHARS = 300
@@ -102,7 +102,7 @@ def normalize_url(url: str) -> str:
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
 
-def _key(url: str) -> str:
+def url_key(url: str) -> str:
     """The comparison key of a URL the router lists; one we cannot parse stays as it is (it
     matches nothing desired, so it is removed)."""
     try:
@@ -122,7 +122,7 @@ def reconcile(desired: Collection[str],
     kept: set[str] = set()
     to_remove: list[RouterWorker] = []
     for worker in listed:
-        key = _key(worker.url)
+        key = url_key(worker.url)
         if key in want and key not in kept:
             kept.add(key)
         else:
@@ -179,7 +179,7 @@ class RouterClient:
         key = normalize_url(url)
         removed = False
         for worker in self.workers():
-            if _key(worker.url) == key:
+            if url_key(worker.url) == key:
                 removed = self.delete(worker.id) or removed
         return removed
 

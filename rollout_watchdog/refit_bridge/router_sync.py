@@ -15,6 +15,12 @@ listing, a worker the router lists that is not desired is removed, whoever added
   engine the router accepted is not posted again for ``registration_s`` (the router's
   --worker-startup-timeout-secs): its registration runs in the background, a DELETE does not
   cancel it, and a second one could re-add an engine removed in between.
+- Defence in depth: every ``verify_s`` the thread reads the weight_version of every routed
+  engine that must hold one. An engine that reports another (its weights were changed behind
+  the coordinator's back, or a fresh process answers on a routed URL) is removed from the
+  router at once, counted (``version_mismatches`` in :meth:`RouterSync.status`, shown by the
+  coordinator's ``ping``) and logged; it is added again only once it reports the right
+  version. A read that fails is not a mismatch: a dead engine is the watchdog's to report.
 - In sync means a listing made after the last removal shows exactly the desired set.
 - The router is listed again every ``resync_s`` when in sync (a restarted router comes back
   empty, a stray worker appears), every ``retry_s`` otherwise, and quickly after an addition
@@ -24,6 +30,7 @@ listing, a worker the router lists that is not desired is removed, whoever added
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +38,7 @@ from typing import Any
 
 import requests
 
+from rollout_watchdog.refit_bridge import engine_calls
 from rollout_watchdog.refit_bridge.router import (
     WORKER_STARTUP_TIMEOUT_S,
     RouterClient,
@@ -38,42 +46,36 @@ from rollout_watchdog.refit_bridge.router import (
     RouterWorker,
     normalize_url,
     reconcile,
+    url_key,
 )
 
-__all__ = ["RouterSync", "read_weight_version"]
+__all__ = ["VERIFY_S", "RouterSync"]
 
+log = logging.getLogger(__name__)
 # How soon the router is listed again after an addition (it registers in the background).
 CONFIRM_S = 0.1
+# How often the routed engines' own weight versions are read (one GET /model_info each).
+VERIFY_S = 10.0
 _GONE = object()  # marks an engine that is no longer desired
 
 VersionReader = Callable[[str], "str | None"]
 
 
-def read_weight_version(engine_url: str, timeout_s: float = 5.0) -> str | None:
-    """The weight_version an engine reports in GET /model_info (None if it reports none).
-
-    Raises requests' errors, or ValueError for an answer that is not JSON.
-    """
-    resp = requests.get(normalize_url(engine_url) + "/model_info", timeout=timeout_s)
-    resp.raise_for_status()
-    body = resp.json()
-    version = body.get("weight_version") if isinstance(body, dict) else None
-    return version if isinstance(version, str) else None
-
-
 class RouterSync:
     """Applies the coordinator's desired router membership from a background thread.
 
-    ``read_weight_version(engine_url)`` defaults to :func:`read_weight_version` with
-    ``timeout_s``. All public methods are thread-safe and never wait on I/O, except
-    :meth:`stop` and :meth:`wait_synced`, which wait at most their timeout.
+    ``read_weight_version(engine_url)`` defaults to :func:`engine_calls.weight_version` with
+    ``timeout_s``; ``verify_s`` is how often routed engines' versions are checked. All public
+    methods are thread-safe and never wait on I/O, except :meth:`stop` and
+    :meth:`wait_synced`, which wait at most their timeout.
     """
 
     def __init__(self, url: str, read_weight_version: VersionReader | None = None,
                  timeout_s: float = 5.0, retry_s: float = 1.0, resync_s: float = 5.0,
-                 registration_s: float = WORKER_STARTUP_TIMEOUT_S) -> None:
+                 registration_s: float = WORKER_STARTUP_TIMEOUT_S,
+                 verify_s: float = VERIFY_S) -> None:
         for name, value in (("retry_s", retry_s), ("resync_s", resync_s),
-                            ("registration_s", registration_s)):
+                            ("registration_s", registration_s), ("verify_s", verify_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value!r}")
         self._client = RouterClient(url, timeout_s)
@@ -81,6 +83,7 @@ class RouterSync:
         self._retry_s = retry_s
         self._resync_s = resync_s
         self._registration_s = registration_s
+        self._verify_s = verify_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when the listing changes
         self._wake = threading.Event()
@@ -94,6 +97,8 @@ class RouterSync:
         self._pending: dict[str, str] = {}  # desired URL -> why it is not added yet
         self._adds = 0
         self._removes = 0
+        self._mismatches = 0   # routed engines found reporting another weight_version
+        self._last_mismatch: str | None = None
         # Thread-only:
         self._next_try: dict[str, float] = {}  # URL -> monotonic time of its next add attempt
         self._confirm_until = 0.0  # list again soon until then: a change was just posted
@@ -102,6 +107,7 @@ class RouterSync:
         # router is listed every retry_s, not resync_s.
         self._registering_until = 0.0
         self._step_failed = False
+        self._next_verify = 0.0   # monotonic: the next check of the routed engines' versions
 
     @property
     def url(self) -> str:
@@ -142,7 +148,9 @@ class RouterSync:
 
     def status(self) -> dict[str, Any]:
         """What the coordinator shows: router URL, reachable (None before the first call), the
-        URLs listed and desired, why desired engines are not added yet, last error, counts."""
+        URLs listed and desired, why desired engines are not added yet, last error, counts
+        (``version_mismatches``: routed engines pulled for reporting another weight_version,
+        the last one described in ``last_mismatch``)."""
         with self._lock:
             return {
                 "router_url": self.url,
@@ -154,6 +162,8 @@ class RouterSync:
                 "last_error": self._last_error,
                 "adds": self._adds,
                 "removes": self._removes,
+                "version_mismatches": self._mismatches,
+                "last_mismatch": self._last_mismatch,
             }
 
     def wait_synced(self, timeout_s: float) -> bool:
@@ -164,7 +174,7 @@ class RouterSync:
     # -- the thread ------------------------------------------------------------------------
 
     def _default_reader(self, engine_url: str) -> str | None:
-        return read_weight_version(engine_url, self._client.timeout_s)
+        return engine_calls.weight_version(engine_url, self._client.timeout_s)
 
     def _synced(self) -> bool:
         """Under _lock: the last listing answered and equals the desired set."""
@@ -199,6 +209,8 @@ class RouterSync:
             self._changed.notify_all()
         if not self._remove(to_remove):
             return
+        if time.monotonic() >= self._next_verify and not self._verify(desired, listed):
+            return
         self._next_try = {u: t for u, t in self._next_try.items() if u in to_add}
         for engine_url in to_add:
             if self._stopping.is_set() or self._superseded(desired):
@@ -225,6 +237,37 @@ class RouterSync:
             with self._lock:
                 self._removes += removed
                 self._changed.notify_all()
+        return True
+
+    def _verify(self, desired: dict[str, str | None], listed: list[RouterWorker]) -> bool:
+        """Read the version of every routed engine that must hold one; remove at once each
+        that reports another. False (error recorded) if a removal failed."""
+        self._next_verify = time.monotonic() + self._verify_s
+        for worker in listed:
+            engine_url = url_key(worker.url)
+            expected = desired.get(engine_url)
+            if expected is None or worker.id in self._deleted:
+                continue
+            if self._stopping.is_set() or self._superseded(desired):
+                return True
+            try:
+                version = self._read(engine_url)
+            except Exception:  # noqa: BLE001 - unreadable is not a mismatch (see module doc)
+                continue
+            if version == expected:
+                continue
+            why = f"reports weight_version {version!r}, not {expected!r}"
+            log.warning("router %s: engine %s %s: removed from the router", self.url,
+                        engine_url, why)
+            with self._lock:
+                self._mismatches += 1
+                self._last_mismatch = f"{engine_url} {why}"
+            if not self._remove([worker]):
+                return False
+            with self._lock:   # still desired: out of sync until a listing shows it back
+                self._listed = [w for w in self._listed or () if w.id != worker.id]
+            self._next_try[engine_url] = time.monotonic() + self._retry_s
+            self._set_pending(engine_url, why)
         return True
 
     def _add(self, engine_url: str, desired: dict[str, str | None]) -> None:
@@ -259,13 +302,15 @@ class RouterSync:
 
     def _next_wait(self) -> float:
         """Soon after a change, retry_s while out of sync, failing or a registration may still
-        land, else resync_s."""
-        if time.monotonic() < self._confirm_until:
+        land, else resync_s; never past the next check of the routed engines' versions."""
+        now = time.monotonic()
+        if now < self._confirm_until:
             return CONFIRM_S
         with self._lock:
             in_sync = self._synced()
-        settled = in_sync and not self._step_failed and time.monotonic() >= self._registering_until
-        return self._resync_s if settled else self._retry_s
+        settled = in_sync and not self._step_failed and now >= self._registering_until
+        return min(self._resync_s if settled else self._retry_s,
+                   max(0.0, self._next_verify - now))
 
     def _superseded(self, desired: dict[str, str | None]) -> bool:
         """Whether a set_desired since this pass began dropped or changed an engine of it: then

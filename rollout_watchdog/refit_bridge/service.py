@@ -275,7 +275,7 @@ class RefitService:
         lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
         version = check_version(cmd.args.get("version"))
         members = members_of(cmd.args.get("members"))
-        self.book.commit(version, members)
+        self.book.commit(version, members, core.view.process_of)
         lease.committed = True
         lease.members = []
         self._save()
@@ -396,7 +396,8 @@ class RefitService:
                             "incarnation": engine.get("incarnation"), "url": engine.get("url"),
                             "tp_size": engine.get("tp_size"),
                             "weight_version": self.book.version_of(
-                                node_id, engine["id"], engine.get("incarnation"))})
+                                node_id, engine["id"], engine.get("incarnation"),
+                                engine.get("process"))})
         return out
 
     def router_members(self, view: FleetView) -> dict[str, str | None]:

@@ -6,6 +6,10 @@ every member of an aborted refit (its buffers may hold partial weights). An engi
 is healthy and holds the fleet's current version; before the first refit ever commits, the weights
 an engine loaded from disk are the only ones, so every healthy engine serves.
 
+The book also keeps the identity of each holder's main process (the node's `process`): a process
+whose incarnation number was handed out again (by a daemon that lost its state file) is another
+process, and never inherits what the old one held.
+
 None of this can be rebuilt from node snapshots (an engine's own `weight_version` survives an
 aborted update), so the coordinator persists the book with `--state-dir`.
 """
@@ -13,6 +17,7 @@ aborted update), so the coordinator persists the book with `--state-dir`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,15 @@ def check_version(version: object) -> str:
 class Held:
     incarnation: int
     version: str | None   # None: stale (an aborted refit reached it)
+    process: str | None = None   # the node's identity of its main process; None: not known
+
+    def of(self, incarnation: object, process: object) -> bool:
+        """Whether this is what `incarnation` with main process `process` holds."""
+        return self.incarnation == incarnation and (
+            self.process is None or process is None or self.process == process)
+
+
+ProcessOf = Callable[[str, str, int], "str | None"]
 
 
 class WeightBook:
@@ -53,9 +67,10 @@ class WeightBook:
         # a fresh run, wrong for one resumed from a checkpoint (--route-after-first-refit).
         self.disk_weights_serve = True
 
-    def version_of(self, node: str, engine: str, incarnation: object) -> str | None:
+    def version_of(self, node: str, engine: str, incarnation: object,
+                   process: object = None) -> str | None:
         held = self.held.get((node, engine))
-        if held is None or held.incarnation != incarnation:
+        if held is None or not held.of(incarnation, process):
             return None
         return held.version
 
@@ -63,22 +78,27 @@ class WeightBook:
         if engine.get("state") not in SERVING_STATES:
             return False
         engine_id, incarnation = str(engine.get("id")), engine.get("incarnation")
+        process = engine.get("process")
         if self.current is None:   # disk weights, unless an aborted refit reached it
             if not self.disk_weights_serve:
                 return False
             held = self.held.get((node, engine_id))
-            return held is None or held.incarnation != incarnation or held.version is not None
-        return self.version_of(node, engine_id, incarnation) == self.current
+            return held is None or not held.of(incarnation, process) or held.version is not None
+        return self.version_of(node, engine_id, incarnation, process) == self.current
 
     def decorate(self, node: str, engine: dict[str, Any]) -> None:
         """Set an engine view's `weight_version` and `serving` (in place)."""
         engine["weight_version"] = self.version_of(node, str(engine.get("id")),
-                                                   engine.get("incarnation"))
+                                                   engine.get("incarnation"),
+                                                   engine.get("process"))
         engine["serving"] = self.serving(node, engine)
 
-    def commit(self, version: str, members: list[Member]) -> None:
+    def commit(self, version: str, members: list[Member],
+               process_of: ProcessOf | None = None) -> None:
+        """`process_of(node, engine, incarnation)`: the main process the view shows for it."""
         for node, engine, incarnation in members:
-            self.held[(node, engine)] = Held(incarnation, version)
+            process = process_of(node, engine, incarnation) if process_of else None
+            self.held[(node, engine)] = Held(incarnation, version, process)
         self.current = version
 
     def stale(self, members: list[Member]) -> None:
@@ -88,7 +108,8 @@ class WeightBook:
 
     def to_json(self) -> dict[str, Any]:
         return {"current": self.current,
-                "held": [[n, e, h.incarnation, h.version] for (n, e), h in self.held.items()]}
+                "held": [[n, e, h.incarnation, h.version, h.process]
+                         for (n, e), h in self.held.items()]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WeightBook:
@@ -96,12 +117,12 @@ class WeightBook:
         current = data.get("current")
         book.current = current if isinstance(current, str) else None
         for row in data.get("held", []):
-            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+            if not (isinstance(row, list) and len(row) in (4, 5) and isinstance(row[0], str)
                     and isinstance(row[1], str) and isinstance(row[2], int)
-                    and (row[3] is None or isinstance(row[3], str))):
-                raise ValueError(f"not a [node, engine, incarnation, version]: "
+                    and all(v is None or isinstance(v, str) for v in row[3:])):
+                raise ValueError(f"not a [node, engine, incarnation, version, process]: "
                                  f"{str(row)[:80]}")
-            book.held[(row[0], row[1])] = Held(row[2], row[3])
+            book.held[(row[0], row[1])] = Held(*row[2:])
         return book
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
+from rollout_watchdog.watchdog.incarnations import Incarnations
 from rollout_watchdog.watchdog.statefile import COPIED, EngineRecord, SavedState
 from rollout_watchdog.watchdog.supervisor import Supervisor
 
@@ -36,6 +37,7 @@ def adopt_or_launch(sup: Supervisor, saved: SavedState | None) -> None:
     """Adopt what the state file records, launch the rest."""
     records = saved.engines if saved else {}
     same_boot = saved is not None and saved.same_boot
+    sup.incarnations = Incarnations(saved.incarnations if saved else None)
     if saved and not same_boot:
         log.warning("the state file is from before a reboot: no recorded process is alive")
     for engine in list(sup.engines.values()):
@@ -73,6 +75,7 @@ def adopt(sup: Supervisor, engine: EngineRuntime, record: EngineRecord, *,
     clock = sup.clock
     for name in COPIED:
         setattr(engine, name, getattr(record, name))
+    sup.incarnations.seen(engine.id, record.incarnation)   # a state file without the marks
     engine.state_since = record.state_since or clock.wall()
     if record.state in (S.FAILED, S.STOPPED, S.BACKOFF):
         if record.state == S.BACKOFF and not record.deferred_waiting:
@@ -122,6 +125,7 @@ def _adopt_unconfigured(sup: Supervisor, engine_id: str, record: EngineRecord) -
         adopt(sup, engine, record, same_boot=True)
         return
     engine.state, engine.incarnation = S.STOPPING, record.incarnation
+    sup.incarnations.seen(engine_id, record.incarnation)
     engine.main, engine.procs = record.main, dict(record.procs)
     sup.emit(engine, "removed_from_config", detail="stopping it")
     sup.tracker.watch_all(engine)

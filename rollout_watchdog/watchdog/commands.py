@@ -61,6 +61,7 @@ class Node(Protocol):
     def probe_in_flight(self, engine_id: str) -> bool: ...
     def forget(self, engine: EngineRuntime, kind: str, detail: str) -> None: ...
     def unconfigured_engine(self, engine_id: str, url: str) -> EngineConfig: ...
+    def next_incarnation(self, engine_id: str) -> int: ...
     def track(self, engine: EngineRuntime) -> None: ...
 
 
@@ -136,7 +137,8 @@ def status(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Show every engine: state, pause, pid, incarnation, restarts, last failure.
 
     args: {}. result: {"node_id", "boot_id", "engines": [{"id", "state", "paused", "pid",
-    "incarnation", "restarts", "url", "last_failure": {"cause", "detail", "ts"} | null, ...}]},
+    "process", "incarnation", "restarts", "url", "last_failure": {"cause", "detail", "ts"} |
+    null, ...}]} ("process" names the main process: kernel boot, pid, start time),
     plus, with a coordinator configured, "link": {"coordinator", "connected", "outbox",
     "unsent", "dropped", "bad_messages"}
     """
@@ -374,6 +376,7 @@ def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Watch an engine started by someone else (a Ray actor): probed and killed like the
     node's own, never relaunched.
 
+    Each registration is a new incarnation, never a number the engine id had before.
     args: {"engine": ID, "url": URL, "pid": PID}. result: {"engine": ID, "action": TEXT}
     """
     engine_id, url, pid = args.get("engine"), args.get("url"), args.get("pid")
@@ -411,7 +414,7 @@ def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
             raise CommandError(f"{url} is engine {other.id}'s address")
     now = node.clock.monotonic()
     engine = EngineRuntime(cfg=node.unconfigured_engine(engine_id, url), external=True,
-                           incarnation=existing.incarnation + 1 if existing else 1,
+                           incarnation=node.next_incarnation(engine_id),
                            main=key, procs={key: True}, launched_at=now, next_probe=now)
     node.engines[engine_id] = engine
     node.transition(engine, S.STARTING, Cause.LAUNCHED, f"external pid {key.pid}")
@@ -432,7 +435,8 @@ def protected_pids(ops: ProcessOps) -> set[int]:
 
 @command("unregister")
 def unregister(node: Node, args: dict[str, Any]) -> dict[str, Any]:
-    """Stop watching an external engine (it is not killed).
+    """Stop watching an external engine (it is not killed); it leaves the fleet view and the
+    router at once.
 
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """

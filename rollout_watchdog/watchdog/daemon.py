@@ -391,7 +391,8 @@ class Daemon:
     def save_state(self, *, clean: bool = False) -> None:
         records = {} if clean else {e.id: adoption.record_of(e, self.clock)
                                     for e in self.engines.values()}
-        if save_state(self.state_path, self.node_id, records):
+        if save_state(self.state_path, self.node_id, records,
+                      self.supervisor.incarnations.to_json()):
             self.supervisor.dirty = False
 
     def bad_message(self, why: str) -> None:

@@ -108,15 +108,22 @@ class EngineRuntime:
 
     @property
     def probing(self) -> bool:
-        return bool(self.cfg.probe.health_path) and self.paused is None and self.state.running
+        """Whether deep probes run. A `starting` engine is probed even under a pause (one
+        given to the node or the fleet while it booted): its first passing probe is how it
+        becomes healthy, and its startup deadline counts from the launch, pause or not;
+        from `healthy` on, the pause holds."""
+        if not (self.cfg.probe.health_path and self.state.running):
+            return False
+        return self.paused is None or self.state == EngineState.STARTING
 
     def alive_procs(self) -> list[ProcKey]:
         return [k for k in self.procs if k not in self.dead]
 
-    def new_incarnation(self) -> None:
-        """Forget the previous processes; a relaunch starts with probes active (a pause belongs
+    def new_incarnation(self, number: int) -> None:
+        """Become incarnation `number` (Incarnations.next: never one handed out before) and
+        forget the previous processes; a relaunch starts with probes active (a pause belongs
         to the incarnation it was given to)."""
-        self.incarnation += 1
+        self.incarnation = number
         self.marker = ""
         self.cgroup = ""
         self.main = None

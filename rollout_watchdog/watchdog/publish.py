@@ -9,14 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.protocol import FORGETTING_KINDS
 from rollout_watchdog.common.states import Cause
 from rollout_watchdog.watchdog.engine import EngineRuntime
 from rollout_watchdog.watchdog.metrics import Metrics
 
 log = logging.getLogger("rollout_watchdog.watchdog")
 Subscriber = Callable[[Event], object]  # what it returns is ignored
-# Events after which an engine's series are dropped: it is no longer on this node.
-FORGETTING = ("unregistered", "removed")
 
 
 class Publisher:
@@ -66,7 +65,7 @@ def metrics_subscriber(metrics: Metrics) -> Subscriber:
         engine, extra = event.engine, event.extra or {}
         if engine is None:
             return
-        if event.kind in FORGETTING:
+        if event.kind in FORGETTING_KINDS:   # no longer on this node: drop its series
             metrics.remove_engine(engine)
             return
         if event.incarnation is not None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import AfterKill, Failure
+from rollout_watchdog.watchdog.incarnations import Incarnations
 from rollout_watchdog.watchdog.process import ProcKey
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ COPIED = tuple(f.name for f in fields(EngineRecord) if f.name not in DERIVED)
 class SavedState:
     engines: dict[str, dict[str, Any]]   # raw records: each is parsed (and may fail) on its own
     same_boot: bool
+    # the high-water marks of incarnations handed out, per engine id (incarnations.py)
+    incarnations: dict[str, int] = field(default_factory=dict)
 
 
 def reserve_path(path: Path) -> Path:
@@ -188,11 +191,14 @@ def make_reserve(path: Path) -> bool:
     return True
 
 
-def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord]) -> bool:
+def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
+               incarnations: dict[str, int] | None = None) -> bool:
     """Write the state; False (and a log line) if the disk refused. A full disk gives up the
-    reserve (make_reserve) and tries once more."""
+    reserve (make_reserve) and tries once more. `incarnations` (the marks of incarnations.py)
+    are kept even when `engines` is empty (a clean stop): a number never comes back."""
     data = {"version": VERSION, "node_id": node_id, "boot_id": kernel_boot_id(),
-            "engines": {i: r.to_json() for i, r in engines.items()}}
+            "engines": {i: r.to_json() for i, r in engines.items()},
+            "incarnations": dict(incarnations or {})}
     try:
         _write(path, data)
         return True
@@ -249,4 +255,11 @@ def load_state(path: Path) -> SavedState | None:
         with contextlib.suppress(OSError):
             os.replace(path, aside)
         return None
-    return SavedState(engines, same_boot=data.get("boot_id") == kernel_boot_id())
+    try:
+        marks = Incarnations.from_json(data.get("incarnations", {})).issued
+    except ValueError as exc:   # the records still count; adoption takes marks from them
+        log.error("state file %s: %s; incarnation marks taken from the records alone",
+                  path, exc)
+        marks = {}
+    return SavedState(engines, same_boot=data.get("boot_id") == kernel_boot_id(),
+                      incarnations=marks)

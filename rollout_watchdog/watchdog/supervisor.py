@@ -29,10 +29,12 @@ from rollout_watchdog.watchdog.containment import marker_value, parse_marker, wi
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
 from rollout_watchdog.watchdog.enginelog import open_engine_output
 from rollout_watchdog.watchdog.gpu import GpuInspector
+from rollout_watchdog.watchdog.incarnations import Incarnations
 from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, describe_exit
 from rollout_watchdog.watchdog.publish import Publisher
+from rollout_watchdog.watchdog.statefile import kernel_boot_id
 from rollout_watchdog.watchdog.timers import Timer, due_timer
 from rollout_watchdog.watchdog.tracker import ProcessTracker
 
@@ -72,6 +74,9 @@ class Supervisor:
         self.save_now: Any = None      # set by the daemon: saves the state file at once
         # More objects of `status`, by key, from the daemon's parts (the node link's "link")
         self.status_parts: dict[str, Callable[[], Any]] = {}
+        # The incarnations handed out per engine id, kept in the state file, never forgotten
+        self.incarnations = Incarnations()
+        self.kernel_boot = kernel_boot_id()[:8]
         self._probe_ids = 0
         self._escapees_killed: set[ProcKey] = set()
         self.killing = kill.KillContext(ops, inspector, tracker.live_groups,
@@ -157,7 +162,7 @@ class Supervisor:
             if old != S.STOPPED:
                 self.transition(engine, S.STOPPED, Cause.COMMANDED, "daemon stopping")
             return
-        engine.new_incarnation()
+        engine.new_incarnation(self.next_incarnation(engine.id))
         try:
             popen = self._start_process(engine)
         except (OSError, CgroupError) as exc:
@@ -197,6 +202,12 @@ class Supervisor:
             return self.ops.launch(command, env, output, engine.cfg.cwd)
         finally:
             os.close(output)
+
+    def next_incarnation(self, engine_id: str) -> int:
+        """The number of a new process of `engine_id`: every launch and registration takes
+        it here, so none is ever handed out twice on this node (incarnations.py)."""
+        self.dirty = True
+        return self.incarnations.next(engine_id)
 
     def unconfigured_engine(self, engine_id: str, url: str) -> EngineConfig:
         """The spec of an engine the config does not list (external, or removed): the node's
@@ -516,6 +527,7 @@ class Supervisor:
         return {
             "id": e.id, "state": str(e.state), "paused": e.paused is not None,
             "pid": e.main.pid if e.main and running else None,
+            "process": self.process_identity(e.main) if e.main and running else None,
             "incarnation": e.incarnation, "restarts": e.restarts, "url": e.cfg.url,
             "last_failure": e.last_failure.to_json() if e.last_failure else None,
             "since": e.state_since, "external": e.external,
@@ -527,6 +539,12 @@ class Supervisor:
             "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
             if e.kill else None,
         }
+
+    def process_identity(self, key: ProcKey) -> str:
+        """Names the incarnation's main process, never another one (pid, its start time and
+        the kernel's boot): the coordinator keys the weights a refit gave on it, so a fresh
+        process can never inherit them, even from a daemon that lost its state file."""
+        return f"{self.kernel_boot}:{key.pid}:{key.start_time!r}"
 
 
 def probe_interval(engine: EngineRuntime) -> float:
