@@ -1,8 +1,8 @@
 """The coordinator's refit commands: the lock, membership and the weight book.
 
 The wire spec (each a COMMAND to the coordinator; every reply carries status and reason; a
-refit-scoped call whose `token` is not the current holder's is refused with a reason starting
-"lease lost"):
+refit-scoped call whose `token` is not the current holder's is refused with code LEASE_LOST;
+every error reply carries a code, protocol.CODES):
 
 - `refit_acquire {holder, version, lease_s, deadline_s}`: take the lock. Pauses deep probes on
   every reachable node (answering once in-flight probes ended, as `pause --all` does; nodes
@@ -10,7 +10,9 @@ refit-scoped call whose `token` is not the current holder's is refused with a re
   engines that wait for it, and answers `{token, lease_s, version, members, relaunched,
   pause_problems}`. `members` are the engines the refit updates: healthy, on reachable nodes,
   serving or `pending_weights` (each `{node_id, id, incarnation, url, tp_size, weight_version}`).
-  Held by another: an error naming the holder, with `{holder, token, version, expires_in_s}`.
+  Held by another: an error (LOCK_HELD) naming the holder, with `{holder, token, version,
+  expires_in_s}`. An answer too big for one message is an error (TOO_BIG), and the lock is
+  left free.
 - `refit_members {token}`: the members again, now including the relaunched engines that have
   become healthy; an engine that comes back otherwise waits for the next refit (admission is
   frozen while the lock is held).
@@ -90,9 +92,11 @@ class Core(Protocol):
 class RefitError(Exception):
     """A refit command refused; the message is the reason."""
 
-    def __init__(self, reason: str, result: dict[str, Any] | None = None) -> None:
+    def __init__(self, reason: str, result: dict[str, Any] | None = None,
+                 code: str = protocol.BAD_ARGS) -> None:
         super().__init__(reason)
         self.result = result
+        self.code = code
 
 
 class RefitService:
@@ -137,16 +141,19 @@ class RefitService:
                 return
             result = getattr(self, "_" + cmd.cmd.removeprefix("refit_"))(core, cmd, now)
         except RefitError as exc:
-            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), exc.result))
+            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), exc.result,
+                                              exc.code))
             return
         except (Fenced, ValueError) as exc:
-            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None))
+            code = protocol.LEASE_LOST if isinstance(exc, Fenced) else protocol.BAD_ARGS
+            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None, code))
             return
 
         def answer(to: bytes, error: str | None) -> None:
             core.reply(to, protocol.Reply(cmd.request_id, "ok", None, result) if error is None
                        else protocol.Reply(cmd.request_id, "error", f"{cmd.cmd} took effect "
-                                           f"but is not saved: {error}", result))
+                                           f"but is not saved: {error}", result,
+                                           protocol.NOT_SAVED))
         self._once_saved(cmd.request_id, client, answer)
 
     def _once_saved(self, request_id: str, client: bytes, then: Then) -> None:
@@ -193,7 +200,8 @@ class RefitService:
             held = exc.lease
             raise RefitError(str(exc), {"holder": held.holder, "token": held.token,
                                         "version": held.version,
-                                        "expires_in_s": exc.expires_in_s}) from None
+                                        "expires_in_s": exc.expires_in_s},
+                             protocol.LOCK_HELD) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self.members(core)]
         self._save()
 
@@ -205,7 +213,8 @@ class RefitService:
             if self.lock.lease is lease:
                 self.lock.lease = None
             core.reply(to, protocol.Reply(cmd.request_id, "error",
-                                          f"refit lock not taken: {error}", None))
+                                          f"refit lock not taken: {error}", None,
+                                          protocol.NOT_SAVED))
         self._once_saved(cmd.request_id, client, saved)
 
     def _acquired(self, core: Core, client: bytes, cmd: protocol.Command, lease: Lease,
@@ -229,11 +238,28 @@ class RefitService:
                 resume = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "resume", {},
                                           node_id, engine, RELEASE_TIMEOUT_S)
                 core.gather(None, resume, [node_id], time.monotonic())
-            return protocol.Reply(cmd.request_id, "ok", None, {
+            reply = protocol.Reply(cmd.request_id, "ok", None, {
                 "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
                 "members": self.members(core, lease), "relaunched": self.relaunched,
                 "pause_problems": paused.reason})
+            try:
+                protocol.encode(reply)
+            except protocol.ProtocolError as exc:   # never an "ok" stripped of its token
+                return self._unsendable(core, cmd, lease, str(exc))
+            return reply
         core.gather(client, pause, core.view.reachable(), now, finish)
+
+    def _unsendable(self, core: Core, cmd: protocol.Command, lease: Lease, why: str
+                    ) -> protocol.Reply:
+        """The acquisition's answer cannot be sent: its holder would never know the token, so
+        the lock is let go at once (nothing was done to the members but the pause)."""
+        lease.members = []
+        if self.lock.lease is lease:
+            self.lock.lease = None
+        self._ended(core, lease, time.monotonic(), "its answer was too big to send")
+        log.error("refit lock of %s let go: its answer cannot be sent: %s", lease.holder, why)
+        return protocol.Reply(cmd.request_id, "error", f"refit lock not taken: the answer "
+                              f"cannot be sent ({why})", None, protocol.TOO_BIG)
 
     def _members(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
         lease = self.lock.check(cmd.args.get("token"), now)
