@@ -20,9 +20,9 @@ raises when): the group's own errors are internal and translated (refit_state.tr
 
 Threads: the caller's thread runs the block; the guard thread (refit_watch.py) renews, follows
 and watches. What both touch is the `RefitGuard` (phase, failures, the group a failure aborts:
-under its lock, read as snapshots); the members are handed to the guard thread once
-(`RefitWatch.hold`). Everything else is the caller's thread's only. The weight-update group
-outlives the refit in `refit_state.GROUPS`.
+under its lock, read as snapshots); the token is set before `RefitWatch.renewing()` and the
+members handed over by `RefitWatch.hold()`, once each. Everything else is the caller's
+thread's only. The weight-update group outlives the refit in `refit_state.GROUPS`.
 """
 
 from __future__ import annotations
