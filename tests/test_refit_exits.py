@@ -38,7 +38,13 @@ from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge import refit as refit_module
 from rollout_watchdog.refit_bridge.engine_calls import EngineCallError
 from rollout_watchdog.refit_bridge.group import GroupAborted, GroupMember, GroupMemberFailed
-from rollout_watchdog.refit_bridge.refit_state import Phase, RefitGuard, Snapshot, translate
+from rollout_watchdog.refit_bridge.refit_state import (
+    GroupRegistry,
+    Phase,
+    RefitGuard,
+    Snapshot,
+    translate,
+)
 from rollout_watchdog.refit_bridge.service import RefitService
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "refit.md"
@@ -75,6 +81,21 @@ def test_the_guard_hands_out_the_group_only_while_a_failure_can_abort_it() -> No
     guard.advance(Phase.COMMITTED)
     assert guard.expire() is None                      # nothing to abort once committed
     assert snap.lost == {A: "exited", B: "exited"}     # a snapshot is a copy
+
+
+def test_the_group_registry_keeps_one_group_per_coordinator_and_none_across_a_fork() -> None:
+    import os
+
+    registry = GroupRegistry()
+    first: Any = object()
+    registry.put("tcp://a:1", first)
+    assert registry.get("tcp://a:1") is first and registry.get("tcp://b:1") is None
+    assert not registry.discard("tcp://a:1", object())   # a newer group stays
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if registry.get("tcp://a:1") is None else 1)   # the parent's, not ours
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert registry.discard("tcp://a:1", first) and registry.get("tcp://a:1") is None
 
 
 def _member(m: tuple[str, str, int]) -> GroupMember:
