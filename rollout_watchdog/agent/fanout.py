@@ -91,7 +91,9 @@ class Fanout:
         if gathering is None:
             return None
         gathering.answers[node] = {"status": reply.status, "reason": reply.reason,
-                                   "result": reply.result, "code": reply.code}
+                                   "result": reply.result}
+        if reply.code is not None:   # (1.2: a node's error says what it is)
+            gathering.answers[node]["code"] = reply.code
         return self._finish(gathering) if gathering.complete() else None
 
     def node_gone(self, node: str) -> list[Gathering]:

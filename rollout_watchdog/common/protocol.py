@@ -44,7 +44,8 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                null = all; needs `node`), timeout_s? (> 0: how long to gather the replies).
     reply      answer to a command: request_id, status ("ok" | "error"), reason? (required
                for "error": for people), result? (any JSON value), code? (1.2; only with
-               "error", else null: what went wrong, for programs, which never read the reason;
+               "error", left out when none: what went wrong, for programs, which never read
+               the reason;
                one of CODES, or a later minor's code, which a receiver takes as an error with
                no code):
                  LOCK_HELD        refit_acquire: another holder has the lock (`result`
@@ -370,6 +371,13 @@ class Reply(_Message):
         _check_str(self.KIND, "code", self.code)
         if len(self.code) > MAX_CODE_CHARS:
             raise _fail(self.KIND, "code", f"at most {MAX_CODE_CHARS} characters", self.code)
+
+    def to_json(self) -> dict[str, Any]:
+        """Without `code` when there is none: an "ok" reply is what a 1.1 peer sends."""
+        body = super().to_json()
+        if self.code is None:
+            del body["code"]
+        return body
 
     @property
     def known_code(self) -> str | None:
