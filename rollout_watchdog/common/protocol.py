@@ -45,9 +45,8 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
     reply      answer to a command: request_id, status ("ok" | "error"), reason? (required
                for "error": for people), result? (any JSON value), code? (1.2; only with
                "error", left out when none: what went wrong, for programs, which never read
-               the reason;
-               one of CODES, or a later minor's code, which a receiver takes as an error with
-               no code):
+               the reason; one of CODES, or a later minor's code, which a receiver takes as
+               an error with no code):
                  LOCK_HELD        refit_acquire: another holder has the lock (`result`
                                   says who)
                  LEASE_LOST       a refit call whose token is not the current holder's
