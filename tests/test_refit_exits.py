@@ -287,6 +287,7 @@ def test_entering_raises_a_contract_type_and_lets_go_of_what_it_took(
     assert raised.value.code == code           # type: ignore[attr-defined]
     if after == ["refit_acquire"] * 2:   # retried while held, until the refit's timeout
         assert set(lock.cmds()) == {"refit_acquire"} and len(lock.cmds()) >= 2
+        assert raised.value.result["holder"] == "trainer-b"   # type: ignore[attr-defined]
     else:
         assert lock.cmds() == after
     if after[-1] == "refit_release":

@@ -283,7 +283,7 @@ class Refit:
                 _, result = self.client.call("refit_acquire", {
                     "holder": self.holder, "version": self.version, "lease_s": self.lease_s,
                     "deadline_s": self.timeout_s + PAUSE_MARGIN_S},
-                    timeout_s=min(ACQUIRE_TIMEOUT_S, left))
+                    timeout_s=max(0.1, min(ACQUIRE_TIMEOUT_S, left)))   # (a late wake-up)
                 if not isinstance(result, dict):
                     raise CommandRefused(f"the coordinator's answer to refit_acquire is not "
                                          f"an object: {str(result)[:80]}")
@@ -293,7 +293,8 @@ class Refit:
                     raise
                 if time.monotonic() + LOCK_RETRY_S >= self.deadline:
                     raise CommandRefused(f"no refit lock within {self.timeout_s:g} s: "
-                                         f"{exc.reason}", code=protocol.LOCK_HELD) from None
+                                         f"{exc.reason}", code=protocol.LOCK_HELD,
+                                         result=exc.result) from None
             time.sleep(LOCK_RETRY_S)
 
     def _wait_for_relaunched(self, relaunched: list[list[str]]) -> list[Any]:
