@@ -369,6 +369,33 @@ def test_a_failed_guard_thread_fails_the_refit(standin: StandIn, engines: Engine
     assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
 
 
+def test_a_lease_lost_while_waiting_for_relaunched_engines_is_lease_lost(
+        standin: StandIn, engines: Engines) -> None:
+    lock = Lock(standin, engines.members())
+    acquired = lock.answers["refit_acquire"]
+    lock.answers["refit_acquire"] = lambda c: ok(c, {**acquired(c).result,
+                                                     "relaunched": [["n1", "e0"]]})
+    lock.answers["refit_members"] = error(FENCED, protocol.LEASE_LOST)
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(LeaseLost, match="lease lost"), fleet.refit("v1", timeout_s=60):
+        pytest.fail("the block is not entered")
+    assert lock.cmds() == ["refit_acquire", "refit_members"]   # nothing to release
+
+
+def test_a_member_gone_before_the_update_is_engine_lost_and_the_others_continue(
+        standin: StandIn, engines: Engines) -> None:
+    lock = Lock(standin, engines.members())
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(EngineLost, match="pause_generation") as lost, \
+            fleet.refit("v1", timeout_s=60) as refit:
+        engines.servers[1].shutdown()
+        engines.servers[1].server_close()
+        refit.update_weights([("w", object())])   # type: ignore[list-item]
+    assert lost.value.lost == [("n1", "e1", 1)]
+    assert engines.paths.count("/continue_generation") == 1   # the other one generates again
+    assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
+
+
 def test_the_callers_error_aborts_and_is_raised_as_it_is(
         standin: StandIn, engines: Engines) -> None:
     lock = Lock(standin, engines.members())
