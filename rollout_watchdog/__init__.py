@@ -22,10 +22,13 @@ _LAZY = {
     "CommandRefused": "rollout_watchdog.common.errors",
     "EngineLost": "rollout_watchdog.common.errors",
     "LeaseLost": "rollout_watchdog.common.errors",
+    "NoMembers": "rollout_watchdog.common.errors",
+    "RefitTimeout": "rollout_watchdog.common.errors",
+    "UpdateRefused": "rollout_watchdog.common.errors",
 }
 __all__ = ["CommandRefused", "Coordinator", "CoordinatorUnavailable", "EngineLost", "EngineView",
-           "FleetClient", "FleetEvent", "FleetResult", "LeaseLost", "RolloutWatchdogError",
-           "__version__"]
+           "FleetClient", "FleetEvent", "FleetResult", "LeaseLost", "NoMembers", "RefitTimeout",
+           "RolloutWatchdogError", "UpdateRefused", "__version__"]
 
 if TYPE_CHECKING:
     from rollout_watchdog.common.errors import (
@@ -33,7 +36,10 @@ if TYPE_CHECKING:
         CoordinatorUnavailable,
         EngineLost,
         LeaseLost,
+        NoMembers,
+        RefitTimeout,
         RolloutWatchdogError,
+        UpdateRefused,
     )
     from rollout_watchdog.refit_bridge.client import FleetClient
     from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent, FleetResult

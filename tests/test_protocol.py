@@ -37,7 +37,8 @@ EVERY_KIND: list[Message] = [
     Heartbeat(sent_at=1700000002.5),
     Command(request_id="r-1", cmd="pause", args={"timeout_s": 30}, node="n1", engine="e0",
             timeout_s=2.5),
-    Reply(request_id="r-1", status="error", reason="no engine e9", result={"n1": [1, "x"]}),
+    Reply(request_id="r-1", status="error", reason="no engine e9", result={"n1": [1, "x"]},
+          code="BAD_ARGS"),
     Subscribe(resume={"n1": ResumePoint(boot="b-77", seq=13), "n2": ResumePoint("b-1", 0)}),
 ]
 
@@ -57,7 +58,32 @@ def test_every_kind_round_trips_with_every_field(msg: Message) -> None:
     data = encode(msg)
     assert decode(data) == msg
     sent = json.loads(data)
-    assert sent["v"] == [1, 1] and sent["kind"] == msg.KIND
+    assert sent["v"] == [1, 2] and sent["kind"] == msg.KIND
+
+
+def test_a_reply_code_is_understood_both_ways_with_a_1_1_peer() -> None:
+    """1.2 added the reply's `code`: a 1.1 peer's error reply (no code) decodes with none, and
+    what we send a 1.1 peer is a 1.1 reply plus a field it ignores (its decoder skips unknown
+    fields, as ours does). A later minor's code is kept but not known."""
+    old = decode(frame({"v": [1, 1], "kind": "reply", "request_id": "r", "status": "error",
+                        "reason": "lease lost: token 3 is not the current holder's"}))
+    assert isinstance(old, Reply) and old.code is None and old.known_code is None
+    ours = json.loads(encode(Reply("r", "error", "no", None, "LEASE_LOST")))
+    assert {k: v for k, v in ours.items() if k not in ("v", "code")} == {
+        "kind": "reply", "request_id": "r", "status": "error", "reason": "no", "result": None}
+    later = decode(frame({"v": [1, 9], "kind": "reply", "request_id": "r", "status": "error",
+                          "reason": "x", "code": "SOMETHING_NEW"}))
+    assert isinstance(later, Reply) and later.code == "SOMETHING_NEW" and later.known_code is None
+
+
+@pytest.mark.parametrize(("body", "problem"), [
+    ({"status": "ok", "code": "LOCK_HELD"}, "'code' must be null in an \"ok\" reply"),
+    ({"status": "error", "reason": "x", "code": 7}, "'code' must be a non-empty string"),
+    ({"status": "error", "reason": "x", "code": ""}, "'code' must be a non-empty string"),
+    ({"status": "error", "reason": "x", "code": "C" * 65}, "'code' must be at most 64"),
+])
+def test_a_bad_reply_code_is_refused_by_name(body: dict[str, Any], problem: str) -> None:
+    assert problem in refused(frame({"v": [1, 2], "kind": "reply", "request_id": "r", **body}))
 
 
 def test_optional_fields_default_when_absent() -> None:

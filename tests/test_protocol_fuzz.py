@@ -63,7 +63,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Reply, request_id=names, status=st.just("ok"), reason=st.none() | names,
               result=json_values),
     st.builds(Reply, request_id=names, status=st.just("error"), reason=names,
-              result=json_values),
+              result=json_values, code=st.none() | names),
     st.builds(Subscribe, resume=st.none() | st.dictionaries(
         names, st.builds(ResumePoint, boot=names, seq=seqs), max_size=3),
         batches=st.booleans()),

@@ -14,6 +14,7 @@ from refit_harness import all_healthy, by_name, generate, start_fleet, weights
 
 from rollout_watchdog import Coordinator, EngineLost, FleetClient
 from rollout_watchdog.emulator.testing import http_request
+from rollout_watchdog.refit_bridge.refit_state import GROUPS
 
 pytest.importorskip("torch")
 
@@ -25,12 +26,12 @@ def test_the_group_is_kept_while_membership_holds_and_rebuilt_when_it_changes(
     fleet.wait_until(all_healthy(2), 90)
     with fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
         refit.update_weights(weights(1))
-    first = fleet.weight_group
+    first = GROUPS.get(fleet.address)
     with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:   # two updates, one session
         named = list(weights(2))
         refit.update_weights(named[:2], flattened=True)
         refit.update_weights(named[2:])
-    assert fleet.weight_group is first                  # same members: same group
+    assert GROUPS.get(fleet.address) is first                  # same members: same group
     victim = by_name(fleet)["node0/e0"]
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)
@@ -38,8 +39,8 @@ def test_the_group_is_kept_while_membership_holds_and_rebuilt_when_it_changes(
                                    and e.state == "healthy" for e in v), 60)
     with fleet.refit("v3", backend="gloo", timeout_s=60) as refit:
         refit.update_weights(weights(3))
-    assert fleet.weight_group is not first
-    assert fleet.weight_group.group_name != first.group_name
+    assert GROUPS.get(fleet.address) is not first
+    assert GROUPS.get(fleet.address).group_name != first.group_name
     engines = by_name(fleet)
     assert {(e.weight_version, e.serving) for e in engines.values()} == {("v3", True)}
     assert len({generate(str(e.url))[1] for e in engines.values()}) == 1
@@ -80,7 +81,7 @@ def test_frameworks_that_move_weights_themselves_only_commit_and_the_hooks_pause
         assert refit.committed
         with pytest.raises(RuntimeError, match="committed"):   # nothing after the commit
             refit.update_weights(weights(1))
-    assert fleet.weight_group is None                   # no group was built
+    assert GROUPS.get(fleet.address) is None                   # no group was built
     engines = by_name(fleet)
     assert {(e.weight_version, e.serving) for e in engines.values()} == {("ipc-1", True)}
     assert {generate(str(e.url))[2] for e in engines.values()} == {"ipc-1"}
@@ -107,7 +108,7 @@ def test_a_member_failing_the_read_back_is_lost_and_the_others_commit(
         assert status == 200
     assert lost.value.lost == [("node0", "e1", odd.incarnation)]
     assert "the others committed" in str(lost.value)
-    assert fleet.weight_group is None
+    assert GROUPS.get(fleet.address) is None
     engines = by_name(fleet)
     assert (engines["node0/e0"].weight_version, engines["node0/e0"].serving) == ("v1", True)
     assert not engines["node0/e1"].serving

@@ -53,7 +53,8 @@ class Gathering:
             problems.append(f"no answer within {timeout:g} s from {', '.join(missing)}")
         result = {"nodes": self.answers, "missing": missing}
         if problems:
-            return protocol.Reply(self.command.request_id, "error", "; ".join(problems), result)
+            return protocol.Reply(self.command.request_id, "error", "; ".join(problems), result,
+                                  protocol.NODE_ERRORS)
         return protocol.Reply(self.command.request_id, "ok", None, result)
 
 
@@ -91,6 +92,8 @@ class Fanout:
             return None
         gathering.answers[node] = {"status": reply.status, "reason": reply.reason,
                                    "result": reply.result}
+        if reply.code is not None:   # (1.2: a node's error says what it is)
+            gathering.answers[node]["code"] = reply.code
         return self._finish(gathering) if gathering.complete() else None
 
     def node_gone(self, node: str) -> list[Gathering]:
@@ -159,10 +162,10 @@ def encode_reply(reply: protocol.Reply) -> bytes:
         reason = None if reply.reason is None else reply.reason[:REASONS_CHARS]
         try:
             return protocol.encode(protocol.Reply(reply.request_id, reply.status, reason,
-                                                  trimmed))
+                                                  trimmed, reply.code))
         except protocol.ProtocolError:  # thousands of failing nodes: their count, not names
             return protocol.encode(protocol.Reply(
                 reply.request_id, reply.status, reason,
                 {"nodes": {}, "missing": [], "ok": len(answers) - len(slim),
                  "failed": len(slim), "missing_count": len(result.get("missing", [])),
-                 "results_left_out": True}))
+                 "results_left_out": True}, reply.code))

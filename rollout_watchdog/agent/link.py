@@ -278,7 +278,8 @@ class NodeLink:
             if not isinstance(message, protocol.Reply):
                 return True
             frame = protocol.encode(protocol.Reply(
-                message.request_id, "error", f"the result cannot be sent: {exc}"[:1000]))
+                message.request_id, "error", f"the result cannot be sent: {exc}"[:1000],
+                code=protocol.TOO_BIG))
         return self._send_frame(frame)
 
     def _send_frame(self, frame: bytes) -> bool:
@@ -362,11 +363,12 @@ class NodeLink:
         try:
             result = self._dispatch(command.cmd, args)
         except CommandError as exc:
-            self._reply(command.request_id, {"status": "error", "reason": str(exc)})
+            self._reply(command.request_id, {"status": "error", "reason": str(exc),
+                                             "code": exc.code})
             return
         except Exception as exc:  # a bug in one command must not take the daemon down
             log.exception("command from the coordinator failed")
-            self._reply(command.request_id, {"status": "error",
+            self._reply(command.request_id, {"status": "error", "code": protocol.INTERNAL,
                                              "reason": f"internal error: {exc!r}"})
             return
         if isinstance(result, Deferred):
@@ -379,7 +381,8 @@ class NodeLink:
         status = body.get("status", "error")
         reply = protocol.Reply(request_id, status, body.get("reason") or (
             "no reason given" if status == "error" else None),
-            json.loads(json.dumps(body.get("result"))))
+            json.loads(json.dumps(body.get("result"))),
+            body.get("code") if status == "error" else None)
         self._replies[request_id] = reply
         while len(self._replies) > REPLIES_KEPT:
             self._replies.popitem(last=False)

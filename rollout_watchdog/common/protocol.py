@@ -4,13 +4,14 @@ This docstring is the spec (docs/protocol.md says the same for people).
 
 Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX_MESSAGE_BYTES
 (1 MiB: a HELLO snapshot of a node with hundreds of engines fits). Every message has
-    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 1)
+    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 2)
     "kind": one of "hello", "event", "events", "ack", "heartbeat", "command", "reply",
             "subscribe"
 and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR and
 ignores fields it does not know. A newer minor only adds optional fields and kinds; a sender
 uses a newer kind only towards a peer that asked for it (1.1: "events", asked for by the
-`batches` flag of "ack" and "subscribe"). Numbers are finite
+`batches` flag of "ack" and "subscribe"; 1.2 added only the reply's optional `code`, which an
+older peer ignores and an older peer's reply lacks). Numbers are finite
 (no NaN/Infinity); the protocol's own integers (seq, last_seq) fit in a signed 64-bit int.
 Sequence numbers count from 1 within one boot of a node daemon; 0 means "none yet".
 
@@ -46,7 +47,25 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                node? (one node; null = every reachable node), engine? (one engine of `node`;
                null = all; needs `node`), timeout_s? (> 0: how long to gather the replies).
     reply      answer to a command: request_id, status ("ok" | "error"), reason? (required
-               for "error"), result? (any JSON value).
+               for "error": for people), result? (any JSON value), code? (1.2; only with
+               "error", left out when none: what went wrong, for programs, which never read
+               the reason; one of CODES, or a later minor's code, which a receiver takes as
+               an error with no code):
+                 LOCK_HELD        refit_acquire: another holder has the lock (`result`
+                                  says who)
+                 LEASE_LOST       a refit call whose token is not the current holder's
+                 BAD_ARGS         an argument is missing or invalid
+                 UNKNOWN_COMMAND  no such command
+                 UNKNOWN_NODE     `node` names no node the coordinator knows
+                 NODE_UNREACHABLE `node` is unreachable
+                 NODE_ERRORS      a fan-out: some node answered an error or not at all
+                                  (`result` holds each node's answer)
+                 NOT_SAVED        the coordinator could not put the state on disk
+                 TOO_BIG          the result does not fit in one message (nothing of it
+                                  is sent; refit_acquire then leaves the lock free)
+                 INTERNAL         a bug on the answering side
+               A reply from a peer before 1.2 has no code: the receiver falls back on the
+               result's shape (refit.py says how), never on the reason's text.
     subscribe  client -> coordinator: resume? (null = from now on, else
                {node_id: {"boot": ..., "seq": ...}}: the last event the client has per node,
                so none is sent twice). batches? (1.1; default false): the client takes
@@ -65,7 +84,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
 MAJOR = 1
-MINOR = 1
+MINOR = 2
 VERSION = (MAJOR, MINOR)
 MAX_MESSAGE_BYTES = 1 << 20
 # The most an "events" frame holds as this package sends it: per-frame costs are well spread
@@ -81,6 +100,20 @@ PAUSE_KINDS = ("paused", "pause_extended", "resumed", "pause_expired")
 # Events after which an engine is no longer on its node (unwatched, or out of the config)
 FORGETTING_KINDS = ("unregistered", "removed")
 STATUSES = ("ok", "error")
+# The reply's error codes (1.2), spelled out in the spec above.
+LOCK_HELD = "LOCK_HELD"
+LEASE_LOST = "LEASE_LOST"
+BAD_ARGS = "BAD_ARGS"
+UNKNOWN_COMMAND = "UNKNOWN_COMMAND"
+UNKNOWN_NODE = "UNKNOWN_NODE"
+NODE_UNREACHABLE = "NODE_UNREACHABLE"
+NODE_ERRORS = "NODE_ERRORS"
+NOT_SAVED = "NOT_SAVED"
+TOO_BIG = "TOO_BIG"
+INTERNAL = "INTERNAL"
+CODES = (LOCK_HELD, LEASE_LOST, BAD_ARGS, UNKNOWN_COMMAND, UNKNOWN_NODE, NODE_UNREACHABLE,
+         NODE_ERRORS, NOT_SAVED, TOO_BIG, INTERNAL)
+MAX_CODE_CHARS = 64
 
 
 class ProtocolError(ValueError):
@@ -333,12 +366,32 @@ class Reply(_Message):
     status: str
     reason: str | None = None
     result: Any = None
+    code: str | None = None   # 1.2
 
     def __post_init__(self) -> None:
         _check_str(self.KIND, "request_id", self.request_id)
         if self.status not in STATUSES:
             raise _fail(self.KIND, "status", '"ok" or "error"', self.status)
         _check_str(self.KIND, "reason", self.reason, optional=self.status == "ok")
+        if self.code is None:
+            return
+        if self.status == "ok":
+            raise _fail(self.KIND, "code", "null in an \"ok\" reply", self.code)
+        _check_str(self.KIND, "code", self.code)
+        if len(self.code) > MAX_CODE_CHARS:
+            raise _fail(self.KIND, "code", f"at most {MAX_CODE_CHARS} characters", self.code)
+
+    def to_json(self) -> dict[str, Any]:
+        """Without `code` when there is none: an "ok" reply is what a 1.1 peer sends."""
+        body = super().to_json()
+        if self.code is None:
+            del body["code"]
+        return body
+
+    @property
+    def known_code(self) -> str | None:
+        """The code if this side knows it; None for none, or one of a later minor."""
+        return self.code if self.code in CODES else None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,12 @@ MAX_PARKED_TOTAL = 1024
 
 
 class CommandError(Exception):
-    """A command that cannot be carried out; the message is the reply's reason."""
+    """A command that cannot be carried out; the message is the reply's reason, `code` its
+    typed error code towards the coordinator (protocol.CODES; None: none in particular)."""
+
+    def __init__(self, reason: str, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 @dataclass

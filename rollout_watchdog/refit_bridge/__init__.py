@@ -2,6 +2,6 @@
 
 The coordinator (`coordinator`, wiring the agent's hub to `fleet`, the fleet view, and `service`,
 the refit lock, weight versions and router gating); the driver's client (`client`, `stream`,
-`views`: `FleetClient`, which the package root exports) and its refit (`refit`, `group`,
-`engine_calls`).
+`views`: `FleetClient`, which the package root exports) and its refit (`refit`, with its state
+in `refit_state` and its guard thread in `refit_watch`; `group`, `engine_calls`).
 """

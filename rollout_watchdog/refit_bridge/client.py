@@ -1,23 +1,30 @@
 """The driver's side of the fleet: `FleetClient` talks to the coordinator (docs/protocol.md,
 "The coordinator's side", clients).
 
-Every call opens its own DEALER (libzmq's generated routing id, which starts with a zero byte,
-so it is never taken for a node id), sends one `command` and waits for the `reply` with its
-request id, at most `timeout_s`. A fresh socket per call makes the client safe to share between
-threads, and a call that timed out leaves no stale reply behind for the next. If the connection
-is made again while a call waits (the coordinator restarted), the same command is sent again
-with the same request id: a coordinator that already had it answers alike.
+Each thread that calls keeps one DEALER (libzmq's generated routing id, which starts with a
+zero byte, so it is never taken for a node id) for all its calls: a ZMQ socket is not
+thread-safe, so the client is, with one connection per thread (the table of them under a lock;
+a dead thread's is closed when the next one is made). A call sends one `command` and waits for
+the `reply` with its request id, at most `timeout_s`; a late reply of an earlier call is
+dropped by its id. A call that timed out closes its thread's connection, so a command the
+caller gave up on is never delivered later by a reconnect. If the connection is made again
+while a call waits (the coordinator restarted), the same command is sent again with the same
+request id: a coordinator that already had it answers alike.
 
 The client pickles to its address, its key paths and its timeout only, so it can be handed to
-Ray actors; the other side opens its own sockets.
+Ray actors; the other side opens its own sockets. No socket survives a fork: a child process
+makes its own (the parent's are left alone, never closed from the child).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -54,6 +61,32 @@ _AUTH_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROT
 _MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | _AUTH_FAILED[0] | _AUTH_FAILED[1] | _AUTH_FAILED[2]
 
 
+@dataclass
+class _Connection:
+    """One thread's DEALER to the coordinator and its monitor (thread-only: used by the thread
+    that made it; closed by any thread once that one is gone)."""
+
+    sock: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    handshakes: int = 0     # completed on this socket: past the first, a reconnect
+    refused: bool = False   # the last handshake failed (CURVE: is the key authorized?)
+
+    def heard(self, event: int) -> bool:
+        """Take one monitor event; whether it was a reconnect (not the socket's first)."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.handshakes += 1
+            self.refused = False
+            return self.handshakes > 1
+        self.refused = self.refused or event in _AUTH_FAILED
+        return False
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
 def split_target(target: str | None, node: str | None) -> tuple[str | None, str | None]:
     """(node, engine) for a NODE/ENGINE name (or a bare ENGINE with `node`); ValueError naming
     the problem otherwise."""
@@ -75,7 +108,10 @@ def split_target(target: str | None, node: str | None) -> tuple[str | None, str 
 class FleetClient:
     """A client of the coordinator at `address`. With `key` (this client's NAME.key_secret)
     and `coordinator_key` (the coordinator's public .key) the link is CURVE; a key the
-    coordinator does not list hears nothing, which shows as CoordinatorUnavailable."""
+    coordinator does not list hears nothing, which shows as CoordinatorUnavailable.
+
+    Thread-safe: any number of threads may call one client at once (each gets its own
+    connection, see the module docstring). `close()` ends them all."""
 
     def __init__(self, address: str, key: str | None = None,
                  coordinator_key: str | None = None, timeout_s: float = 5.0) -> None:
@@ -93,8 +129,9 @@ class FleetClient:
                 raise ValueError(f"{key} holds no secret key: give this client's "
                                  "NAME.key_secret")
             self._curve = (public, secret, server)
-        self._ctx: zmq.SyncContext = zmq.Context.instance()
-        self.weight_group: Any = None   # the last refit's group (this process only)
+        self._lock = threading.Lock()
+        self._pid = os.getpid()                                # under _lock
+        self._conns: dict[threading.Thread, _Connection] = {}  # under _lock
 
     def __repr__(self) -> str:
         return f"FleetClient({self.address!r}, curve={self._curve is not None})"
@@ -112,8 +149,10 @@ class FleetClient:
 
     def socket(self, connect: bool = True) -> zmq.Socket[bytes]:
         """A fresh DEALER for the coordinator (CURVE when keyed), connected unless told not
-        to (so that a monitor can be attached first and miss no handshake)."""
-        sock = self._ctx.socket(zmq.DEALER)
+        to (so that a monitor can be attached first and miss no handshake). Its caller owns
+        it (an event stream does)."""
+        context: zmq.SyncContext = zmq.Context.instance()   # this process's
+        sock: zmq.Socket[bytes] = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if self._curve is not None:
@@ -129,37 +168,75 @@ class FleetClient:
         wait = self.timeout_s if wait_s is None else wait_s
         data = protocol.encode(command)
         deadline = time.monotonic() + wait
-        sock = self.socket(connect=False)
-        monitor = sock.get_monitor_socket(_MONITORED)
-        handshakes, refused = 0, False
+        conn = self._connection()
         try:
-            sock.connect(self.address)
-            sock.send(data, zmq.NOBLOCK)  # queued until the connection is made
+            while conn.monitor.poll(0):   # what happened since the last call
+                conn.heard(recv_monitor_message(conn.monitor)["event"])
+            conn.sock.send(data, zmq.NOBLOCK)  # queued until the connection is made
             poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
+            poller.register(conn.sock, zmq.POLLIN)
+            poller.register(conn.monitor, zmq.POLLIN)
             while (left := deadline - time.monotonic()) > 0:
                 ready = dict(poller.poll(max(1, int(left * 1000))))
-                if monitor in ready:
-                    event = recv_monitor_message(monitor)["event"]
-                    refused = refused or event in _AUTH_FAILED
-                    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                        handshakes += 1
-                        if handshakes > 1:  # connected again: the first send may be lost
-                            with contextlib.suppress(zmq.Again):
-                                sock.send(data, zmq.NOBLOCK)
-                if sock in ready:
-                    reply = self._decode(sock.recv())
+                if conn.monitor in ready and conn.heard(
+                        recv_monitor_message(conn.monitor)["event"]):
+                    with contextlib.suppress(zmq.Again):  # connected again: the first send
+                        conn.sock.send(data, zmq.NOBLOCK)  # may be lost
+                if conn.sock in ready:
+                    reply = self._decode(conn.sock.recv())
                     if reply is not None and reply.request_id == command.request_id:
                         return reply
-        finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-        why = " (the CURVE handshake failed: is this client's key authorized?)" if refused \
-            else ""
+        except BaseException:
+            self._drop(conn)
+            raise
+        self._drop(conn)   # the command must not go out later, on a reconnect
+        why = " (the CURVE handshake failed: is this client's key authorized?)" \
+            if conn.refused else ""
         raise CoordinatorUnavailable(f"no answer from the coordinator at {self.address} "
                                      f"within {wait:g} s{why}")
+
+    def _connection(self) -> _Connection:
+        """The calling thread's connection, made on its first call (and after a fork)."""
+        me = threading.current_thread()
+        with self._lock:
+            if self._pid != os.getpid():   # a forked child: the parent's are not ours
+                self._pid, self._conns = os.getpid(), {}
+            conn = self._conns.get(me)
+            if conn is not None:
+                return conn
+            gone = [t for t in self._conns if not t.is_alive()]
+            dead = [self._conns.pop(t) for t in gone]
+        for old in dead:
+            old.close()
+        sock = self.socket(connect=False)
+        conn = _Connection(sock, sock.get_monitor_socket(_MONITORED))
+        sock.connect(self.address)
+        with self._lock:
+            self._conns[me] = conn
+        return conn
+
+    def _drop(self, conn: _Connection) -> None:
+        with self._lock:
+            mine = self._conns.get(threading.current_thread()) is conn
+            if mine:
+                del self._conns[threading.current_thread()]
+        if mine:
+            conn.close()
+
+    def close(self) -> None:
+        """Close every thread's connection (call it once no thread uses the client; a later
+        call makes a new one)."""
+        with self._lock:
+            conns = list(self._conns.values()) if self._pid == os.getpid() else []
+            self._conns = {}
+        for conn in conns:
+            conn.close()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @staticmethod
     def _decode(data: bytes) -> protocol.Reply | None:
@@ -186,7 +263,8 @@ class FleetClient:
             nodes, missing = result.get("nodes"), result.get("missing")
             raise CommandRefused(reply.reason or "refused",
                                  replies=nodes if isinstance(nodes, dict) else None,
-                                 missing=missing if isinstance(missing, list) else None)
+                                 missing=missing if isinstance(missing, list) else None,
+                                 code=reply.known_code, result=reply.result)
         return command.request_id, reply.result
 
     # ------------------------------------------------------------------ the fleet view

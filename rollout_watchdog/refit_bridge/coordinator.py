@@ -444,12 +444,13 @@ class Coordinator:
             return
         if cmd.node is not None and cmd.node not in self.view.nodes:
             self.reply(client, queries.error(cmd, f"unknown node {cmd.node!r} (known: "
-                                       f"{', '.join(sorted(self.view.nodes)) or 'none'})"))
+                                       f"{', '.join(sorted(self.view.nodes)) or 'none'})",
+                                       protocol.UNKNOWN_NODE))
             return
         if cmd.node is not None and not self.view.nodes[cmd.node].reachable:
             last = time.strftime("%H:%M:%S", time.localtime(self.view.nodes[cmd.node].last_seen))
             self.reply(client, queries.error(cmd, f"node {cmd.node!r} is unreachable (last seen "
-                                            f"{last})"))
+                                            f"{last})", protocol.NODE_UNREACHABLE))
             return
         targets = [cmd.node] if cmd.node is not None else self.view.reachable()
         self.gather(client, _with_wait(cmd), targets, now)

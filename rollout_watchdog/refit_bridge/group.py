@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
 from rollout_watchdog.common.torch_group import (
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 DEFAULT_BUCKET_BYTES = 256 << 20
 # After the first failure, how long to keep collecting the other members' answers: a killed
 # engine's HTTP call fails within milliseconds, so this names it rather than a bystander.
@@ -62,11 +61,18 @@ class GroupMember:
 class GroupMemberFailed(RolloutWatchdogError):
     """Members' calls failed. ``members`` names the likely culprits: those that gave no answer at
     all (gone), else those that answered with an error, else those whose calls never completed.
-    ``detail`` has every member's reason."""
+    ``detail`` has every member's reason; ``gone`` lists every member that gave no answer,
+    ``refused`` every member that answered with an error, (node_id, engine, incarnation) ->
+    its answer (internal: a refit raises EngineLost or UpdateRefused for them)."""
 
-    def __init__(self, members: list[GroupMember], detail: str) -> None:
+    def __init__(self, members: list[GroupMember], detail: str, *,
+                 gone: list[GroupMember] | None = None,
+                 refused: dict[GroupMember, str] | None = None) -> None:
         self.members = list(members)
         self.detail = detail
+        self.gone = list(gone or [])
+        self.refused = {(m.node_id, m.engine, m.incarnation): why
+                        for m, why in (refused or {}).items()}
         names = ", ".join(m.label() for m in self.members) or "no member"
         super().__init__(f"weight-update group failed at {names}: {detail}")
 
@@ -311,15 +317,22 @@ class WeightUpdateGroup:
         infos = {m: self._pool.submit(self._call, m, "GET", "/server_info", None, False)
                  for m in self.members}
         failed: list[GroupMember] = []
-        reasons: list[str] = []
+        gone: list[GroupMember] = []
+        refused: dict[GroupMember, str] = {}
         for m, fut in infos.items():
             try:
                 self.session[m] = engine_calls.uses_session(str(fut.result().get("version", "")))
             except (engine_calls.EngineCallError, ValueError) as exc:
                 failed.append(m)
-                reasons.append(f"{m.label()}: {exc} (pass session= to say the server kind)")
+                why = f"{exc} (pass session= to say the server kind)"
+                if _gone(fut):
+                    gone.append(m)
+                else:
+                    refused[m] = why
         if failed:
-            raise GroupMemberFailed(failed, "; ".join(reasons))
+            raise GroupMemberFailed(failed, "; ".join(
+                f"{m.label()}: {refused.get(m) or infos[m].exception()}" for m in failed),
+                gone=gone, refused=refused)
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None,
                      last: bool, flattened: bool) -> None:
@@ -445,18 +458,22 @@ class WeightUpdateGroup:
             self._wake.wait(max(0.0, grace - time.monotonic()))
         self._release_calls()
         gone: list[GroupMember] = []
-        refused: list[GroupMember] = []
+        refused: dict[GroupMember, str] = {}
         for m, fut in calls.items():
             exc = fut.exception() if fut.done() else None
             if exc is None:
                 continue
-            (gone if _gone(fut) else refused).append(m)
+            if _gone(fut):
+                gone.append(m)
+            else:
+                refused[m] = f"{what}: {exc}"
             reasons.append(f"{m.label()}: {exc}")
         pending = [m for m, f in calls.items() if not f.done()]
         reasons += [f"{m.label()}: no answer" for m in pending]
         first.sort(key=lambda m: m not in gone)
-        culprits = first or gone or refused or pending
-        raise GroupMemberFailed(culprits, f"{what}: " + "; ".join(reasons))
+        culprits = first or gone or list(refused) or pending
+        raise GroupMemberFailed(culprits, f"{what}: " + "; ".join(reasons), gone=gone,
+                                refused=refused)
 
     def _mark_aborted(self, reason: str) -> bool:
         """Record the first reason and wake the waiter; False if already aborted."""

@@ -29,10 +29,11 @@ class Hub(Protocol):
 def answer(hub: Hub, cmd: protocol.Command) -> protocol.Reply:
     if cmd.cmd == "status":
         if cmd.node is not None and cmd.node not in hub.view.nodes:
-            return error(cmd, f"unknown node {cmd.node!r}")
+            return error(cmd, f"unknown node {cmd.node!r}", protocol.UNKNOWN_NODE)
         after = cmd.args.get("after")
         if after is not None and not isinstance(after, str):
-            return error(cmd, f"'after' must be a node id, got {str(after)[:40]!r}")
+            return error(cmd, f"'after' must be a node id, got {str(after)[:40]!r}",
+                         protocol.BAD_ARGS)
         view = hub.view.status(cmd.node, after)
         for node in view["nodes"]:
             for engine in node["engines"]:
@@ -50,5 +51,5 @@ def answer(hub: Hub, cmd: protocol.Command) -> protocol.Reply:
         "router": None if hub.router is None else hub.router.status()})
 
 
-def error(cmd: protocol.Command, reason: str) -> protocol.Reply:
-    return protocol.Reply(cmd.request_id, "error", reason, None)
+def error(cmd: protocol.Command, reason: str, code: str) -> protocol.Reply:
+    return protocol.Reply(cmd.request_id, "error", reason, None, code)

@@ -14,6 +14,15 @@ A trainer blocked inside a collective can only be freed from its own process: wh
 hears that a member died (the node watchdog reports it within milliseconds), or when the
 deadline passes, it aborts the group from its thread; the blocked call then raises, and the
 refit raises `EngineLost` naming the member(s).
+
+Every error out of the block is one of the contract's (errors.py; docs/refit.md lists which
+raises when): the group's own errors are internal and translated (refit_state.translate).
+
+Threads: the caller's thread runs the block; the guard thread (refit_watch.py) renews, follows
+and watches. What both touch is the `RefitGuard` (phase, failures, the group a failure aborts:
+under its lock, read as snapshots); the token is set before `RefitWatch.renewing()` and the
+members handed over by `RefitWatch.hold()`, once each. Everything else is the caller's
+thread's only. The weight-update group outlives the refit in `refit_state.GROUPS`.
 """
 
 from __future__ import annotations
@@ -21,23 +30,33 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import (
     CommandRefused,
-    CoordinatorUnavailable,
     EngineLost,
     LeaseLost,
+    NoMembers,
+    RefitTimeout,
     RolloutWatchdogError,
 )
 from rollout_watchdog.refit_bridge import engine_calls
+from rollout_watchdog.refit_bridge.refit_state import (
+    GROUPS,
+    Member,
+    Phase,
+    RefitGuard,
+    failure_of,
+    translate,
+)
+from rollout_watchdog.refit_bridge.refit_watch import RENEW_EVERY_S, RefitWatch
 from rollout_watchdog.refit_bridge.rendezvous import master_address_for
-from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent
+from rollout_watchdog.refit_bridge.views import EngineView
 from rollout_watchdog.refit_bridge.weights import check_version
 
 if TYPE_CHECKING:
@@ -47,12 +66,9 @@ if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.group import GroupMember, WeightUpdateGroup
 
 log = logging.getLogger(__name__)
-Member = tuple[str, str, int]
-RENEW_EVERY_S = 1.0       # the coordinator takes a holder silent for 5 s for gone
 LOCK_RETRY_S = 0.5
 ACQUIRE_TIMEOUT_S = 40.0  # the fleet-wide pause waits for in-flight probes (up to 30 s)
 CALL_TIMEOUT_S = 10.0     # one control call to the coordinator or an engine
-GUARD_POLL_S = 0.1
 # Deep probes paused by the lock come back by themselves this long after the refit's deadline
 # (a safety net, should nothing resume them): never before the refit has ended its way.
 PAUSE_MARGIN_S = 60.0
@@ -62,6 +78,9 @@ ABORT_GRACE_S = 1.0
 # In-flight requests are aborted (they end with finish_reason "abort", as slime does): the
 # cache flush after an update needs an empty queue, which `retract` does not give.
 PAUSE_MODE = "abort"
+# The lock's calls that carry the holder's token: a refusal of one by a coordinator before
+# protocol 1.2 (no code) can only be a fenced token, for the calls this module makes.
+TOKEN_CALLS = ("refit_members", "refit_renew", "refit_commit", "refit_abort", "refit_release")
 
 
 class Refit:
@@ -78,48 +97,58 @@ class Refit:
         self._master_address = master_address
         self.master_address = master_address or "127.0.0.1"
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.engines: list[EngineView] = []
-        self._by_key: dict[tuple[str, str], EngineView] = {}
-        self.token: str | None = None   # opaque: echoed with the holder on every call
         self.deadline = 0.0
-        self.committed = False
-        self.released = False   # the commit releases the lock too
-        self._committing = False
-        self._lost: dict[Member, str] = {}     # member -> why
-        self._lease_lost: str | None = None
-        self._expired = False
+        self._state = RefitGuard()   # shared with the guard thread
+        # The caller's thread only:
+        self.token: Any = None   # the fencing token, opaque: sent back as it came
+        self.engines: list[EngineView] = []
         self._group: WeightUpdateGroup | None = None
-        self._aborted = False
-        self._version_sent = False
-        self._guard_failed: str | None = None
-        self._paused = False
-        self._stop = threading.Event()
-        self._guard: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._watch: RefitWatch | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return self._state.phase
+
+    @property
+    def committed(self) -> bool:
+        return self._state.phase is Phase.COMMITTED
 
     # ------------------------------------------------------------------ the block
 
     def __enter__(self) -> Refit:
-        if self.deadline:
+        if self._state.phase is not Phase.NEW:
             raise RuntimeError("a Refit is entered once: call fleet.refit() for the next one")
+        self._state.advance(Phase.ACQUIRING)
         self.deadline = time.monotonic() + self.timeout_s
-        self._start_guard()
+        self._watch = RefitWatch(self.client, self.version, self._state, self.deadline,
+                                 self.timeout_s, lambda: self._call(
+                                     "refit_renew", {}, timeout_s=RENEW_EVERY_S),
+                                 self._abort_group)
+        self._watch.start()
         try:
             result = self._acquire()
-            self.token = result["token"]
-            members = result["members"]
+            self.token = _field(result, "token", object, "refit_acquire")   # opaque
+            self._watch.renewing()
+            members = _field(result, "members", list, "refit_acquire")
             if result.get("relaunched"):
                 members = self._wait_for_relaunched(result["relaunched"])
             engines = [EngineView.from_json(m["node_id"], True, {**m, "state": "healthy"})
-                       for m in members]
-            self._by_key = {(e.node_id, e.id): e for e in engines}
+                       for m in _members(members)]
+            if not engines:
+                raise NoMembers(f"refit {self.version!r}: no engine to update (no healthy "
+                                "engine on a reachable node); the lock is released and nothing "
+                                "changed")
             self.engines = engines
             if self._master_address is None:
                 self.master_address = master_address_for(
                     self.client.address, [str(e.url) for e in engines])
-        except BaseException:
-            self._stop_guard()
+            self._state.advance(Phase.HELD)
+            self._watch.hold(engines)
+        except BaseException as exc:
+            self._watch.stop(wait=True)
+            self._state.advance(Phase.ABORTED)
             self._finish()
+            self._reraise(exc)
             raise
         log.info("refit %r: lock taken (token %s), %d engine(s)", self.version, self.token,
                  len(self.engines))
@@ -134,38 +163,50 @@ class Refit:
                 except BaseException as failure:
                     if not self.committed:
                         self._abort(str(failure) or type(failure).__name__)
-                    translated = self._translate(failure)
-                    if translated is failure:
-                        raise
-                    raise translated from failure
-            else:
+                    self._reraise(failure)
+                    raise
+            elif not self.committed:   # (an error after an explicit commit() aborts nothing)
                 self._abort(str(exc) or type(exc).__name__)
         finally:
             self._finish()
         if exc is not None:
-            translated = self._translate(exc)
-            if translated is not exc:
-                raise translated from exc
+            self._reraise(exc)
+
+    def _reraise(self, exc: BaseException) -> None:
+        """Raise the contract's error for `exc` if it is not that already (else return, and
+        the caller lets `exc` go on)."""
+        translated = translate(exc, self._state.snapshot(), self.version, self.timeout_s)
+        if translated is not exc:
+            raise translated from exc
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        bucket_bytes: int | None = None, flattened: bool = False) -> None:
         """Broadcast `named_tensors` (in that order) to every member over the weight-update
         group, built first if the membership changed since the last refit."""
+        from rollout_watchdog.refit_bridge.group import GroupMemberFailed
         if self.committed:
             raise RuntimeError(f"refit {self.version!r} is committed: update_weights() comes "
                                "before commit()")
         self._check()
-        if not self._paused:
-            self._paused = True   # first: whatever fails, the members are continued
-            self._each("pause_generation", lambda url: engine_calls.post(
-                url, "/pause_generation", {"mode": self.pause_mode}, self._call_timeout()))
-        group = self._ensure_group()
+        if self._state.phase is Phase.UPDATING:
+            raise RolloutWatchdogError(f"refit {self.version!r}: an earlier update_weights() "
+                                       "failed; leave the block and refit again")
+        if self._state.advance(Phase.UPDATING) is Phase.HELD:   # first: whatever fails,
+            self._each("pause_generation", lambda url: engine_calls.post(   # the members are
+                url, "/pause_generation", {"mode": self.pause_mode},      # continued
+                self._call_timeout()))
         kwargs: dict[str, Any] = {"weight_version": self.version, "flattened": flattened,
                                   "keep_session": True}   # one session a refit: the commit ends it
         if bucket_bytes is not None:
             kwargs["bucket_bytes"] = bucket_bytes
-        group.update_weights(named_tensors, **kwargs)
-        self._version_sent = True   # with the last bucket: every member reports it now
+        try:
+            group = self._ensure_group()
+            group.update_weights(named_tensors, **kwargs)
+        except GroupMemberFailed as exc:   # the gone are lost; the refusals are translated
+            self._state.lose(((m.node_id, m.engine, m.incarnation), f"gone: {exc.detail}")
+                             for m in exc.gone)
+            raise
+        self._state.advance(Phase.UPDATED)   # the version went with the last bucket
         self._check()
 
     def commit(self) -> None:
@@ -176,13 +217,16 @@ class Refit:
         if self.committed:
             return
         self._check()
+        before = self._state.phase
+        if before is Phase.UPDATING:
+            raise RolloutWatchdogError(f"refit {self.version!r}: an update_weights() call "
+                                       "failed, so there is nothing whole to commit")
         timeout = self._call_timeout()
-        if not self._version_sent:   # the weights came another way (CUDA IPC, say)
+        if before is not Phase.UPDATED:   # the weights came another way (CUDA IPC, say)
             self._each("update_weight_version", lambda url: engine_calls.post(
                 url, "/update_weight_version",
                 {"new_version": self.version, "abort_all_requests": False}, timeout))
-        paused, self._paused = self._paused, False
-        group = self._group if self._version_sent else None
+        group = self._group if before is Phase.UPDATED else None
         in_group = {m.url: m for m in group.members} if group is not None else {}
         reported: dict[str, str | None] = {}
         unanswered: set[str] = set()   # gone or hung: not asked to destroy their side
@@ -195,7 +239,7 @@ class Refit:
                         group.end_session(in_group[url])
                     except RolloutWatchdogError as exc:
                         failed = exc
-                if paused:
+                if before.generation_paused:
                     self._continue(url, timeout)
                 if failed is not None:
                     raise failed
@@ -215,20 +259,19 @@ class Refit:
                 wrong.append((engine, f"reports weight_version {reported.get(url)!r}"))
         ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
         self._check()   # a death or the deadline during the checks: no commit
-        with self._lock:
-            self._committing = True   # the guard's renewals stop: this call releases the lock
+        self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: this call releases
         result = self._call("refit_commit", {
             "version": self.version, "release": True,
             "members": [[e.node_id, e.id, e.incarnation] for e in ok]})
-        self.committed = True
-        self.released = "released" in result   # (a coordinator before `release` ignores it)
+        self._state.advance(Phase.COMMITTED)
+        if "released" not in result:   # a coordinator before `release` ignores it
+            self._release()
         if wrong and group is not None:   # not reused with a member in an unknown state
-            set_cached_group(self.client, None)
+            GROUPS.discard(self.client.address, group)
             group.destroy(skip=[in_group[u] for u in unanswered if u in in_group])
         if wrong:
-            for engine, why in wrong:
-                self._lost[_member(engine)] = why
-            raise EngineLost(list(self._lost), "; ".join(
+            self._state.lose((_member(engine), why) for engine, why in wrong)
+            raise EngineLost(list(self._state.snapshot().lost), "; ".join(
                 f"{e.name}: {why}" for e, why in wrong) + " (the others committed)")
 
     # ------------------------------------------------------------------ the lock
@@ -240,17 +283,21 @@ class Refit:
                 _, result = self.client.call("refit_acquire", {
                     "holder": self.holder, "version": self.version, "lease_s": self.lease_s,
                     "deadline_s": self.timeout_s + PAUSE_MARGIN_S},
-                    timeout_s=min(ACQUIRE_TIMEOUT_S, left))
-                return dict(result)
+                    timeout_s=max(0.1, min(ACQUIRE_TIMEOUT_S, left)))   # (a late wake-up)
+                if not isinstance(result, dict):
+                    raise CommandRefused(f"the coordinator's answer to refit_acquire is not "
+                                         f"an object: {str(result)[:80]}")
+                return result
             except CommandRefused as exc:
-                if "refit lock is held" not in exc.reason:
+                if not _lock_held(exc):
                     raise
                 if time.monotonic() + LOCK_RETRY_S >= self.deadline:
                     raise CommandRefused(f"no refit lock within {self.timeout_s:g} s: "
-                                         f"{exc.reason}") from None
+                                         f"{exc.reason}", code=protocol.LOCK_HELD,
+                                         result=exc.result) from None
             time.sleep(LOCK_RETRY_S)
 
-    def _wait_for_relaunched(self, relaunched: list[list[str]]) -> list[dict[str, Any]]:
+    def _wait_for_relaunched(self, relaunched: list[list[str]]) -> list[Any]:
         """Deferred engines the refit relaunched join once healthy (or at the deadline)."""
         wanted = {(n, e) for n, e in relaunched}
         try:
@@ -261,7 +308,9 @@ class Refit:
         except TimeoutError as exc:
             log.warning("refit %r: relaunched engines not healthy in time, going on without "
                         "them: %s", self.version, exc)
-        return list(self._call("refit_members", {})["members"])
+        members: list[Any] = _field(self._call("refit_members", {}), "members", list,
+                                    "refit_members")
+        return members
 
     def _call(self, cmd: str, args: dict[str, Any], timeout_s: float | None = None
               ) -> dict[str, Any]:
@@ -270,163 +319,88 @@ class Refit:
                                                "token": self.token},
                                          timeout_s=timeout_s or CALL_TIMEOUT_S)
         except CommandRefused as exc:
-            if exc.reason.startswith("lease lost"):
+            if exc.code == protocol.LEASE_LOST or (exc.code is None and cmd in TOKEN_CALLS
+                                                   and exc.result is None):
+                if cmd != "refit_renew":   # (the guard thread's: RefitWatch records it)
+                    self._state.fenced(exc.reason)
                 raise LeaseLost(exc.reason) from None
             raise
         return result if isinstance(result, dict) else {}
+
+    def _release(self) -> None:
+        try:
+            self._call("refit_release", {})
+        except RolloutWatchdogError as exc:
+            log.error("refit %r: lock not released (its lease will end): %s", self.version,
+                      exc)
 
     # ------------------------------------------------------------------ the group
 
     def _ensure_group(self) -> WeightUpdateGroup:
         from rollout_watchdog.refit_bridge import group as groups
+        sizes = {str(e.url): e.tp_size for e in self.engines if e.tp_size}
+        timeout = self._call_timeout()
+        self._each("server_info", lambda url: sizes.__setitem__(
+            url, engine_calls.tp_size(url, timeout)),
+            [str(e.url) for e in self.engines if not e.tp_size])
         members = [groups.GroupMember(e.node_id, e.id, e.incarnation, str(e.url),
-                                      e.tp_size or engine_calls.tp_size(str(e.url),
-                                                                        self._call_timeout()))
-                   for e in self.engines]
-        cached = cached_group(self.client)
+                                      sizes[str(e.url)]) for e in self.engines]
+        key = self.client.address
+        cached = GROUPS.get(key)
         if cached is not None and cached.members == members and cached.backend == self.backend \
                 and not cached.aborted and (cached is self._group or not cached.in_session):
-            self._group = cached
-            return cached
-        if cached is not None:
-            cached.destroy()
-        set_cached_group(self.client, None)
-        group = groups.WeightUpdateGroup(
-            members, master_address=self.master_address, backend=self.backend,
-            http_timeout_s=CALL_TIMEOUT_S,
-            init_timeout_s=max(1.0, self.deadline - time.monotonic()))
-        with self._lock:
-            self._group = group
-        if self._lost or self._expired or self._lease_lost:   # heard before the group existed
-            self._abort_group("the refit failed before its group was built")
-        group.build()
-        set_cached_group(self.client, group)
+            group = cached
+        else:
+            if cached is not None:
+                GROUPS.discard(key, cached)
+                cached.destroy()
+            group = groups.WeightUpdateGroup(
+                members, master_address=self.master_address, backend=self.backend,
+                http_timeout_s=CALL_TIMEOUT_S,
+                init_timeout_s=max(1.0, self.deadline - time.monotonic()))
+        self._group = group
+        # A failure heard before the group was in use aborts it now: its calls raise at once.
+        self._abort_group(self._state.attach(group), "the refit failed before its group was "
+                                                      "in use")
+        if group is not cached:
+            group.build()
+            GROUPS.put(key, group)
         return group
-
-    # ------------------------------------------------------------------ the guard thread
-
-    def _start_guard(self) -> None:
-        ready = threading.Event()
-        self._guard = threading.Thread(target=self._run_guard, args=(ready,),
-                                       name="rollout-watchdog-refit-guard", daemon=True)
-        self._guard.start()
-        ready.wait(CALL_TIMEOUT_S)
-
-    def _stop_guard(self) -> None:
-        self._stop.set()
-        if self._guard is not None:
-            self._guard.join(CALL_TIMEOUT_S)
-            self._guard = None
-
-    def _run_guard(self, ready: threading.Event) -> None:
-        """Renew the lease, follow members' events, watch the deadline; abort the group when
-        any of them says the refit cannot complete. A failure of the guard itself aborts the
-        refit too (nothing would watch it any more)."""
-        try:
-            with self.client.events(resume=True, idle_s=GUARD_POLL_S) as stream:
-                ready.set()
-                self._guard_loop(stream)
-        except Exception as exc:   # noqa: BLE001 - reported through _check()
-            log.exception("refit %r: the guard thread failed", self.version)
-            self._guard_failed = f"the refit's guard thread failed: {exc}"
-            self._abort_group(self._guard_failed)
-        finally:
-            ready.set()
-
-    def _guard_loop(self, stream: Iterable[FleetEvent]) -> None:
-        early: list[FleetEvent] = []   # heard before the members were known
-        next_renew = time.monotonic() + RENEW_EVERY_S
-        while not self._stop.is_set():
-            for event in stream:   # ends after GUARD_POLL_S without an event
-                if not self._by_key:
-                    early.append(event)
-                else:
-                    for queued in early:
-                        self._heard(queued)
-                    early.clear()
-                    self._heard(event)
-                if self._stop.is_set() or time.monotonic() >= next_renew:
-                    break          # the timers below are due even in a stream of events
-            now = time.monotonic()
-            if now >= self.deadline and not self._expired:
-                self._expired = True
-                self._abort_group(f"the refit's deadline of {self.timeout_s:g} s passed")
-            if self.token is not None and now >= next_renew and not self._committing:
-                next_renew = now + RENEW_EVERY_S
-                self._renew()
-
-    def _heard(self, event: FleetEvent) -> None:
-        engine = self._by_key.get((event.node_id, str(event.engine)))
-        if engine is None:
-            return
-        gone = event.kind == "state" and event.to not in ("healthy", "suspect") \
-            and event.incarnation == engine.incarnation
-        replaced = event.incarnation is not None and event.incarnation > engine.incarnation
-        if gone or replaced:
-            why = f"{event.kind} {event.to or ''} ({event.cause or event.detail})".strip()
-            self._lost.setdefault(_member(engine), why)
-            self._abort_group(f"{engine.name} (incarnation {engine.incarnation}): {why}")
-
-    def _renew(self) -> None:
-        try:
-            self._call("refit_renew", {}, timeout_s=RENEW_EVERY_S)
-        except LeaseLost as exc:
-            with self._lock:
-                if self._committing:   # answered after the commit released the lock: the
-                    return             # commit's own answer says how it went
-            self._lease_lost = str(exc)
-            self._abort_group(str(exc))
-        except CoordinatorUnavailable as exc:   # its lease may still hold: try again
-            log.warning("refit %r: lease not renewed: %s", self.version, exc)
-
-    def _abort_group(self, why: str, group: WeightUpdateGroup | None = None) -> None:
-        with self._lock:
-            group = group or self._group
-            if group is None or self.committed or self._aborted:
-                return
-            self._aborted = True
-        log.warning("refit %r: aborting the weight-update group: %s", self.version, why)
-        group.abort(why)
-        set_cached_group(self.client, None)
 
     # ------------------------------------------------------------------ the end
 
-    def _check(self) -> None:
-        if self._guard_failed:
-            raise RolloutWatchdogError(self._guard_failed)
-        if self._lost:
-            raise EngineLost(list(self._lost), "; ".join(self._lost.values()))
-        if self._lease_lost:
-            raise LeaseLost(self._lease_lost)
-        if self._expired or time.monotonic() >= self.deadline:
-            raise TimeoutError(f"refit {self.version!r} ran past its {self.timeout_s:g} s")
+    def _abort_group(self, group: WeightUpdateGroup | None, why: str) -> None:
+        """Abort `group` (what the guard handed out for a failure; None: nothing to do). Any
+        number of times, from either thread: the group's abort is idempotent."""
+        if group is None or group.aborted:
+            return
+        log.warning("refit %r: aborting the weight-update group: %s", self.version, why)
+        group.abort(why)
+        GROUPS.discard(self.client.address, group)
 
-    def _translate(self, exc: BaseException) -> BaseException:
-        """The error the block raises: EngineLost naming every member the refit lost (dead,
-        or wedged in the collective), with what went wrong; else the error itself."""
-        if isinstance(exc, (EngineLost, LeaseLost)):
-            return exc
-        if self._lost:
-            return EngineLost(list(self._lost), "; ".join(dict.fromkeys(
-                [*self._lost.values(), str(exc)])))
-        if self._lease_lost:
-            return LeaseLost(self._lease_lost)
-        return exc
+
+    def _check(self) -> None:
+        error = failure_of(self._state.snapshot(), self.version, self.timeout_s)
+        if error is None and time.monotonic() >= self.deadline:
+            error = RefitTimeout(f"refit {self.version!r} ran past its {self.timeout_s:g} s")
+        if error is not None:
+            raise error
 
     def _abort(self, reason: str) -> None:
         """Tear the group down, tell the coordinator (members stale, wedged ones restarted)."""
+        before = self._state.advance(Phase.ABORTED)
+        group = self._state.detach()
+        self._group = None
         wedged: list[Member] = []
-        with self._lock:
-            group, self._group = self._group, None
         if group is not None:
-            self._abort_group("the refit failed", group)
-            wedged = self._wedged([m for m in group.members if (
-                m.node_id, m.engine, m.incarnation) not in self._lost])
-            group.destroy(skip=[m for m in group.members
-                                if (m.node_id, m.engine, m.incarnation) in self._lost])
-            set_cached_group(self.client, None)
-        self._continue_generation()
-        if self.token is None or self._lease_lost:
+            self._abort_group(group, "the refit failed")
+            lost = self._state.snapshot().lost
+            wedged = self._wedged([m for m in group.members if _of(m) not in lost])
+            lost = self._state.snapshot().lost
+            group.destroy(skip=[m for m in group.members if _of(m) in lost])
+        if before.generation_paused:
+            self._continue_generation()
+        if self.token is None or self._state.snapshot().lease_lost:
             return
         try:
             self._call("refit_abort", {
@@ -445,36 +419,28 @@ class Refit:
         state: dict[str, str] = {}
         engine_calls.on_each([m.url for m in candidates], lambda url: state.__setitem__(
             url, engine_calls.responsiveness(url, ABORT_GRACE_S)))
-        wedged = []
-        for m in candidates:
-            member = (m.node_id, m.engine, m.incarnation)
-            if state.get(m.url) == "stuck":
-                wedged.append(member)
-                self._lost.setdefault(member, "its update call did not complete and it takes "
-                                              "no control call (wedged in the collective)")
-            elif state.get(m.url) == "gone":
-                self._lost.setdefault(member, "gone (its server refuses connections)")
+        wedged = [_of(m) for m in candidates if state.get(m.url) == "stuck"]
+        self._state.lose([(m, "its update call did not complete and it takes no control "
+                              "call (wedged in the collective)") for m in wedged])
+        self._state.lose([(_of(m), "gone (its server refuses connections)")
+                          for m in candidates if state.get(m.url) == "gone"])
         return wedged
 
     def _finish(self) -> None:
         """Release the lock. The guard thread is told to stop and not waited for: it ends
         within GUARD_POLL_S, and past a commit or an abort it can change nothing."""
-        self._stop.set()
-        self._guard = None
-        if self.token is not None and not self._lease_lost and not self.released:
-            try:
-                self._call("refit_release", {})
-            except RolloutWatchdogError as exc:
-                log.error("refit %r: lock not released (its lease will end): %s",
-                          self.version, exc)
+        if self._watch is not None:
+            self._watch.stop(wait=False)
+        snap = self._state.snapshot()
+        if self.token is not None and not snap.lease_lost and snap.phase is not Phase.COMMITTED:
+            self._release()
 
     def _continue_generation(self) -> None:
         """Let the members that are not lost generate again (a wedged one would not answer)."""
-        if self._paused:
-            self._paused = False
-            timeout = self._call_timeout()
-            members = [str(e.url) for e in self.engines if _member(e) not in self._lost]
-            engine_calls.on_each(members, lambda url: self._continue(url, timeout))
+        timeout = self._call_timeout()
+        lost = self._state.snapshot().lost
+        members = [str(e.url) for e in self.engines if _member(e) not in lost]
+        engine_calls.on_each(members, lambda url: self._continue(url, timeout))
 
     def _continue(self, url: str, timeout_s: float) -> None:
         """Continue generation on one member; a failure is logged (the member is not lost for
@@ -484,13 +450,14 @@ class Refit:
         except RolloutWatchdogError as exc:
             log.warning("refit %r: continue_generation: %s", self.version, exc)
 
-    def _each(self, what: str, call: Callable[[str], Any]) -> None:
-        """Run `call(url)` on every member concurrently; one that fails is lost."""
-        errors = engine_calls.on_each([str(e.url) for e in self.engines], call)
-        for engine in self.engines:
-            error = errors.get(str(engine.url))
-            if error is not None:
-                self._lost.setdefault(_member(engine), f"{what}: {error}")
+    def _each(self, what: str, call: Callable[[str], Any], urls: list[str] | None = None
+              ) -> None:
+        """Run `call(url)` on every member (or those of `urls`) concurrently; one that fails is
+        lost."""
+        errors = engine_calls.on_each([str(e.url) for e in self.engines]
+                                      if urls is None else urls, call)
+        self._state.lose((_member(e), f"{what}: {errors[str(e.url)]}") for e in self.engines
+                         if str(e.url) in errors)
         self._check()
 
     def _call_timeout(self) -> float:
@@ -501,15 +468,40 @@ def _member(engine: EngineView) -> Member:
     return (engine.node_id, engine.id, engine.incarnation)
 
 
-def cached_group(client: FleetClient) -> WeightUpdateGroup | None:
-    """The group of the client's last refit: it outlives a refit (rebuilt only when the
-    membership changes) and belongs to this process, so it is never pickled with the client."""
-    group: WeightUpdateGroup | None = client.weight_group
-    return group
+def _of(m: GroupMember) -> Member:
+    return (m.node_id, m.engine, m.incarnation)
 
 
-def set_cached_group(client: FleetClient, group: WeightUpdateGroup | None) -> None:
-    client.weight_group = group
+def _lock_held(exc: CommandRefused) -> bool:
+    """The refusal of an acquisition says another holder has the lock: its code, or, from a
+    coordinator before protocol 1.2, the holder its result names."""
+    return exc.code == protocol.LOCK_HELD or (exc.code is None and isinstance(exc.result, dict)
+                                              and "holder" in exc.result)
+
+
+def _field(result: dict[str, Any], name: str, kind: type, cmd: str) -> Any:
+    """`result[name]`, of `kind`; CommandRefused naming what is wrong otherwise (an answer cut
+    down to fit one message by an older coordinator says so)."""
+    value = result.get(name)
+    if value is not None and isinstance(value, kind) and (kind is object
+                                                          or not isinstance(value, bool)):
+        return value
+    cut = result.get("results_left_out") is True
+    raise CommandRefused(
+        f"the coordinator's answer to {cmd} lacks its {name!r}" + (
+            " (left out: the answer was too big for one message; a lock it took is let go "
+            "when its holder is silent for 5 s)" if cut else f": {str(result)[:80]}"),
+        code=protocol.TOO_BIG if cut else None)
+
+
+def _members(members: list[Any]) -> list[dict[str, Any]]:
+    """The members of an acquisition's answer, checked."""
+    for m in members:
+        if not isinstance(m, dict) or not isinstance(m.get("node_id"), str) \
+                or not isinstance(m.get("id"), str):
+            raise CommandRefused(f"the coordinator's answer names a member badly: "
+                                 f"{str(m)[:80]}")
+    return members
 
 
 __all__ = ["Refit"]

@@ -4,7 +4,8 @@ The wire spec (each a COMMAND to the coordinator; every reply carries status and
 refit-scoped call carries the `holder` that took the lock and its `token`, an opaque string
 shown to that holder only (never in a refusal, `ping` or `status`) and never handed out again,
 also by a restarted coordinator; a call whose pair is not the current holder's is refused with a
-reason starting "lease lost". A `version` is 1 to 256 printable characters.
+reason starting "lease lost" (code LEASE_LOST). Every error reply carries a code
+(protocol.CODES). A `version` is 1 to 256 printable characters.
 
 - `refit_acquire {holder, version, lease_s, deadline_s}`: take the lock. Pauses deep probes on
   every reachable node with the refit's own owner tag (answering once in-flight probes ended,
@@ -12,8 +13,9 @@ reason starting "lease lost". A `version` is 1 to 256 printable characters.
   them), relaunches `deferred` engines that wait for it, and answers `{token, lease_s, version,
   members, relaunched, pause_problems}`. `members` are the engines the refit updates: healthy,
   on reachable nodes, serving or `pending_weights` (each `{node_id, id, incarnation, url,
-  tp_size, weight_version}`). Held by another: an error naming the holder, with `{holder,
-  version, expires_in_s}`.
+  tp_size, weight_version}`). Held by another: an error (LOCK_HELD) naming the holder, with
+  `{holder, version, expires_in_s}`. An answer too big for one message is an error (TOO_BIG),
+  and the lock is left free.
 - `refit_members {holder, token}`: the members again, now including the relaunched engines
   that have become healthy; an engine that comes back otherwise waits for the next refit
   (admission is frozen while the lock is held).
@@ -107,9 +109,11 @@ class Core(Protocol):
 class RefitError(Exception):
     """A refit command refused; the message is the reason."""
 
-    def __init__(self, reason: str, result: dict[str, Any] | None = None) -> None:
+    def __init__(self, reason: str, result: dict[str, Any] | None = None,
+                 code: str = protocol.BAD_ARGS) -> None:
         super().__init__(reason)
         self.result = result
+        self.code = code
 
 
 class RefitService:
@@ -158,16 +162,19 @@ class RefitService:
                 return
             result = getattr(self, "_" + cmd.cmd.removeprefix("refit_"))(core, cmd, now)
         except RefitError as exc:
-            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), exc.result))
+            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), exc.result,
+                                              exc.code))
             return
         except (Fenced, ValueError) as exc:
-            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None))
+            code = protocol.LEASE_LOST if isinstance(exc, Fenced) else protocol.BAD_ARGS
+            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None, code))
             return
 
         def answer(to: bytes, error: str | None) -> None:
             core.reply(to, protocol.Reply(cmd.request_id, "ok", None, result) if error is None
                        else protocol.Reply(cmd.request_id, "error", f"{cmd.cmd} took effect "
-                                           f"but is not saved: {error}", result))
+                                           f"but is not saved: {error}", result,
+                                           protocol.NOT_SAVED))
         self._once_saved(cmd.request_id, client, answer)
 
     def _once_saved(self, request_id: str, client: bytes, then: Then) -> None:
@@ -220,7 +227,8 @@ class RefitService:
         except LockHeld as exc:
             held = exc.lease   # (never its token: that is its holder's alone)
             raise RefitError(str(exc), {"holder": held.holder, "version": held.version,
-                                        "expires_in_s": exc.expires_in_s}) from None
+                                        "expires_in_s": exc.expires_in_s},
+                             protocol.LOCK_HELD) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self.members(core)]
         self._save()
 
@@ -232,7 +240,8 @@ class RefitService:
             if self.lock.lease is lease:
                 self.lock.lease = None
             core.reply(to, protocol.Reply(cmd.request_id, "error",
-                                          f"refit lock not taken: {error}", None))
+                                          f"refit lock not taken: {error}", None,
+                                          protocol.NOT_SAVED))
         self._once_saved(cmd.request_id, client, saved)
 
     def _acquired(self, core: Core, client: bytes, cmd: protocol.Command, lease: Lease,
@@ -254,11 +263,29 @@ class RefitService:
                                           {"owner": lease.pause_owner}, node_id, engine,
                                           RELEASE_TIMEOUT_S)
                 core.gather(None, resume, [node_id], time.monotonic())
-            return protocol.Reply(cmd.request_id, "ok", None, {
+            reply = protocol.Reply(cmd.request_id, "ok", None, {
                 "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
                 "members": self.members(core, lease), "relaunched": self.relaunched,
                 "pause_problems": paused.reason})
+            try:
+                protocol.encode(reply)
+            except protocol.ProtocolError as exc:   # never an "ok" stripped of its token
+                return self._unsendable(core, cmd, lease, str(exc))
+            return reply
         core.gather(client, pause, core.view.reachable(), now, finish)
+
+    def _unsendable(self, core: Core, cmd: protocol.Command, lease: Lease, why: str
+                    ) -> protocol.Reply:
+        """The acquisition's answer cannot be sent: its holder would never know the token, so
+        the lock is let go at once (nothing was done to the members but the pause)."""
+        lease.members = []
+        if self.lock.lease is lease:
+            self.lock.lease = None
+        self._ended(core, lease, time.monotonic(), "its answer was too big to send",
+                    expired=False)
+        log.error("refit lock of %s let go: its answer cannot be sent: %s", lease.holder, why)
+        return protocol.Reply(cmd.request_id, "error", f"refit lock not taken: the answer "
+                              f"cannot be sent ({why})", None, protocol.TOO_BIG)
 
     def _members(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
         lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import EventLog
+from rollout_watchdog.common.protocol import UNKNOWN_COMMAND
 from rollout_watchdog.common.replies import CommandError, Deferred
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.common.validate import check_engine_id
@@ -80,7 +81,8 @@ def dispatch(node: Node, name: str, args: dict[str, Any]) -> dict[str, Any] | De
     """Run one command: the one entry point of every transport (control socket, agent)."""
     handler = COMMANDS.get(name)
     if handler is None:
-        raise CommandError(f"unknown command {name!r} (commands: {', '.join(sorted(COMMANDS))})")
+        raise CommandError(f"unknown command {name!r} (commands: {', '.join(sorted(COMMANDS))})",
+                           UNKNOWN_COMMAND)
     if node.stopping and name in REFUSED_WHILE_STOPPING:
         raise CommandError("the daemon is stopping")
     return handler(node, args)
