@@ -146,26 +146,36 @@ class Fanout:
 
 
 def encode_reply(reply: protocol.Reply) -> bytes:
-    """The reply's frame. A fan-out's answers can outgrow one message on a big fleet: then the
-    results of the nodes that answered "ok" are left out (their count stays), errors kept."""
+    """The reply's frame; a reply too big for one message is never sent cut down as if whole:
+    it becomes an error, code TOO_BIG, that names the limit. A fan-out's answers can outgrow
+    one message on a big fleet: that error keeps the nodes that answered an error (reasons
+    cut), those that did not answer and the count of the others, whose results are left out
+    (`results_left_out`), after the reason it had. Any other result is left out whole."""
     try:
         return protocol.encode(reply)
-    except protocol.ProtocolError:
-        result = reply.result if isinstance(reply.result, dict) else {}
-        nodes = result.get("nodes")
-        answers: dict[str, Any] = nodes if isinstance(nodes, dict) else {}
-        slim = {n: {"status": a.get("status"), "reason": str(a.get("reason"))[:REASON_CHARS],
-                    "result": None}
-                for n, a in answers.items() if a.get("status") != "ok"}
-        trimmed = {"nodes": slim, "missing": result.get("missing", []),
-                   "ok": len(answers) - len(slim), "results_left_out": True}
-        reason = None if reply.reason is None else reply.reason[:REASONS_CHARS]
-        try:
-            return protocol.encode(protocol.Reply(reply.request_id, reply.status, reason,
-                                                  trimmed, reply.code))
-        except protocol.ProtocolError:  # thousands of failing nodes: their count, not names
-            return protocol.encode(protocol.Reply(
-                reply.request_id, reply.status, reason,
-                {"nodes": {}, "missing": [], "ok": len(answers) - len(slim),
-                 "failed": len(slim), "missing_count": len(result.get("missing", [])),
-                 "results_left_out": True}, reply.code))
+    except protocol.ProtocolError as exc:
+        limit = f"{exc} (the message limit)"
+    result = reply.result if isinstance(reply.result, dict) else {}
+    nodes = result.get("nodes")
+    if not isinstance(nodes, dict):   # not a fan-out: nothing of it can be kept
+        return protocol.encode(protocol.Reply(
+            reply.request_id, "error", f"the answer cannot be sent: {limit}"[:REASONS_CHARS],
+            None, protocol.TOO_BIG))
+    answers: dict[str, Any] = nodes
+    slim = {n: {"status": a.get("status"), "reason": str(a.get("reason"))[:REASON_CHARS],
+                "result": None}
+            for n, a in answers.items() if a.get("status") != "ok"}
+    reason = (f"the answers of {len(answers)} node(s) do not fit in one message: {limit}; "
+              f"the results of the {len(answers) - len(slim)} that answered ok are left out"
+              + ("" if reply.reason is None else f"; {reply.reason}"))[:REASONS_CHARS]
+    trimmed = {"nodes": slim, "missing": result.get("missing", []),
+               "ok": len(answers) - len(slim), "results_left_out": True}
+    try:
+        return protocol.encode(protocol.Reply(reply.request_id, "error", reason, trimmed,
+                                              protocol.TOO_BIG))
+    except protocol.ProtocolError:  # thousands of failing nodes: their count, not names
+        return protocol.encode(protocol.Reply(
+            reply.request_id, "error", reason,
+            {"nodes": {}, "missing": [], "ok": len(answers) - len(slim),
+             "failed": len(slim), "missing_count": len(result.get("missing", [])),
+             "results_left_out": True}, protocol.TOO_BIG))

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
+from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, encode_reply
 from rollout_watchdog.agent.hub_socket import NodeRoutes, bind_hub
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
@@ -437,7 +437,7 @@ class Coordinator:
             known.client = client
             return
         if cmd.cmd in queries.COMMANDS:  # read-only: nothing to remember for a repeat
-            self._send(client, protocol.encode(queries.answer(self, cmd)))
+            self._send(client, encode_reply(queries.answer(self, cmd)))   # (TOO_BIG if need be)
             return
         if cmd.cmd in refit.COMMANDS:
             self.refit.handle(self, client, cmd, now)

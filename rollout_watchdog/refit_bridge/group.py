@@ -53,6 +53,9 @@ class GroupMember:
     incarnation: int
     url: str
     tp_size: int
+    # The node's identity of its main process (kernel boot, pid, start time): a process that
+    # took over an incarnation number (a daemon that lost its state file) is another member.
+    process: str | None = None
 
     def label(self) -> str:
         return f"{self.node_id}/{self.engine} (incarnation {self.incarnation})"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 MIN_LEASE_S = 1.0
 MAX_LEASE_S = 3600.0
@@ -47,6 +48,9 @@ class Lease:
     expires: float       # monotonic
     heard: float         # monotonic: the holder's last call
     members: list[tuple[str, str, int]]   # (node, engine, incarnation) the refit updates
+    # The members as last listed to the holder (their objects, in page order): the pages of
+    # one listing all come from it (service.py, refit_members).
+    listing: list[dict[str, Any]] = field(default_factory=list)
     committed: bool = False
     aborted: bool = False
     # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts

@@ -46,6 +46,7 @@ from rollout_watchdog.common.errors import (
     RolloutWatchdogError,
 )
 from rollout_watchdog.refit_bridge import engine_calls
+from rollout_watchdog.refit_bridge.member_pages import collect, field_of
 from rollout_watchdog.refit_bridge.refit_state import (
     GROUPS,
     Member,
@@ -127,13 +128,13 @@ class Refit:
         self._watch.start()
         try:
             result = self._acquire()
-            self.token = _field(result, "token", object, "refit_acquire")   # opaque
+            self.token = field_of(result, "token", object, "refit_acquire")   # opaque
             self._watch.renewing()
-            members = _field(result, "members", list, "refit_acquire")
+            members = self._all_members(result, "refit_acquire")
             if result.get("relaunched"):
                 members = self._wait_for_relaunched(result["relaunched"])
             engines = [EngineView.from_json(m["node_id"], True, {**m, "state": "healthy"})
-                       for m in _members(members)]
+                       for m in members]
             if not engines:
                 raise NoMembers(f"refit {self.version!r}: no engine to update (no healthy "
                                 "engine on a reachable node); the lock is released and nothing "
@@ -282,7 +283,7 @@ class Refit:
             try:
                 _, result = self.client.call("refit_acquire", {
                     "holder": self.holder, "version": self.version, "lease_s": self.lease_s,
-                    "deadline_s": self.timeout_s + PAUSE_MARGIN_S},
+                    "deadline_s": self.timeout_s + PAUSE_MARGIN_S, "paged": True},
                     timeout_s=max(0.1, min(ACQUIRE_TIMEOUT_S, left)))   # (a late wake-up)
                 if not isinstance(result, dict):
                     raise CommandRefused(f"the coordinator's answer to refit_acquire is not "
@@ -297,7 +298,13 @@ class Refit:
                                          result=exc.result) from None
             time.sleep(LOCK_RETRY_S)
 
-    def _wait_for_relaunched(self, relaunched: list[list[str]]) -> list[Any]:
+    def _all_members(self, first: dict[str, Any], cmd: str) -> list[dict[str, Any]]:
+        """Every member of the listing whose first page `first` is, the others fetched
+        (protocol 1.3; a coordinator before it sends them all at once)."""
+        return collect(first, cmd, lambda cursor: self._call(
+            "refit_members", {"paged": True, "after": cursor}))
+
+    def _wait_for_relaunched(self, relaunched: list[list[str]]) -> list[dict[str, Any]]:
         """Deferred engines the refit relaunched join once healthy (or at the deadline)."""
         wanted = {(n, e) for n, e in relaunched}
         try:
@@ -308,9 +315,7 @@ class Refit:
         except TimeoutError as exc:
             log.warning("refit %r: relaunched engines not healthy in time, going on without "
                         "them: %s", self.version, exc)
-        members: list[Any] = _field(self._call("refit_members", {}), "members", list,
-                                    "refit_members")
-        return members
+        return self._all_members(self._call("refit_members", {"paged": True}), "refit_members")
 
     def _call(self, cmd: str, args: dict[str, Any], timeout_s: float | None = None
               ) -> dict[str, Any]:
@@ -344,7 +349,7 @@ class Refit:
             url, engine_calls.tp_size(url, timeout)),
             [str(e.url) for e in self.engines if not e.tp_size])
         members = [groups.GroupMember(e.node_id, e.id, e.incarnation, str(e.url),
-                                      sizes[str(e.url)]) for e in self.engines]
+                                      sizes[str(e.url)], _process(e)) for e in self.engines]
         key = self.client.address
         cached = GROUPS.get(key)
         if cached is not None and cached.members == members and cached.backend == self.backend \
@@ -472,36 +477,18 @@ def _of(m: GroupMember) -> Member:
     return (m.node_id, m.engine, m.incarnation)
 
 
+def _process(engine: EngineView) -> str | None:
+    """The identity of the member's main process (None from a coordinator or node that does
+    not say): part of the group's membership, so that a new process gets a new group."""
+    process = engine.raw.get("process")
+    return process if isinstance(process, str) else None
+
+
 def _lock_held(exc: CommandRefused) -> bool:
     """The refusal of an acquisition says another holder has the lock: its code, or, from a
     coordinator before protocol 1.2, the holder its result names."""
     return exc.code == protocol.LOCK_HELD or (exc.code is None and isinstance(exc.result, dict)
                                               and "holder" in exc.result)
-
-
-def _field(result: dict[str, Any], name: str, kind: type, cmd: str) -> Any:
-    """`result[name]`, of `kind`; CommandRefused naming what is wrong otherwise (an answer cut
-    down to fit one message by an older coordinator says so)."""
-    value = result.get(name)
-    if value is not None and isinstance(value, kind) and (kind is object
-                                                          or not isinstance(value, bool)):
-        return value
-    cut = result.get("results_left_out") is True
-    raise CommandRefused(
-        f"the coordinator's answer to {cmd} lacks its {name!r}" + (
-            " (left out: the answer was too big for one message; a lock it took is let go "
-            "when its holder is silent for 5 s)" if cut else f": {str(result)[:80]}"),
-        code=protocol.TOO_BIG if cut else None)
-
-
-def _members(members: list[Any]) -> list[dict[str, Any]]:
-    """The members of an acquisition's answer, checked."""
-    for m in members:
-        if not isinstance(m, dict) or not isinstance(m.get("node_id"), str) \
-                or not isinstance(m.get("id"), str):
-            raise CommandRefused(f"the coordinator's answer names a member badly: "
-                                 f"{str(m)[:80]}")
-    return members
 
 
 __all__ = ["Refit"]

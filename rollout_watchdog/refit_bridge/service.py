@@ -7,18 +7,26 @@ also by a restarted coordinator; a call whose pair is not the current holder's i
 reason starting "lease lost" (code LEASE_LOST). Every error reply carries a code
 (protocol.CODES). A `version` is 1 to 256 printable characters.
 
-- `refit_acquire {holder, version, lease_s, deadline_s}`: take the lock. Pauses deep probes on
-  every reachable node with the refit's own owner tag (answering once in-flight probes ended,
-  as `pause --all` does; nodes resume by themselves after `deadline_s` if nothing else resumes
-  them), relaunches `deferred` engines that wait for it, and answers `{token, lease_s, version,
-  members, relaunched, pause_problems}`. `members` are the engines the refit updates: healthy,
-  on reachable nodes, serving or `pending_weights` (each `{node_id, id, incarnation, url,
-  tp_size, weight_version}`). Held by another: an error (LOCK_HELD) naming the holder, with
-  `{holder, version, expires_in_s}`. An answer too big for one message is an error (TOO_BIG),
-  and the lock is left free.
-- `refit_members {holder, token}`: the members again, now including the relaunched engines
-  that have become healthy; an engine that comes back otherwise waits for the next refit
-  (admission is frozen while the lock is held).
+- `refit_acquire {holder, version, lease_s, deadline_s, paged?}`: take the lock. Pauses deep
+  probes on every reachable node with the refit's own owner tag (answering once in-flight
+  probes ended, as `pause --all` does; nodes resume by themselves after `deadline_s` if nothing
+  else resumes them), relaunches `deferred` engines that wait for it, and answers `{token,
+  lease_s, version, members, next, relaunched, pause_problems}`. `members` are the engines the
+  refit updates: healthy, on reachable nodes, serving or `pending_weights` (each `{node_id, id,
+  incarnation, url, tp_size, process, weight_version}`; `process` names the main process, as
+  the node's status does, null from an older node), in order of node id, then engine id.
+  `pause_problems` (for people) is cut at 20,000 characters. Held by another: an error
+  (LOCK_HELD) naming the holder, with `{holder, version, expires_in_s}`.
+- Pages (1.3, member_pages.py): with `paged: true`, `members` is the first page (about 512 KiB)
+  and `next` the cursor of the following one, null on the last; `refit_members {holder, token,
+  after: NEXT}` answers `{members, next}`, the next page of that same listing. Without `paged`
+  (a client before 1.3): every member in one answer, no `next`; when they do not fit, an error
+  (TOO_BIG) naming the limit, and an acquisition leaves the lock free. No answer is ever cut to
+  fit: any other reply too big for a message is a TOO_BIG error too (agent/fanout.py).
+- `refit_members {holder, token, paged?, after?}`: without `after`, the members listed afresh,
+  now including the relaunched engines that have become healthy (the lease holds those from
+  then on); an engine that comes back otherwise waits for the next refit (admission is frozen
+  while the lock is held). Paged as above.
 - `refit_renew {holder, token}`: extend the lease by its `lease_s`; `{expires_in_s}`.
 - `refit_commit {holder, token, version, members, release}`: these `[node, engine,
   incarnation]` hold `version` now, which becomes the fleet's current version; the router gets
@@ -55,6 +63,7 @@ from typing import Any, Protocol
 
 from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge import member_pages
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.lock import (
@@ -215,6 +224,7 @@ class RefitService:
         version = check_version(cmd.args.get("version"))
         lease_s = _number(cmd.args, "lease_s", 30.0)
         deadline_s = _number(cmd.args, "deadline_s", 600.0)
+        paged, _ = member_pages.paging(cmd.args)
         if self._putback is not None:
             ended = self._putback[1]
             raise RefitError(
@@ -234,7 +244,7 @@ class RefitService:
 
         def saved(to: bytes, error: str | None) -> None:
             if error is None:
-                self._acquired(core, to, cmd, lease, deadline_s)
+                self._acquired(core, to, cmd, lease, deadline_s, paged)
                 return
             lease.members = []   # nothing was done to them
             if self.lock.lease is lease:
@@ -245,8 +255,9 @@ class RefitService:
         self._once_saved(cmd.request_id, client, saved)
 
     def _acquired(self, core: Core, client: bytes, cmd: protocol.Command, lease: Lease,
-                  deadline_s: float) -> None:
-        """The lease is on disk: pause the fleet, relaunch deferred engines, then answer."""
+                  deadline_s: float, paged: bool) -> None:
+        """The lease is on disk: pause the fleet, relaunch deferred engines, then answer (the
+        first page of the members, for a client that pages)."""
         now = time.monotonic()
         self.relaunched = self._relaunch_deferred(core, now)
         log.info("refit lock taken by %s (refit #%d, version %r, %d member(s))", lease.holder,
@@ -263,14 +274,18 @@ class RefitService:
                                           {"owner": lease.pause_owner}, node_id, engine,
                                           RELEASE_TIMEOUT_S)
                 core.gather(None, resume, [node_id], time.monotonic())
+            lease.listing = self.members(core, lease)
             reply = protocol.Reply(cmd.request_id, "ok", None, {
                 "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
-                "members": self.members(core, lease), "relaunched": self.relaunched,
-                "pause_problems": paused.reason})
+                **member_pages.page(lease.listing, None, paged),
+                "relaunched": self.relaunched,
+                "pause_problems": member_pages.cut(paused.reason)})
             try:
                 protocol.encode(reply)
             except protocol.ProtocolError as exc:   # never an "ok" stripped of its token
-                return self._unsendable(core, cmd, lease, str(exc))
+                return self._unsendable(core, cmd, lease, str(exc) + (
+                    "" if paged else f"; {len(lease.listing)} members: a client of protocol "
+                    "1.3 takes them in pages"))
             return reply
         core.gather(client, pause, core.view.reachable(), now, finish)
 
@@ -288,11 +303,15 @@ class RefitService:
                               f"cannot be sent ({why})", None, protocol.TOO_BIG)
 
     def _members(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
+        """Without `after`: list the members afresh (the lease holds those from now on);
+        with it: the next page of that listing."""
         lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
-        members = self.members(core, lease)
-        lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in members]
-        self._save()
-        return {"members": members}
+        paged, after = member_pages.paging(cmd.args)
+        if after is None:
+            lease.listing = self.members(core, lease)
+            lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in lease.listing]
+            self._save()
+        return member_pages.page(lease.listing, after, paged)
 
     def _renew(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
         lease = self.lock.renew(cmd.args.get("token"), cmd.args.get("holder"), now)
@@ -406,7 +425,9 @@ class RefitService:
 
     def members(self, core: Core, lease: Lease | None = None) -> list[dict[str, Any]]:
         """The engines a refit updates: healthy on reachable nodes; once the lock is held,
-        only those known at its start and the deferred engines it relaunched."""
+        only those known at its start and the deferred engines it relaunched. In the order of
+        their pages (node id, then engine id); each names its main process (`process`: a
+        trainer's cached group is rebuilt for a new one)."""
         allowed = None
         if lease is not None:
             allowed = {(n, e) for n, e, _ in lease.members} | set(self.relaunched)
@@ -421,11 +442,11 @@ class RefitService:
                     continue
                 out.append({"node_id": node_id, "id": engine["id"],
                             "incarnation": engine.get("incarnation"), "url": engine.get("url"),
-                            "tp_size": engine.get("tp_size"),
+                            "tp_size": engine.get("tp_size"), "process": engine.get("process"),
                             "weight_version": self.book.version_of(
                                 node_id, engine["id"], engine.get("incarnation"),
                                 engine.get("process"))})
-        return out
+        return sorted(out, key=member_pages.member_key)
 
     def router_members(self, view: FleetView) -> dict[str, str | None]:
         """What the router must hold: every serving engine of a reachable node, with the

@@ -1,0 +1,223 @@
+"""The refit's members a page at a time (issue 13, Major 4), no reply ever cut down to fit
+(Critical 3), and the group rebuilt for a new process under an unchanged incarnation.
+
+Pure: the pages and their cursor, the client's putting them together. The coordinator's refit
+service over a fake fleet view of 9,000 engines with long URLs (over one message): every page
+of an acquisition and of `refit_members` fits, and together they are exactly the lease's
+members; a client before 1.3 gets TOO_BIG and leaves the lock free. The embedded coordinator:
+a `status` page that cannot be sent is a TOO_BIG error, not silence. Real daemon, emulator and
+gloo: a daemon that lost its state file runs a new process under the same incarnation number,
+and the next refit builds a new group instead of failing once. The 20,000-engine run over the
+wire is test_refit_scale.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from daemon_harness import Node, pid_gone, wait_for
+from refit_harness import all_healthy, by_name, start_fleet, weights
+
+from rollout_watchdog import CommandRefused, Coordinator, FleetClient
+from rollout_watchdog.agent.fanout import encode_reply
+from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge import member_pages
+from rollout_watchdog.refit_bridge.refit_state import GROUPS
+from rollout_watchdog.refit_bridge.service import RefitService
+
+LONG_HOST = "gpu-node-" + "x" * 100 + ".cluster.example.com"
+
+
+def fleet_members(count: int, per_node: int = 500) -> list[dict[str, Any]]:
+    return sorted(({"node_id": f"node-{i // per_node:03d}.{LONG_HOST}", "id": f"e{i % per_node}",
+                    "incarnation": 1, "url": f"http://{LONG_HOST}:{30000 + i}", "tp_size": 1,
+                    "process": f"boot:{i}:1", "weight_version": "v" * 256}
+                   for i in range(count)), key=member_pages.member_key)
+
+
+# ---------------------------------------------------------------------- pure
+
+
+def test_the_pages_hold_every_member_once_in_order_and_each_fits_one_message() -> None:
+    listing = fleet_members(9_000)
+    with pytest.raises(protocol.ProtocolError, match="exceeds the limit"):   # the premise:
+        protocol.encode(protocol.Reply("r", "ok", None, {"members": listing}))   # not in one
+    cursors: list[Any] = []
+
+    def more(cursor: Any) -> dict[str, Any]:
+        cursors.append(cursor)
+        answer = member_pages.page(listing, member_pages.paging({"after": cursor})[1], True)
+        assert len(protocol.encode(protocol.Reply("r", "ok", None, answer))) \
+            <= protocol.MAX_MESSAGE_BYTES
+        return answer
+
+    first = member_pages.page(listing, None, True)
+    assert first["next"] is not None
+    assert member_pages.collect(first, "refit_acquire", more) == listing
+    assert len(cursors) >= 3 and len(set(map(tuple, cursors))) == len(cursors)
+    assert member_pages.page(listing, None, False) == {"members": listing}   # before 1.3
+    assert member_pages.page([], None, True) == {"members": [], "next": None}
+
+
+def test_a_cursor_is_checked_and_a_page_that_does_not_move_on_is_refused() -> None:
+    assert member_pages.paging({}) == (False, None)
+    assert member_pages.paging({"paged": True}) == (True, None)
+    assert member_pages.paging({"after": ["n1", "e0"]}) == (True, ("n1", "e0"))
+    for bad in ({"paged": "yes"}, {"after": "n1/e0"}, {"after": ["n1", 3]}, {"after": [1]}):
+        with pytest.raises(ValueError, match="'paged'|'after'"):
+            member_pages.paging(bad)
+    stuck = {"members": [{"node_id": "n1", "id": "e0"}], "next": ["n1", "e0"]}
+    with pytest.raises(CommandRefused, match="does not move on"):
+        member_pages.collect(stuck, "refit_acquire", lambda cursor: stuck)
+    cut_down = {"nodes": {}, "missing": [], "ok": 2, "results_left_out": True}
+    with pytest.raises(CommandRefused, match="too big for one message") as refused:
+        member_pages.collect(cut_down, "refit_acquire", lambda cursor: cut_down)
+    assert refused.value.code == protocol.TOO_BIG   # (a coordinator before 1.2)
+
+
+# ---------------------------------------------------------------------- the coordinator's side
+
+
+class Core:
+    """What RefitService needs of the coordinator: a fleet view and gathers that answer at
+    once; the replies go through the coordinator's own encoding (fanout.encode_reply)."""
+
+    def __init__(self, members: list[dict[str, Any]]) -> None:
+        self.view = SimpleNamespace(nodes={}, reachable=lambda: list(self.view.nodes))
+        for m in members:
+            record = self.view.nodes.setdefault(
+                m["node_id"], SimpleNamespace(reachable=True, engines={}))
+            record.engines[m["id"]] = {**m, "state": "healthy"}
+        self.replies: list[protocol.Reply] = []
+
+    def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
+               now: float, finish: Any = None) -> None:
+        if finish is not None:
+            self.reply(b"client", finish(SimpleNamespace(reply=lambda: protocol.Reply(
+                cmd.request_id, "ok", None, {"nodes": {}, "missing": []}))))
+
+    def reply(self, client: bytes, reply: protocol.Reply) -> None:
+        decoded = protocol.decode(encode_reply(reply))
+        assert isinstance(decoded, protocol.Reply)
+        self.replies.append(decoded)
+
+    def weights_changed(self) -> None:
+        pass
+
+    def refit_ended(self, outcome: str, duration_s: float) -> None:
+        pass
+
+    def call(self, service: RefitService, cmd: str, args: dict[str, Any]) -> protocol.Reply:
+        service.handle(self, b"client", protocol.Command(  # type: ignore[arg-type]
+            f"r{len(self.replies)}", cmd, args), time.monotonic())
+        return self.replies[-1]
+
+
+def test_an_acquisition_and_refit_members_page_one_listing_and_a_client_before_1_3_is_refused(
+        ) -> None:
+    listing = [{**m, "weight_version": None} for m in fleet_members(9_000)]   # (no refit yet)
+    core, service = Core(listing), RefitService(None)
+    old = core.call(service, "refit_acquire", {"holder": "old", "version": "v1"})
+    assert (old.status, old.code) == ("error", protocol.TOO_BIG)
+    assert "1048576" in str(old.reason) and service.lock.lease is None   # the lock is free
+
+    first = core.call(service, "refit_acquire", {"holder": "t", "version": "v1",
+                                                 "paged": True}).result
+    token = first["token"]
+    members = member_pages.collect(first, "refit_acquire", lambda cursor: core.call(
+        service, "refit_members", {"holder": "t", "token": token, "after": cursor}).result)
+    assert members == listing and all(m["process"] for m in members)
+    lease = service.lock.lease
+    assert lease is not None and len(lease.members) == 9_000
+
+    gone = listing[4_500]   # an engine dies meanwhile: the pages of the listing hold it still
+    core.view.nodes[gone["node_id"]].engines[gone["id"]]["state"] = "stopping"
+    again = member_pages.collect(first, "refit_acquire", lambda cursor: core.call(
+        service, "refit_members", {"holder": "t", "token": token, "after": cursor}).result)
+    assert again == listing
+    fresh = core.call(service, "refit_members", {"holder": "t", "token": token, "paged": True})
+    assert fresh.status == "ok" and fresh.result["next"] is not None
+    refreshed = member_pages.collect(fresh.result, "refit_members", lambda cursor: core.call(
+        service, "refit_members", {"holder": "t", "token": token, "after": cursor}).result)
+    assert gone not in refreshed and len(refreshed) == len(lease.members) == 8_999
+
+    whole = core.call(service, "refit_members", {"holder": "t", "token": token})  # before 1.3
+    assert (whole.status, whole.code, whole.result) == ("error", protocol.TOO_BIG, None)
+    assert "exceeds the limit of 1048576 bytes" in str(whole.reason)
+    assert core.call(service, "refit_release", {"holder": "t", "token": token}).status == "ok"
+
+
+def test_a_fan_out_too_big_for_one_message_is_an_error_that_names_the_limit() -> None:
+    answers = {f"n{i:05d}": {"status": "ok", "reason": None, "result": {"x": "y" * 100}}
+               for i in range(20_000)}
+    reply = protocol.decode(encode_reply(protocol.Reply("r", "ok", None,
+                                                        {"nodes": answers, "missing": []})))
+    assert isinstance(reply, protocol.Reply)
+    assert (reply.status, reply.code) == ("error", protocol.TOO_BIG)
+    assert "limit of 1048576 bytes" in str(reply.reason) and "20000 that answered ok" in str(
+        reply.reason)
+    assert reply.result == {"nodes": {}, "missing": [], "ok": 20_000, "results_left_out": True}
+
+
+def test_a_status_page_that_cannot_be_sent_is_too_big_not_silence() -> None:
+    """One node's entry cannot be split across pages: a HELLO just under the limit, which the
+    view's own fields push over it."""
+    import zmq
+    engines = [{"id": f"e{i:05d}", "state": "healthy"} for i in range(26_000)]
+    hello = protocol.encode(protocol.Hello("big", "b1", engines, 0))
+    assert len(hello) < protocol.MAX_MESSAGE_BYTES
+    with Coordinator(bind="tcp://127.0.0.1:0") as coordinator:
+        ctx = zmq.Context()
+        node = ctx.socket(zmq.DEALER)
+        node.setsockopt(zmq.ROUTING_ID, b"big")
+        node.setsockopt(zmq.LINGER, 0)
+        node.connect(coordinator.endpoint)
+        node.send(hello)
+        fleet = FleetClient(coordinator.endpoint, timeout_s=10.0)
+        try:
+            wait_for(lambda: fleet.call("ping")[1]["nodes"] == 1, 20, "the node's hello")
+            with pytest.raises(CommandRefused, match="exceeds the limit") as refused:
+                fleet.status()
+            assert refused.value.code == protocol.TOO_BIG
+        finally:
+            fleet.close()
+            node.close()
+            ctx.term()
+
+
+# ---------------------------------------------------------------------- a new process
+
+
+@pytest.mark.skipif(pytest.importorskip("torch") is None, reason="torch")
+def test_a_new_process_under_an_unchanged_incarnation_gets_a_new_group(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    """B's leftover: the daemon and its engine die, the state file is lost, and the engine is
+    launched again as incarnation 1 on the same URL: only `process` tells the trainer."""
+    fleet = FleetClient(coordinator.endpoint)
+    node = start_fleet(make_node, coordinator.endpoint, nodes=1, engines=1)[0]
+    fleet.wait_until(all_healthy(1), 90)
+    with fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
+        refit.update_weights(weights(1))
+    first = GROUPS.get(fleet.address)
+    before = by_name(fleet)["node0/e0"]
+    assert first is not None and before.pid is not None
+    node.kill_daemon()
+    os.kill(before.pid, signal.SIGKILL)
+    wait_for(lambda: pid_gone(before.pid), 10, "the engine to die")   # type: ignore[arg-type]
+    shutil.rmtree(node.state_dir)   # the state file and the incarnation marks with it
+    node.start()
+    after = fleet.wait_until(lambda view: any(
+        e.name == before.name and e.state == "healthy" and e.pid != before.pid
+        for e in view), 90)[0]
+    assert (after.incarnation, after.url) == (before.incarnation, before.url)   # same key ...
+    assert after.raw.get("process") != before.raw.get("process")               # ... new process
+    with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:   # no failure first
+        refit.update_weights(weights(2))
+    assert GROUPS.get(fleet.address) is not first
+    assert by_name(fleet)["node0/e0"].weight_version == "v2"
