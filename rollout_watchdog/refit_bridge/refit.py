@@ -103,6 +103,7 @@ class Refit:
         # The caller's thread only:
         self.token: Any = None   # the fencing token, opaque: sent back as it came
         self.engines: list[EngineView] = []
+        self._compact = False   # commit with `members_except` (a coordinator of 1.3)
         self._group: WeightUpdateGroup | None = None
         self._watch: RefitWatch | None = None
 
@@ -129,6 +130,7 @@ class Refit:
         try:
             result = self._acquire()
             self.token = field_of(result, "token", object, "refit_acquire")   # opaque
+            self._compact = "next" in result   # the coordinator pages: it speaks 1.3
             self._watch.renewing()
             members = self._all_members(result, "refit_acquire")
             if result.get("relaunched"):
@@ -261,9 +263,10 @@ class Refit:
         ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
         self._check()   # a death or the deadline during the checks: no commit
         self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: this call releases
-        result = self._call("refit_commit", {
-            "version": self.version, "release": True,
-            "members": [[e.node_id, e.id, e.incarnation] for e in ok]})
+        result = self._call("refit_commit", {   # (a 1.3 coordinator: the compact form)
+            "version": self.version, "release": True, **(
+                {"members_except": [list(_member(engine)) for engine, _ in wrong]}
+                if self._compact else {"members": [list(_member(e)) for e in ok]})})
         self._state.advance(Phase.COMMITTED)
         if "released" not in result:   # a coordinator before `release` ignores it
             self._release()
@@ -408,8 +411,7 @@ class Refit:
         if self.token is None or self._state.snapshot().lease_lost:
             return
         try:
-            self._call("refit_abort", {
-                "members": [[e.node_id, e.id, e.incarnation] for e in self.engines],
+            self._call("refit_abort", {   # (no members: every member of the listing)
                 "wedged": [list(m) for m in wedged], "reason": reason[:400]})
         except RolloutWatchdogError as exc:
             log.error("refit %r: the coordinator did not record the abort (its lease will "

@@ -31,7 +31,9 @@ reason starting "lease lost" (code LEASE_LOST). Every error reply carries a code
 - `refit_commit {holder, token, version, members, release}`: these `[node, engine,
   incarnation]` hold `version` now, which becomes the fleet's current version; the router gets
   them. With `release: true`, the lock is released too, as `refit_release` does (one round trip
-  fewer).
+  fewer). 1.3: `members_except` instead of `members` names those of the last listing that do
+  not (20,000 members with long host names are more than one message).
+- `refit_abort` without `members`: every member of the last listing.
 - `refit_abort {holder, token, members, wedged, reason}`: the refit failed; every member is
   stale until a later commit; each `wedged` member is restarted by its watchdog with cause
   `refit_wedged`.
@@ -320,7 +322,11 @@ class RefitService:
     def _commit(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
         lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
         version = check_version(cmd.args.get("version"))
-        members = members_of(cmd.args.get("members"))
+        if "members_except" in cmd.args:   # (1.3: the lease's listing but these, compact)
+            left_out = set(members_of(cmd.args["members_except"]))
+            members = [m for m in lease.members if m not in left_out]
+        else:
+            members = members_of(cmd.args.get("members"))
         self.book.commit(version, members, core.view.process_of)
         lease.committed = True
         lease.members = []
