@@ -4,14 +4,17 @@ This docstring is the spec (docs/protocol.md says the same for people).
 
 Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX_MESSAGE_BYTES
 (1 MiB: a HELLO snapshot of a node with hundreds of engines fits). Every message has
-    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 2)
+    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 3)
     "kind": one of "hello", "event", "events", "ack", "heartbeat", "command", "reply",
             "subscribe"
 and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR and
 ignores fields it does not know. A newer minor only adds optional fields and kinds; a sender
 uses a newer kind only towards a peer that asked for it (1.1: "events", asked for by the
 `batches` flag of "ack" and "subscribe"; 1.2 added only the reply's optional `code`, which an
-older peer ignores and an older peer's reply lacks). Numbers are finite
+older peer ignores and an older peer's reply lacks; 1.3 only the paging of the refit's members,
+asked for by the `paged` argument of `refit_acquire` and `refit_members`, which an older
+coordinator ignores and answers with every member at once: refit_bridge/service.py). Numbers
+are finite
 (no NaN/Infinity); the protocol's own integers (seq, last_seq) fit in a signed 64-bit int.
 Sequence numbers count from 1 within one boot of a node daemon; 0 means "none yet".
 
@@ -61,8 +64,11 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                  NODE_ERRORS      a fan-out: some node answered an error or not at all
                                   (`result` holds each node's answer)
                  NOT_SAVED        the coordinator could not put the state on disk
-                 TOO_BIG          the result does not fit in one message (nothing of it
-                                  is sent; refit_acquire then leaves the lock free)
+                 TOO_BIG          the result does not fit in one message and is not paged:
+                                  nothing of it is sent (a fan-out keeps its failed and
+                                  missing nodes and the count of the others, with
+                                  `results_left_out`); refit_acquire then leaves the lock
+                                  free. A reply is never cut down to fit and sent as "ok".
                  INTERNAL         a bug on the answering side
                A reply from a peer before 1.2 has no code: the receiver falls back on the
                result's shape (refit.py says how), never on the reason's text.
@@ -84,7 +90,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
 MAJOR = 1
-MINOR = 2
+MINOR = 3
 VERSION = (MAJOR, MINOR)
 MAX_MESSAGE_BYTES = 1 << 20
 # The most an "events" frame holds as this package sends it: per-frame costs are well spread
