@@ -221,3 +221,17 @@ def test_a_new_process_under_an_unchanged_incarnation_gets_a_new_group(
         refit.update_weights(weights(2))
     assert GROUPS.get(fleet.address) is not first
     assert by_name(fleet)["node0/e0"].weight_version == "v2"
+
+
+def test_a_lock_being_put_back_by_the_coordinator_is_refused_as_held() -> None:
+    """Until a lease that ended uncommitted has its members back in service the lock is the
+    coordinator's: LOCK_HELD, which the refit waits out (it used to be BAD_ARGS, which ended
+    the next trainer's refit at once)."""
+    core, service = Core([{"node_id": "n1", "id": "e0", "incarnation": 1, "tp_size": 1,
+                           "url": "http://127.0.0.1:1", "process": "p"}]), RefitService(None)
+    first = core.call(service, "refit_acquire", {"holder": "a", "version": "v1", "lease_s": 1})
+    assert first.status == "ok"
+    service.tick(core, time.monotonic() + 2)   # the lease ran out, uncommitted
+    refused = core.call(service, "refit_acquire", {"holder": "b", "version": "v2"})
+    assert (refused.status, refused.code) == ("error", protocol.LOCK_HELD)
+    assert refused.result["holder"] == "coordinator"
