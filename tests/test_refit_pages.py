@@ -235,3 +235,14 @@ def test_a_lock_being_put_back_by_the_coordinator_is_refused_as_held() -> None:
     refused = core.call(service, "refit_acquire", {"holder": "b", "version": "v2"})
     assert (refused.status, refused.code) == ("error", protocol.LOCK_HELD)
     assert refused.result["holder"] == "coordinator"
+
+
+def test_a_command_too_big_for_one_message_is_refused_before_it_is_sent() -> None:
+    """A refit naming 20,000 long-named members to a coordinator before 1.3: a contract
+    error with code TOO_BIG, never a raw ValueError out of the refit."""
+    fleet = FleetClient("tcp://127.0.0.1:9", timeout_s=0.5)
+    rows = [[f"node-{i}.{LONG_HOST}", "e0", 1] for i in range(20_000)]
+    with pytest.raises(CommandRefused, match="refit_commit command cannot be sent") as refused:
+        fleet.call("refit_commit", {"holder": "t", "token": "x", "members": rows})
+    assert refused.value.code == protocol.TOO_BIG
+    fleet.close()

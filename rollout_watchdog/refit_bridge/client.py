@@ -164,9 +164,14 @@ class FleetClient:
     def request(self, command: protocol.Command, wait_s: float | None = None
                 ) -> protocol.Reply:
         """Send `command`, return its reply (an error reply included); CoordinatorUnavailable
-        when none comes within `wait_s` (default: the client's timeout)."""
+        when none comes within `wait_s` (default: the client's timeout); CommandRefused (code
+        TOO_BIG) for a command too big for one message."""
         wait = self.timeout_s if wait_s is None else wait_s
-        data = protocol.encode(command)
+        try:
+            data = protocol.encode(command)
+        except protocol.ProtocolError as exc:   # (20,000 members named in one refit_commit)
+            raise CommandRefused(f"the {command.cmd} command cannot be sent: {exc}",
+                                 code=protocol.TOO_BIG) from None
         deadline = time.monotonic() + wait
         conn = self._connection()
         try:
