@@ -52,7 +52,7 @@ def test_the_pages_hold_every_member_once_in_order_and_each_fits_one_message() -
 
     def more(cursor: Any) -> dict[str, Any]:
         cursors.append(cursor)
-        answer = member_pages.page(listing, member_pages.paging({"after": cursor})[1], True)
+        answer = member_pages.page(listing, member_pages.cursor(cursor), True)
         assert len(protocol.encode(protocol.Reply("r", "ok", None, answer))) \
             <= protocol.MAX_MESSAGE_BYTES
         return answer
@@ -66,12 +66,10 @@ def test_the_pages_hold_every_member_once_in_order_and_each_fits_one_message() -
 
 
 def test_a_cursor_is_checked_and_a_page_that_does_not_move_on_is_refused() -> None:
-    assert member_pages.paging({}) == (False, None)
-    assert member_pages.paging({"paged": True}) == (True, None)
-    assert member_pages.paging({"after": ["n1", "e0"]}) == (True, ("n1", "e0"))
-    for bad in ({"paged": "yes"}, {"after": "n1/e0"}, {"after": ["n1", 3]}, {"after": [1]}):
-        with pytest.raises(ValueError, match="'paged'|'after'"):
-            member_pages.paging(bad)
+    assert member_pages.cursor(["n1", "e0"]) == ("n1", "e0")
+    for bad in ("n1/e0", ["n1", 3], [1], None):
+        with pytest.raises(ValueError, match="must be the 'next' of an earlier page"):
+            member_pages.cursor(bad)
     stuck = {"members": [{"node_id": "n1", "id": "e0"}], "next": ["n1", "e0"]}
     with pytest.raises(CommandRefused, match="does not move on"):
         member_pages.collect(stuck, "refit_acquire", lambda cursor: stuck)
@@ -150,6 +148,9 @@ def test_an_acquisition_and_refit_members_page_one_listing_and_a_client_before_1
     whole = core.call(service, "refit_members", {"holder": "t", "token": token})  # before 1.3
     assert (whole.status, whole.code, whole.result) == ("error", protocol.TOO_BIG, None)
     assert "exceeds the limit of 1048576 bytes" in str(whole.reason)
+    for bad in ({"after": "n1/e0"}, {"paged": "yes"}):
+        refused = core.call(service, "refit_members", {"holder": "t", "token": token, **bad})
+        assert refused.code == protocol.BAD_ARGS and f"'{next(iter(bad))}'" in str(refused.reason)
     assert core.call(service, "refit_release", {"holder": "t", "token": token}).status == "ok"
 
 

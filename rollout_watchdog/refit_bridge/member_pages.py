@@ -34,20 +34,13 @@ def member_key(member: dict[str, Any]) -> Cursor:
     return (str(member["node_id"]), str(member["id"]))
 
 
-def paging(args: dict[str, Any]) -> tuple[bool, Cursor | None]:
-    """(whether the client pages, the cursor it sent or None) of a command's arguments;
-    ValueError naming the problem. A cursor is the `next` of an earlier answer, sent back as
-    it came; a call that sends one pages."""
-    paged, after = args.get("paged", False), args.get("after")
-    if not isinstance(paged, bool):
-        raise ValueError(f"'paged' must be true or false, got {str(paged)[:40]!r}")
-    if after is None:
-        return paged, None
-    if not (isinstance(after, list) and len(after) == 2
-            and all(isinstance(part, str) for part in after)):
-        raise ValueError(f"'after' must be the 'next' of an earlier page ([node_id, engine]), "
-                         f"got {str(after)[:80]!r}")
-    return True, (after[0], after[1])
+def cursor(value: Any) -> Cursor:
+    """An argument `after` (a kind of common.commands): the `next` of an earlier page, sent
+    back as it came; ValueError saying what is wrong otherwise."""
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(p, str) for p in value):
+        return (value[0], value[1])
+    raise ValueError(f"must be the 'next' of an earlier page ([node_id, engine]), got "
+                     f"{str(value)[:80]!r}")
 
 
 def page(listing: list[dict[str, Any]], after: Cursor | None, paged: bool,
@@ -127,4 +120,4 @@ def collect(first: dict[str, Any], cmd: str, more: Callable[[Any], dict[str, Any
     return members
 
 
-__all__ = ["MEMBERS_PAGE_BYTES", "collect", "cut", "page", "paging"]
+__all__ = ["MEMBERS_PAGE_BYTES", "collect", "cursor", "cut", "page"]
