@@ -79,6 +79,7 @@ from rollout_watchdog.refit_bridge.lock import (
     RefitLock,
 )
 from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
+from rollout_watchdog.refit_bridge.save_gate import SaveGate
 from rollout_watchdog.refit_bridge.weights import (
     Member,
     RefitState,
@@ -92,18 +93,6 @@ PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s i
 RELEASE_TIMEOUT_S = 5.0
 PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
 Finish = Callable[[Gathering], protocol.Reply]
-Then = Callable[[bytes, "str | None"], None]   # (client, None or why the state is not saved)
-
-
-@dataclass
-class Unsaved:
-    """A reply that waits for the state it reports to be on disk."""
-
-    generation: int       # the writer's generation that holds the change
-    request_id: str
-    client: bytes         # a retry of the request moves the answer to its socket
-    deadline: float       # monotonic: past it, the save counts as failed
-    then: Then
 
 
 class Core(Protocol):
@@ -152,7 +141,7 @@ class RefitService:
                  state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S,
                  route_after_first_refit: bool = False) -> None:
         self.state = RefitState(state_dir)
-        self.state_write_timeout_s = state_write_timeout_s
+        self.saves = SaveGate(self.state, state_write_timeout_s)
         self.book, next_token, in_flight = self.state.load()
         self.book.disk_weights_serve = not route_after_first_refit
         if in_flight:
@@ -163,7 +152,6 @@ class RefitService:
         self.relaunched: list[tuple[str, str]] = []
         # A lease that ended uncommitted: its members' put-back, then its resume.
         self._putback: tuple[PutBack, Lease] | None = None
-        self._unsaved: list[Unsaved] = []   # replies waiting for the state to be on disk
         if self.state.writer is not None:
             try:
                 self.state.writer.write_now(self._content())
@@ -174,19 +162,19 @@ class RefitService:
     @property
     def wakeup_fd(self) -> int | None:
         """Readable when a write of the state ended: the loop then calls `saved`."""
-        return None if self.state.writer is None else self.state.writer.wakeup_fd
+        return self.saves.wakeup_fd
+
+    def saved(self, now: float) -> None:
+        self.saves.saved(now)
 
     def close(self) -> None:
-        if self.state.writer is not None:
-            self.state.writer.close()
+        self.saves.close()
 
     # ------------------------------------------------------------------ commands
 
     def handle(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
-        for unsaved in self._unsaved:
-            if unsaved.request_id == cmd.request_id:   # a retry while its save is under way
-                unsaved.client = client
-                return
+        if self.saves.retried(cmd.request_id, client):   # a retry while its save is under way
+            return
         try:
             spec = COMMANDS.lookup(cmd.cmd)
             result = spec.handler(self, Call(core, client, cmd, spec.validate(cmd.args), now))
@@ -210,40 +198,7 @@ class RefitService:
                        else protocol.Reply(cmd.request_id, "error", f"{cmd.cmd} took effect "
                                            f"but is not saved: {error}", result,
                                            protocol.NOT_SAVED))
-        self._once_saved(cmd.request_id, client, answer)
-
-    def _once_saved(self, request_id: str, client: bytes, then: Then) -> None:
-        """`then(client, None)` once every change so far is on disk (at once without a state
-        dir, or when it is already); `then(client, error)` if the write failed."""
-        writer = self.state.writer
-        if writer is None:
-            then(client, None)
-            return
-        self._unsaved.append(Unsaved(writer.submitted, request_id, client,
-                                     time.monotonic() + self.state_write_timeout_s, then))
-        self.saved(time.monotonic())
-
-    def saved(self, now: float) -> None:
-        """A write of the state ended, or a wait for one may be over: go on with what waited
-        for it."""
-        if self.state.writer is None or not self._unsaved:
-            return
-        written, failed, error = self.state.writer.outcome()
-        waiting, self._unsaved = self._unsaved, []
-        for unsaved in waiting:
-            if written >= unsaved.generation:
-                unsaved.then(unsaved.client, None)
-                continue
-            if failed >= unsaved.generation:
-                why = error
-            elif now >= unsaved.deadline:
-                why = (f"{self.state.path} was not written within {self.state_write_timeout_s:g} s "
-                       "(a slow or hung disk)")
-            else:
-                self._unsaved.append(unsaved)
-                continue
-            log.error("refit state not saved: %s", why)
-            unsaved.then(unsaved.client, why)
+        self.saves.once_saved(cmd.request_id, client, answer)
 
     @COMMANDS.command("refit_acquire", Arg("holder", text(), required=True), VERSION,
                       Arg("lease_s", number(0, above=True), 30.0),
@@ -282,7 +237,7 @@ class RefitService:
             core.reply(to, protocol.Reply(cmd.request_id, "error",
                                           f"refit lock not taken: {error}", None,
                                           protocol.NOT_SAVED))
-        self._once_saved(cmd.request_id, client, saved)
+        self.saves.once_saved(cmd.request_id, client, saved)
 
     def _acquired(self, core: Core, client: bytes, cmd: protocol.Command, lease: Lease,
                   deadline_s: float, paged: bool) -> None:
@@ -436,7 +391,7 @@ class RefitService:
         self._ended(core, lease, now, why, expired=True)
 
     def next_deadline(self) -> float | None:
-        unsaved = self._unsaved[0].deadline if self._unsaved else None   # (the oldest first)
+        unsaved = self.saves.next_deadline()
         putback = None if self._putback is None else time.monotonic() + PUTBACK_POLL_S
         return min((d for d in (unsaved, putback, self.lock.next_deadline()) if d is not None),
                    default=None)
@@ -544,8 +499,7 @@ class RefitService:
         return out
 
     def _save(self) -> None:
-        if self.state.writer is not None:
-            self.state.writer.submit(self._content())
+        self.saves.submit(self._content())
 
     def _content(self) -> bytes:
         lease = self.lock.lease
