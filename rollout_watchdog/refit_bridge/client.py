@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
-import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable
+from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.refit_bridge.stream import SILENCE_S, EventStream
 from rollout_watchdog.refit_bridge.views import (
     EngineView,
@@ -121,14 +121,8 @@ class FleetClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.address, self.key, self.coordinator_key = address, key, coordinator_key
         self.timeout_s = float(timeout_s)
-        self._curve: tuple[bytes, bytes, bytes] | None = None
-        if key is not None and coordinator_key is not None:
-            public, secret = zmq.auth.load_certificate(key)
-            server, _ = zmq.auth.load_certificate(coordinator_key)
-            if secret is None:
-                raise ValueError(f"{key} holds no secret key: give this client's "
-                                 "NAME.key_secret")
-            self._curve = (public, secret, server)
+        self._curve = None if key is None or coordinator_key is None \
+            else ClientKeys.load(key, coordinator_key)
         self._lock = threading.Lock()
         self._pid = os.getpid()                                # under _lock
         self._conns: dict[threading.Thread, _Connection] = {}  # under _lock
@@ -156,7 +150,7 @@ class FleetClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if self._curve is not None:
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
+            self._curve.apply(sock)
         if connect:
             sock.connect(self.address)
         return sock
