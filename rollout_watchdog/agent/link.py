@@ -40,6 +40,7 @@ from rollout_watchdog.common import protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.keys import ClientKeys
+from rollout_watchdog.common.lograte import worth_logging
 from rollout_watchdog.common.replies import (
     CommandError,
     Deferred,
@@ -324,11 +325,11 @@ class NodeLink:
         self.socket.connect(self.endpoint)
 
     def _bad(self, reason: str, why: str) -> None:
-        """Count a bad message; log the 1st, 2nd, 4th, 8th... so a flood cannot fill the log."""
+        """Count a bad message; log it, rate-limited (lograte)."""
         self.bad_messages += 1
         if self._metrics is not None:
             self._metrics.link_bad_message(reason)
-        if self.bad_messages & (self.bad_messages - 1) == 0:
+        if worth_logging(self.bad_messages):
             log.warning("bad message #%d from the coordinator (%s): %s", self.bad_messages,
                         reason, why)
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_watchdog.common.lograte import worth_logging
+
 log = logging.getLogger(__name__)
 
 
@@ -78,7 +80,7 @@ class EventLog:
                 f.write(json.dumps(event.to_json()) + "\n")
         except OSError as exc:
             self.write_errors += 1
-            if self.write_errors == 1 or self.write_errors % 1000 == 0:
+            if worth_logging(self.write_errors):
                 log.error("cannot write event log %s: %s (events stay in memory)", self.path,
                           exc.strerror or exc)
 

@@ -30,6 +30,7 @@ from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_it
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.limits import raise_nofile_limit
+from rollout_watchdog.common.lograte import worth_logging
 from rollout_watchdog.refit_bridge import queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
@@ -572,7 +573,7 @@ class Coordinator:
     def _bad(self, reason: str, detail: str) -> None:
         self.bad_messages[reason] += 1
         count = self.bad_messages[reason]
-        if count <= 10 or count % 1000 == 0:  # a flood must not flood the log too
+        if worth_logging(count):
             log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
 
 
