@@ -19,6 +19,7 @@ makes its own (the parent's are left alone, never closed from the child).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable
 from rollout_watchdog.common.keys import ClientKeys
+from rollout_watchdog.common.lograte import DropCount
 from rollout_watchdog.refit_bridge.stream import SILENCE_S, EventStream
 from rollout_watchdog.refit_bridge.views import (
     EngineView,
@@ -46,6 +48,7 @@ from rollout_watchdog.refit_bridge.views import (
 if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.refit import Refit
 
+log = logging.getLogger(__name__)
 __all__ = ["EngineView", "EventStream", "FleetClient", "FleetEvent", "FleetResult", "NodeReply",
            "NodeView"]
 
@@ -123,12 +126,18 @@ class FleetClient:
         self.timeout_s = float(timeout_s)
         self._curve = None if key is None or coordinator_key is None \
             else ClientKeys.load(key, coordinator_key)
+        self._bad_frames = DropCount(log, "a bad frame from the coordinator")
         self._lock = threading.Lock()
         self._pid = os.getpid()                                # under _lock
         self._conns: dict[threading.Thread, _Connection] = {}  # under _lock
 
     def __repr__(self) -> str:
         return f"FleetClient({self.address!r}, curve={self._curve is not None})"
+
+    def stats(self) -> dict[str, int]:
+        """What this client dropped: `bad_frames`, frames from the coordinator that were not
+        a reply (undecodable, or of another kind), over all its threads."""
+        return {"bad_frames": self._bad_frames.count}
 
     # ------------------------------------------------------------------ pickling (Ray actors)
 
@@ -232,13 +241,17 @@ class FleetClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @staticmethod
-    def _decode(data: bytes) -> protocol.Reply | None:
+    def _decode(self, data: bytes) -> protocol.Reply | None:
+        """The reply in `data`; None (counted in `stats()`) for a bad frame: the wait goes on."""
         try:
             message = protocol.decode(data)
-        except protocol.ProtocolError:
-            return None  # not ours to answer; the wait goes on
-        return message if isinstance(message, protocol.Reply) else None
+        except protocol.ProtocolError as exc:
+            self._bad_frames.drop(str(exc))
+            return None
+        if not isinstance(message, protocol.Reply):
+            self._bad_frames.drop(f"a {message.KIND!r} message, not a reply")
+            return None
+        return message
 
     def call(self, cmd: str, args: dict[str, Any] | None = None, *, node: str | None = None,
              engine: str | None = None, timeout_s: float | None = None,
