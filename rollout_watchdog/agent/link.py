@@ -380,10 +380,18 @@ class NodeLink:
             self._reply(command.request_id, {"status": "ok", "result": result})
 
     def _reply(self, request_id: str, body: dict[str, Any]) -> None:
+        """Answer (and remember) a request. A result that is not JSON (a command's bug) is
+        answered as an internal error: raising here would lose the answer, and a deferred one
+        would raise again on every loop turn."""
+        try:
+            result = json.loads(json.dumps(body.get("result")))
+        except (TypeError, ValueError) as exc:
+            log.error("the result of command %s cannot be encoded: %s", request_id, exc)
+            body, result = {"status": "error", "code": protocol.INTERNAL, "reason": (
+                f"internal error: the result cannot be encoded: {exc}")[:1000]}, None
         status = body.get("status", "error")
         reply = protocol.Reply(request_id, status, body.get("reason") or (
-            "no reason given" if status == "error" else None),
-            json.loads(json.dumps(body.get("result"))),
+            "no reason given" if status == "error" else None), result,
             body.get("code") if status == "error" else None)
         self._replies.put(request_id, reply)
         self._to_send.append(reply)
