@@ -432,13 +432,13 @@ class Coordinator:
     def _command(self, client: bytes, cmd: protocol.Command, now: float) -> None:
         known = self.fanout.known(cmd.request_id)
         if isinstance(known, bytes):
-            self._send(client, known)
+            self._send_reply(client, known)
             return
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
             return
         if cmd.cmd in queries.COMMANDS:  # read-only: nothing to remember for a repeat
-            self._send(client, protocol.encode(queries.answer(self, cmd)))
+            self._send_reply(client, protocol.encode(queries.answer(self, cmd)))
             return
         if cmd.cmd in refit.COMMANDS:
             self.refit.handle(self, client, cmd, now)
@@ -470,7 +470,7 @@ class Coordinator:
 
     def reply(self, client: bytes, reply: protocol.Reply) -> None:
         """Answer `client`; the reply is kept for a repeat of its request id."""
-        self._send(client, self.fanout.remember(reply))
+        self._send_reply(client, self.fanout.remember(reply))
 
     def weights_changed(self) -> None:
         self._view_changed = True
@@ -504,7 +504,7 @@ class Coordinator:
         if reply is None:
             return
         if gathering.client is not None:
-            self._send(gathering.client, gathering.frame)
+            self._send_reply(gathering.client, gathering.frame)
         elif reply.status == "error":
             log.warning("%s %s: %s", gathering.command.cmd, gathering.command.engine,
                         reply.reason)
@@ -551,6 +551,13 @@ class Coordinator:
         with contextlib.suppress(LookupError):
             return self._send_or_wait(peer, frame)
         return False
+
+    def _send_reply(self, client: bytes, frame: bytes) -> None:
+        """Send a reply; one that cannot go (the client's queue full, or the client gone) is
+        counted (`bad_messages`, reason reply_dropped) and logged, rate-limited."""
+        if not self._send(client, frame):
+            self._bad("reply_dropped", f"a reply to client {client.hex()[:32]}: its queue is "
+                      "full or it is gone")
 
     def _send_node(self, node_id: str, frame: bytes) -> bool:
         """Send to a node's own connection (NodeRoutes); False as _send, or when it has none."""
