@@ -38,7 +38,7 @@ def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         zmq.auth.create_certificates(folder, name)
     except OSError as exc:
-        raise KeygenError(f"cannot write keys in {folder}: {exc.strerror or exc}") from None
+        raise KeygenError(f"cannot write keys in {folder}: {exc.strerror or exc}") from exc
     finally:
         os.umask(old_umask)
     public.chmod(0o644)

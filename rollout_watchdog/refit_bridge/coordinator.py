@@ -173,7 +173,7 @@ class Coordinator:
                         self.view.journaled[item.node_id] = (item.boot, item.seq)
                         self.view.expected.add(item.node_id)
             except OSError as exc:
-                raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from None
+                raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from exc
         self._ctx = zmq.Context()
         try:
             sock, self._auth = bind_hub(self._ctx, self.bind, self.keys)
