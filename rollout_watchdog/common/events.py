@@ -64,11 +64,6 @@ class EventLog:
     def since(self, seq: int, limit: int = 1000) -> list[tuple[int, Event]]:
         return [(s, e) for s, e in self._events if s > seq][:limit]
 
-    @property
-    def first_seq(self) -> int:
-        """The oldest sequence number still held (last_seq + 1 when empty)."""
-        return self._events[0][0] if self._events else self.last_seq + 1
-
     def _write(self, event: Event) -> None:
         if self.path is None:
             return

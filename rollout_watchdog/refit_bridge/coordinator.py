@@ -46,7 +46,6 @@ MAX_POLL_S = 0.1            # how soon stop() is noticed
 SWEEP_S = 0.1               # how often silent nodes and subscribers are looked for
 MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
 START_TIMEOUT_S = 10.0
-BOOT_PREFIX = COORDINATOR_BOOT_PREFIX
 
 
 class Coordinator:
@@ -64,7 +63,7 @@ class Coordinator:
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
         self.heartbeat_s = heartbeat_s
-        self.boot = f"{BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
+        self.boot = f"{COORDINATOR_BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.view = FleetView(node_timeout_s)
         self.routes = NodeRoutes(curve=bool(keys))
         self.relay = Relay(gap_frame=self._gap_frame)
@@ -169,7 +168,7 @@ class Coordinator:
             try:
                 for item in self.journal.load():
                     self.relay.add(item)
-                    if not item.boot.startswith(BOOT_PREFIX):
+                    if not item.boot.startswith(COORDINATOR_BOOT_PREFIX):
                         self.view.journaled[item.node_id] = (item.boot, item.seq)
                         self.view.expected.add(item.node_id)
             except OSError as exc:

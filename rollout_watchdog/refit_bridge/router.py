@@ -174,15 +174,6 @@ class RouterClient:
         answer = self._call("DELETE", path, f"removing worker {worker_id}", (200, 202, 204, 404))
         return answer.status != 404
 
-    def remove(self, url: str) -> bool:
-        """Remove every worker listed under ``url`` (any spelling); False if none was listed."""
-        key = normalize_url(url)
-        removed = False
-        for worker in self.workers():
-            if url_key(worker.url) == key:
-                removed = self.delete(worker.id) or removed
-        return removed
-
     def _call(self, method: str, path: str, action: str, ok: tuple[int, ...],
               body: dict[str, Any] | None = None) -> _Answer:
         try:
