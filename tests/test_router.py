@@ -124,6 +124,8 @@ def test_reconcile_compares_normalized_urls() -> None:
     assert reconcile(set(), []) == ([], [])
     with pytest.raises(ValueError, match="not an http"):
         reconcile({"a:1"}, [])
+    assert normalize_url("HTTP://[FE80::1]:80/") == "http://[fe80::1]"   # brackets kept, once
+    assert normalize_url("http://[::1]:30000") == "http://[::1]:30000"
 
 
 def test_client_adds_lists_and_removes(router: Router, engines: Engines) -> None:

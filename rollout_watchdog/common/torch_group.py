@@ -19,6 +19,8 @@ import importlib.util
 import logging
 from typing import TYPE_CHECKING, Any, cast
 
+from rollout_watchdog.common.validate import bracket_host
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.distributed_c10d import GroupName  # torch 2.13's NewType
@@ -29,8 +31,7 @@ log = logging.getLogger(__name__)
 def tcp_init_method(address: str, port: int) -> str:
     """``tcp://host:port`` (an IPv6 address in brackets), as SGLang's NetworkAddress.to_tcp:
     the group's rendezvous address, for the trainer and the emulated engines alike."""
-    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    return f"tcp://{host}:{port}"
+    return f"tcp://{bracket_host(address)}:{port}"
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from typing import Any
 import requests
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
+from rollout_watchdog.common.validate import bracket_host
 
 __all__ = ["RouterClient", "RouterError", "RouterWorker", "normalize_url", "reconcile", "url_key"]
 
@@ -95,9 +96,7 @@ def normalize_url(url: str) -> str:
         port = parts.port
     except ValueError:
         raise ValueError(f"bad port in URL {url!r}") from None
-    host = parts.hostname
-    if ":" in host:
-        host = f"[{host}]"
+    host = bracket_host(parts.hostname)
     netloc = host if port in (None, _DEFAULT_PORTS[scheme]) else f"{host}:{port}"
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
