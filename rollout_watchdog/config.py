@@ -513,7 +513,7 @@ def load_config(path: str | Path, *, check_commands: bool = True) -> NodeConfig:
     try:
         data = tomllib.loads(path.read_text())
     except OSError as exc:
-        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text: {exc.reason}"]) from None
     except tomllib.TOMLDecodeError as exc:

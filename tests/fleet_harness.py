@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.auth
 from daemon_harness import EngineSpec, Node, wait_for
 
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.keys import ClientKeys
 
 # ---------------------------------------------------------------------- the TCP relay
 
@@ -242,11 +242,7 @@ class CoordinatorConnection:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if key is not None and coordinator_key is not None:
-            public, secret = zmq.auth.load_certificate(key)
-            server, _ = zmq.auth.load_certificate(coordinator_key)
-            self.socket.curve_publickey, self.socket.curve_secretkey = public, secret
-            assert secret is not None, f"{key} holds no secret key"
-            self.socket.curve_serverkey = server
+            ClientKeys.load(key, coordinator_key).apply(self.socket)
         self.socket.connect(endpoint)
         self.backlog: deque[protocol.Message] = deque(maxlen=backlog)
 

@@ -49,9 +49,10 @@ class StandIn:
         self.subscribes: list[protocol.Subscribe] = []
         self.held: list[protocol.Event] = []     # what a coordinator keeps to resume from
         self.sloppy = False                       # resend everything held, ignoring resume
+        self.junk: list[bytes] = []               # hostile frames sent ahead of each reply
         self.boot = "coordinator-boot-1"
         self._seq = 0
-        self._outgoing: deque[protocol.Event] = deque()
+        self._outgoing: deque[protocol.Message | bytes] = deque()   # bytes: sent raw
         self._subscribers: set[bytes] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -118,6 +119,10 @@ class StandIn:
         self._outgoing.append(message)
         return message
 
+    def send_raw(self, frame: bytes) -> None:
+        """A frame as it is (garbage, a message of the wrong kind) to the subscribers."""
+        self._outgoing.append(frame)
+
     def wait_subscribed(self, count: int, timeout: float = 10.0) -> protocol.Subscribe:
         wait_for(lambda: len(self.subscribes) >= count and self._subscribers, timeout,
                  f"subscription #{count}")
@@ -140,9 +145,10 @@ class StandIn:
         finally:
             sock.close(linger=0)
 
-    def _send_all(self, sock: zmq.Socket[bytes], message: protocol.Message) -> None:
+    def _send_all(self, sock: zmq.Socket[bytes], message: protocol.Message | bytes) -> None:
+        frame = message if isinstance(message, bytes) else protocol.encode(message)
         for peer in list(self._subscribers):
-            sock.send_multipart([peer, protocol.encode(message)])
+            sock.send_multipart([peer, frame])
 
     def _receive(self, sock: zmq.Socket[bytes], peer: bytes, data: bytes) -> None:
         message = protocol.decode(data)
@@ -153,6 +159,8 @@ class StandIn:
                      protocol.Reply(message.request_id, "ok", None, {"coordinator": self.boot})
                      if message.cmd == "ping" else self.answer(message))
             if reply is not None:
+                for frame in self.junk:
+                    sock.send_multipart([peer, frame])
                 sock.send_multipart([peer, protocol.encode(reply)])
         elif isinstance(message, protocol.Subscribe):
             self.subscribes.append(message)

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,6 @@ from rollout_watchdog.emulator.testing import wait_until
 from rollout_watchdog.watchdog.containment import (
     MARKER_ENV,
     Marker,
-    find_marked,
     marker_prefix,
     marker_value,
     parse_marker,
@@ -95,6 +94,21 @@ def supervisor(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Pope
 def _ppid(pid: int) -> int | None:
     stat = read_stat(pid)
     return stat.ppid if stat else None
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def find_marked(pids: Iterable[int] | None, prefix: str) -> dict[int, str]:
+    """Every process among ``pids`` (all of /proc if None) whose marker starts with ``prefix``
+    (the daemon reads markers one process at a time, as the tracker meets them)."""
+    found: dict[int, str] = {}
+    for pid in _all_pids() if pids is None else pids:
+        marker = read_marker(pid)
+        if marker and marker.startswith(prefix):
+            found[pid] = marker
+    return found
 
 
 @pytest.mark.parametrize("supervisor", [True], indirect=True)

@@ -281,3 +281,44 @@ def test_huge_events_from_a_node_keep_the_relay_and_journal_within_their_bytes(
     finally:
         coord.stop()
         ctx.destroy(linger=0)
+
+
+# ---------------------------------------------------------------------- errors that vanish
+
+
+def test_a_reply_to_a_client_gone_before_it_is_counted() -> None:
+    """A client asks a node that never answers, and is gone (its socket closed at once) when
+    the gathering expires: the reply that cannot go is counted (ping's bad_messages,
+    reply_dropped), not lost without a trace."""
+    with Coordinator(bind="tcp://127.0.0.1:0", heartbeat_s=0.2) as coord:
+        ctx = zmq.Context()
+        node = ctx.socket(zmq.DEALER)
+        node.linger, node.routing_id = 0, b"n1"
+        node.connect(coord.endpoint)
+        node.send(protocol.encode(protocol.Hello("n1", "b1", [], 0)))
+        watcher = Peer(coord.endpoint)
+        try:
+            def reachable() -> bool:
+                reply = watcher.call("status", timeout=5.0)
+                return reply is not None and any(
+                    n["node_id"] == "n1" and n["reachable"] for n in reply.result["nodes"])
+            wait_for(reachable, 30, "the silent node, reachable")
+            leaving = ctx.socket(zmq.DEALER)
+            leaving.linger = 0
+            leaving.connect(coord.endpoint)
+            leaving.send(protocol.encode(protocol.Command("r-gone", "pause", {}, node="n1",
+                                                          timeout_s=1.0)))
+
+            def dropped() -> int:
+                reply = watcher.call("ping", timeout=5.0)
+                return 0 if reply is None else \
+                    reply.result["bad_messages"].get("reply_dropped", 0)
+            def forwarded() -> bool:   # (among the coordinator's heartbeats)
+                return node.poll(100) and isinstance(protocol.decode(node.recv()),
+                                                     protocol.Command)
+            wait_for(forwarded, 30, "the command, at the node")
+            leaving.close(0)
+            wait_for(lambda: dropped() == 1, 30, "the dropped reply, counted")
+        finally:
+            watcher.close()
+            ctx.destroy(linger=0)

@@ -8,14 +8,16 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
-from rollout_watchdog.agent.journal import Journal
+from rollout_watchdog.agent.journal import JOURNAL, Journal
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
 
 def relayed(node: str, boot: str, seq: int) -> Relayed:
@@ -136,3 +138,13 @@ def test_an_oversized_journal_is_loaded_within_its_bound(tmp_path: Path) -> None
     assert [i.seq for i in items] == list(range(201 - len(items), 201))
     assert journal.path.stat().st_size <= 2_000
     journal.close()
+
+
+def test_an_unusable_state_dir_is_named_and_keeps_its_cause(tmp_path: Path) -> None:
+    """An environment error (here the journal's path is a directory) is not hidden: the
+    refusal names the state dir and carries the OSError as its cause."""
+    (tmp_path / JOURNAL).mkdir()
+    coord = Coordinator(bind="tcp://127.0.0.1:0", state_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="cannot use the state dir") as caught:
+        coord.start()
+    assert isinstance(caught.value.__cause__, IsADirectoryError)

@@ -4,6 +4,7 @@ event stream that follows the coordinator across restarts and never yields an ev
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -178,6 +179,30 @@ def test_events_follow_a_restart_resume_and_come_once(standin: StandIn) -> None:
         assert stream.duplicates == 3 and stream.subscriptions == 2
         standin.publish("n1", "b1", 4)
         assert next(first).seq == 4
+
+
+def test_bad_frames_are_dropped_counted_and_logged(
+        standin: StandIn, caplog: pytest.LogCaptureFixture) -> None:
+    """Garbage and a message of the wrong kind ahead of a reply, and amid the events: the
+    call and the stream go on, and each says how many it dropped (logged at debug)."""
+    client = FleetClient(standin.endpoint, timeout_s=5.0)
+    standin.junk = [b"\xff garbage", protocol.encode(protocol.Heartbeat(time.time()))]
+    with caplog.at_level(logging.DEBUG, "rollout_watchdog.refit_bridge"):
+        assert client.call("ping")[1] == {"coordinator": standin.boot}
+        assert client.stats() == {"bad_frames": 2}
+        with client.events(idle_s=10.0) as stream:
+            first = iter(stream)
+            standin.send_raw(b"not json")
+            standin.send_raw(protocol.encode(protocol.Ack("b1", 1)))
+            standin.publish("n1", "b1", 1)
+            assert next(first).seq == 1
+            assert stream.stats() == {"subscriptions": 1, "duplicates": 0, "bad_frames": 2}
+    logged = [r.getMessage() for r in caplog.records
+              if "dropped a bad frame from the coordinator" in r.getMessage()]
+    assert len(logged) == 4, logged
+    assert any("not a reply" in line for line in logged)
+    assert any("'ack' message, not an event" in line for line in logged)
+    client.close()
 
 
 def test_an_idle_stream_ends_when_asked(standin: StandIn) -> None:

@@ -24,7 +24,7 @@ from rollout_watchdog.agent.link import MAX_MESSAGES_PER_ROUND, NodeLink
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
-from rollout_watchdog.common.replies import CommandError
+from rollout_watchdog.common.replies import CommandError, Deferred
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.watchdog.metrics import Metrics
 
@@ -68,7 +68,11 @@ def raw(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj).encode()
 
 
-def ping_dispatch(name: str, args: dict[str, Any]) -> dict[str, Any]:
+def ping_dispatch(name: str, args: dict[str, Any]) -> dict[str, Any] | Deferred:
+    if name == "unencodable":   # a command's bug: a result that is not JSON
+        return {"engines": {"e0", "e1"}}
+    if name == "unencodable_later":
+        return Deferred(lambda: {"when": object()}, time.monotonic() + 60, dict)
     if name != "ping":
         raise CommandError(f"unknown command {name!r}")
     return {"pong": True}
@@ -165,6 +169,22 @@ def test_bad_frames_are_dropped_counted_and_the_link_answers_after(harness: Harn
     assert status["bad_messages"] == len(undecodable) + len(unexpected)
     assert status["connected"] and harness.metric("rollout_watchdog_coordinator_connected") == 1
     assert len(harness.router.got(protocol.Hello)) == 1  # none of it cost the connection
+
+
+@pytest.mark.parametrize("cmd", ["unencodable", "unencodable_later"])
+def test_a_result_that_cannot_be_encoded_is_an_internal_error_once(
+        harness: Harness, cmd: str) -> None:
+    """Answered (at once, or deferred) with an error naming the problem; the loop goes on,
+    and a repeat of the request gets the same answer without running it again."""
+    harness.hello()
+    refused = harness.command("r-bad", cmd=cmd)
+    assert refused.status == "error" and refused.code == protocol.INTERNAL
+    assert "cannot be encoded" in (refused.reason or "")
+    for _ in range(5):   # the next turns take no exception
+        harness.turn()
+    assert harness.command("r-after").result == {"pong": True}
+    harness.router.received.clear()
+    assert harness.command("r-bad", cmd=cmd) == refused
 
 
 def encode_cut(message: protocol.Message) -> bytes:

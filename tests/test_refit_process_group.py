@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from rollout_watchdog.common.torch_group import (
     _backend_options_kwarg,
+    _sglang_helper,
     destroy_process_group,
     init_custom_process_group,
+    tcp_init_method,
 )
 from rollout_watchdog.emulator.testing import free_port
 
@@ -80,3 +84,36 @@ def test_backend_options_kwarg_follows_torch_rename() -> None:
     assert _backend_options_kwarg("2.13.0+cpu") == "backend_options"
     assert _backend_options_kwarg("2.5.1") == "pg_options"
     assert _backend_options_kwarg("2.10.0") == "backend_options"
+
+
+def test_tcp_init_method_brackets_ipv6_once() -> None:
+    assert tcp_init_method("10.0.0.1", 29500) == "tcp://10.0.0.1:29500"
+    assert tcp_init_method("fe80::1", 29500) == "tcp://[fe80::1]:29500"
+    assert tcp_init_method("[fe80::1]", 29500) == "tcp://[fe80::1]:29500"
+
+
+def test_a_broken_sglang_falls_back_with_one_warning_naming_the_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An installed sglang whose utils fail to import: our copy builds the group, and the log
+    says why, once per process."""
+    (tmp_path / "sglang" / "srt").mkdir(parents=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "srt" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "srt" / "utils.py").write_text(
+        "raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    _sglang_helper.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "rollout_watchdog.common.torch_group"):
+            assert _sglang_helper() is None
+            assert _sglang_helper() is None
+    finally:
+        _sglang_helper.cache_clear()
+        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+            del sys.modules[name]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "ImportError: libcuda.so.1" in warnings[0]

@@ -174,7 +174,8 @@ def test_subscriptions_expire_after_the_timeout_unless_heard() -> None:
     relay = Relay(subscriber_timeout_s=10.0)
     relay.subscribe(A, Subscribe(), T0)
     relay.subscribe(B, Subscribe(), T0)
-    assert relay.heard(B, T0 + 8.0) is True
+    relay.heard(B, T0 + 8.0)
+    relay.heard(b"stranger", T0 + 8.0)   # no subscription: none made
     assert relay.expire(T0 + 10.0) == []
     assert relay.expire(T0 + 10.5) == [A]
     assert list(relay.subscribers) == [B]

@@ -32,7 +32,9 @@ from rollout_watchdog.refit_bridge.router import (  # noqa: E402
     RouterClient,
     RouterError,
     RouterWorker,
+    normalize_url,
     reconcile,
+    url_key,
 )
 from rollout_watchdog.refit_bridge.router_sync import RouterSync  # noqa: E402
 
@@ -122,6 +124,8 @@ def test_reconcile_compares_normalized_urls() -> None:
     assert reconcile(set(), []) == ([], [])
     with pytest.raises(ValueError, match="not an http"):
         reconcile({"a:1"}, [])
+    assert normalize_url("HTTP://[FE80::1]:80/") == "http://[fe80::1]"   # brackets kept, once
+    assert normalize_url("http://[::1]:30000") == "http://[::1]:30000"
 
 
 def test_client_adds_lists_and_removes(router: Router, engines: Engines) -> None:
@@ -132,9 +136,10 @@ def test_client_adds_lists_and_removes(router: Router, engines: Engines) -> None
     client.add(b + "/")  # stored normalized, so it compares equal later
     wait_listed(client, {a, b})
     assert all(w.healthy for w in client.workers())
-    assert client.remove(a) is True
+    worker_a, = [w for w in client.workers() if url_key(w.url) == normalize_url(a)]
+    assert client.delete(worker_a.id) is True
     wait_listed(client, {b})
-    assert client.remove(a) is False  # absent is fine
+    assert client.delete(worker_a.id) is False  # absent is fine
     assert client.delete(str(uuid.uuid4())) is False  # an id the router does not know
 
 

@@ -8,15 +8,14 @@ deadline passes; then it names each node that answered an error or nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.replies import REPLIES_KEPT, RecentReplies
 
 DEFAULT_TIMEOUT_S = 5.0
-REPLIES_KEPT = 1024
 REPLIES_BYTES = 16 << 20        # a fleet-wide reply holds one answer per node
 REASON_CHARS = 200              # per node, in a reply trimmed to fit one message
 REASONS_CHARS = 20_000          # the joined reason of such a reply
@@ -65,8 +64,7 @@ class Fanout:
         self.pending: dict[str, Gathering] = {}
         # (per-node request id, node) -> the client's request id
         self.by_node_request: dict[tuple[str, str], str] = {}
-        self.done: OrderedDict[str, bytes] = OrderedDict()   # request id -> encoded reply
-        self._done_bytes = 0
+        self.done: RecentReplies[bytes] = RecentReplies(REPLIES_KEPT, REPLIES_BYTES, len)
 
     def start(self, gathering: Gathering) -> list[tuple[str, bytes]]:
         """Register a command; the per-node commands to send, encoded (ProtocolError if they
@@ -139,12 +137,7 @@ class Fanout:
         """Keep a reply for repeats of its request id (the newest ones, bounded in number and
         in bytes); its frame."""
         frame = encode_reply(reply)
-        old = self.done.pop(reply.request_id, None)
-        self._done_bytes += len(frame) - (len(old) if old else 0)
-        self.done[reply.request_id] = frame
-        while len(self.done) > REPLIES_KEPT or self._done_bytes > REPLIES_BYTES:
-            _, dropped = self.done.popitem(last=False)
-            self._done_bytes -= len(dropped)
+        self.done.put(reply.request_id, frame)
         return frame
 
 

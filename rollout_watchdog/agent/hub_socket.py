@@ -48,7 +48,7 @@ def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None,
         sock.close(0)
         if auth is not None:
             auth.stop()
-        raise ValueError(f"cannot bind {bind}: {exc}") from None
+        raise ValueError(f"cannot bind {bind}: {exc}") from exc
     return sock, auth
 
 

@@ -29,18 +29,24 @@ import itertools
 import json
 import logging
 import secrets
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Container, Iterable
 from typing import Any, Protocol
 
 import zmq
-import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
-from rollout_watchdog.common.replies import CommandError, Deferred, PendingReplies
+from rollout_watchdog.common.keys import ClientKeys
+from rollout_watchdog.common.lograte import worth_logging
+from rollout_watchdog.common.replies import (
+    CommandError,
+    Deferred,
+    PendingReplies,
+    RecentReplies,
+)
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -50,7 +56,6 @@ REDIAL_GRACE_S = 0.5           # a disconnect with no retry from libzmq within t
 REDIAL_BACKOFF_S = (1.0, 30.0)  # first and longest wait between redials of our own
 OUTBOX_LIMIT = 10_000          # events kept for the coordinator (about 5 MB at most)
 CUT_TEXTS_TO = (4096, 512)   # an event over MAX_EVENT_BYTES: its texts cut to these, in turn
-REPLIES_KEPT = 1024            # replies remembered for repeated request ids
 SEND_RETRY_S = 0.01          # how soon sends held back by a full queue are tried again
 MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves the engines
 _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -92,7 +97,7 @@ class NodeLink:
         self._handshake_at: float | None = None      # the current connection's handshake
         self._redial_at: float | None = None
         self._redial_wait = REDIAL_BACKOFF_S[0]
-        self._replies: OrderedDict[str, protocol.Reply] = OrderedDict()
+        self._replies: RecentReplies[protocol.Reply] = RecentReplies()
         self._pending = PendingReplies()
         self._to_send: list[protocol.Message] = []
         self._retry_at: float | None = None          # sends held back by a full queue
@@ -116,10 +121,7 @@ class NodeLink:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(heartbeat_timeout_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, round(heartbeat_timeout_s * 1000))
         if key and coordinator_key:
-            public, secret = zmq.auth.load_certificate(key)
-            server, _ = zmq.auth.load_certificate(coordinator_key)
-            sock.curve_publickey, sock.curve_secretkey = public, secret
-            sock.curve_serverkey = server
+            ClientKeys.load(key, coordinator_key).apply(sock)
         self.monitor = sock.get_monitor_socket(_MONITORED)
         sock.connect(endpoint)
         self.socket = sock
@@ -323,11 +325,11 @@ class NodeLink:
         self.socket.connect(self.endpoint)
 
     def _bad(self, reason: str, why: str) -> None:
-        """Count a bad message; log the 1st, 2nd, 4th, 8th... so a flood cannot fill the log."""
+        """Count a bad message; log it, rate-limited (lograte)."""
         self.bad_messages += 1
         if self._metrics is not None:
             self._metrics.link_bad_message(reason)
-        if self.bad_messages & (self.bad_messages - 1) == 0:
+        if worth_logging(self.bad_messages):
             log.warning("bad message #%d from the coordinator (%s): %s", self.bad_messages,
                         reason, why)
 
@@ -378,14 +380,20 @@ class NodeLink:
             self._reply(command.request_id, {"status": "ok", "result": result})
 
     def _reply(self, request_id: str, body: dict[str, Any]) -> None:
+        """Answer (and remember) a request. A result that is not JSON (a command's bug) is
+        answered as an internal error: raising here would lose the answer, and a deferred one
+        would raise again on every loop turn."""
+        try:
+            result = json.loads(json.dumps(body.get("result")))
+        except (TypeError, ValueError) as exc:
+            log.error("the result of command %s cannot be encoded: %s", request_id, exc)
+            body, result = {"status": "error", "code": protocol.INTERNAL, "reason": (
+                f"internal error: the result cannot be encoded: {exc}")[:1000]}, None
         status = body.get("status", "error")
         reply = protocol.Reply(request_id, status, body.get("reason") or (
-            "no reason given" if status == "error" else None),
-            json.loads(json.dumps(body.get("result"))),
+            "no reason given" if status == "error" else None), result,
             body.get("code") if status == "error" else None)
-        self._replies[request_id] = reply
-        while len(self._replies) > REPLIES_KEPT:
-            self._replies.popitem(last=False)
+        self._replies.put(request_id, reply)
         self._to_send.append(reply)
 
 

@@ -165,12 +165,11 @@ class Relay:
                 sub.skip_until[item.node_id] = index
         self.subscribers[client] = sub
 
-    def heard(self, client: bytes, now: float) -> bool:
-        """A message from a client keeps its subscription; False if it has none."""
+    def heard(self, client: bytes, now: float) -> None:
+        """A message from a client keeps its subscription (if it has one)."""
         sub = self.subscribers.get(client)
         if sub is not None:
             sub.last_heard = now
-        return sub is not None
 
     def expire(self, now: float) -> list[bytes]:
         """Subscribers silent past the timeout to which nothing could be sent either (a

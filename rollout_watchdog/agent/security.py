@@ -20,6 +20,8 @@ import zmq.auth
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
+from rollout_watchdog.common.keys import load_keypair
+
 log = logging.getLogger(__name__)
 COORDINATOR_KEY = "coordinator.key_secret"
 AUTHORIZED = "authorized"
@@ -106,12 +108,7 @@ def curve_server(ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], k
                          "nodes and clients allowed in there")
     if not os.access(secret, os.R_OK):
         raise ValueError(f"cannot read {secret}")
-    try:
-        public, secret_key = zmq.auth.load_certificate(secret)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"unreadable coordinator keypair {secret}: {exc}") from None
-    if secret_key is None:
-        raise ValueError(f"{secret} holds no secret key (a .key_secret file from keygen does)")
+    public, secret_key = load_keypair(secret)
     auth = NamedKeyAuthenticator(ctx, authorized)
     if not auth.names:
         log.warning("%s holds no public key: no node or client can connect", authorized)

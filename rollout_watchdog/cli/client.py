@@ -57,9 +57,9 @@ class ControlClient:
         if path is not None:
             try:
                 listening = socket_listening(path)
-            except PermissionError:
+            except PermissionError as exc:
                 raise ControlError(f"permission denied on {self.endpoint}: the control socket "
-                                   "is 0600, for root or the daemon's user only") from None
+                                   "is 0600, for root or the daemon's user only") from exc
             if not listening:
                 raise ControlError(f"no daemon at {self.endpoint} (no socket, or nobody "
                                    "listening on it): is `rollout-watchdog run` running?")
@@ -73,7 +73,7 @@ class ControlClient:
                                   "args": args or {}}).encode())
             reply = json.loads(self._await_reply(sock, monitor, path, timeout))
         except zmq.ZMQError as exc:
-            raise ControlError(f"cannot reach the daemon at {self.endpoint}: {exc}") from None
+            raise ControlError(f"cannot reach the daemon at {self.endpoint}: {exc}") from exc
         except ValueError as exc:
             raise ControlError(f"unreadable answer from the daemon: {exc}") from None
         finally:

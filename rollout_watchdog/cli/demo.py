@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.emulator.testing import free_port, inject_fault
 
 STEP_TIMEOUT_S = 60.0   # the bound on every step of a demo
@@ -217,7 +218,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return next(e for e in status["engines"] if e["id"] == engine_id)
 
     def all_healthy(incarnations: dict[str, int]) -> bool:
-        return all(engine(e).get("state") == "healthy"
+        return all(engine(e).get("state") == EngineState.HEALTHY
                    and engine(e).get("incarnation") == n for e, n in incarnations.items())
 
     try:
@@ -231,7 +232,7 @@ def run_demo(args: argparse.Namespace) -> int:
         os.kill(victim["pid"], signal.SIGKILL)
         timeline.until("e0 recovered", lambda: all_healthy({"e0": 2}))
         detected = next(e for e in timeline.events if e["engine"] == "e0"
-                        and e.get("to") == "stopping")
+                        and e.get("to") == EngineState.STOPPING)
 
         timeline.say("injecting a hang: e1's generation stalls while its HTTP server lives on")
         inject_fault(f"http://127.0.0.1:{ports[1]}", "stall_generation")

@@ -38,6 +38,7 @@ from rollout_watchdog.cli.demo_refit import DemoRouter, generate, refit
 from rollout_watchdog.cli.render import fleet_table
 from rollout_watchdog.common.errors import CoordinatorUnavailable, RolloutWatchdogError
 from rollout_watchdog.common.keys import keygen
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
@@ -141,7 +142,7 @@ def _engines(client: FleetClient) -> dict[str, EngineView]:
 
 def _healthy(client: FleetClient, incarnations: dict[str, int]) -> bool:
     view = _engines(client)
-    return all(name in view and view[name].state == "healthy" and view[name].reachable
+    return all(name in view and view[name].state == EngineState.HEALTHY and view[name].reachable
                and view[name].incarnation == n for name, n in incarnations.items())
 
 
@@ -195,9 +196,9 @@ class Story:
         os.kill(victim.pid, signal.SIGKILL)
         self.timeline.until(f"{name} detected, relaunched and healthy", lambda: _healthy(
             self.client, {name: victim.incarnation + 1}) and self.timeline.find(
-            lambda e: _of(e, name) and e.to == "healthy", mark) is not None)
+            lambda e: _of(e, name) and e.to == EngineState.HEALTHY, mark) is not None)
         heard, detected = self.timeline.find(
-            lambda e: _of(e, name) and e.to == "stopping", mark) or (0.0, None)
+            lambda e: _of(e, name) and e.to == EngineState.STOPPING, mark) or (0.0, None)
         if detected is None or detected.ts is None:
             raise RuntimeError(f"the client heard no crash of {name}")
         reborn = _engines(self.client)[name]

@@ -58,7 +58,7 @@ def _fleet_call(func: FleetCommand, args: argparse.Namespace
         client = FleetClient(args.coordinator, key=args.key,
                              coordinator_key=args.coordinator_key, timeout_s=args.timeout)
     except (OSError, ValueError) as exc:
-        raise ControlError(f"cannot use the keys: {exc}") from None
+        raise ControlError(f"cannot use the keys: {exc}") from exc
     try:
         return func(client, args)
     except CommandRefused as exc:

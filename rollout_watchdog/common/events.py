@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_watchdog.common.lograte import worth_logging
+
 log = logging.getLogger(__name__)
 
 
@@ -62,11 +64,6 @@ class EventLog:
     def since(self, seq: int, limit: int = 1000) -> list[tuple[int, Event]]:
         return [(s, e) for s, e in self._events if s > seq][:limit]
 
-    @property
-    def first_seq(self) -> int:
-        """The oldest sequence number still held (last_seq + 1 when empty)."""
-        return self._events[0][0] if self._events else self.last_seq + 1
-
     def _write(self, event: Event) -> None:
         if self.path is None:
             return
@@ -78,7 +75,7 @@ class EventLog:
                 f.write(json.dumps(event.to_json()) + "\n")
         except OSError as exc:
             self.write_errors += 1
-            if self.write_errors == 1 or self.write_errors % 1000 == 0:
+            if worth_logging(self.write_errors):
                 log.error("cannot write event log %s: %s (events stay in memory)", self.path,
                           exc.strerror or exc)
 

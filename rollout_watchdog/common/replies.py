@@ -10,12 +10,14 @@ their answers cannot grow the daemon's memory.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
+REPLIES_KEPT = 1024             # replies remembered for repeated request ids
 MAX_PARKED_PER_CLIENT = 16
 MAX_PARKED_TOTAL = 1024
 
@@ -42,6 +44,41 @@ def reply_body(request_id: Any, *, result: Any = None, error: str | None = None
                ) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "id": request_id, "status": "error" if error else "ok",
             "reason": error, "result": result}
+
+
+_R = TypeVar("_R")
+
+
+class RecentReplies(Generic[_R]):
+    """The newest replies by request id, so that a repeated request (a retry, a coordinator
+    restart) gets the same answer and is not carried out twice. Bounded in number and, where
+    `size` measures a reply, in total size: the oldest give way first."""
+
+    def __init__(self, kept: int = REPLIES_KEPT, max_size: int | None = None,
+                 size: Callable[[_R], int] = lambda reply: 0) -> None:
+        self.kept, self.max_size, self._measure = kept, max_size, size
+        self._replies: OrderedDict[str, _R] = OrderedDict()
+        self._total = 0
+
+    def __len__(self) -> int:
+        return len(self._replies)
+
+    @property
+    def size(self) -> int:
+        """The total size of the replies kept, as `size` measures them."""
+        return self._total
+
+    def get(self, request_id: str) -> _R | None:
+        return self._replies.get(request_id)
+
+    def put(self, request_id: str, reply: _R) -> None:
+        old = self._replies.pop(request_id, None)
+        self._total += self._measure(reply) - (0 if old is None else self._measure(old))
+        self._replies[request_id] = reply
+        while len(self._replies) > self.kept or (
+                self.max_size is not None and self._total > self.max_size):
+            _, dropped = self._replies.popitem(last=False)
+            self._total -= self._measure(dropped)
 
 
 Send = Callable[[dict[str, Any]], None]

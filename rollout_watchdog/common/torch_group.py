@@ -13,22 +13,39 @@ Importing this module does not import torch; the functions do, when called.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import importlib.util
+import logging
 from typing import TYPE_CHECKING, Any, cast
+
+from rollout_watchdog.common.validate import bracket_host
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.distributed_c10d import GroupName  # torch 2.13's NewType
 
+log = logging.getLogger(__name__)
 
+
+def tcp_init_method(address: str, port: int) -> str:
+    """``tcp://host:port`` (an IPv6 address in brackets), as SGLang's NetworkAddress.to_tcp:
+    the group's rendezvous address, for the trainer and the emulated engines alike."""
+    return f"tcp://{bracket_host(address)}:{port}"
+
+
+@functools.cache
 def _sglang_helper() -> Any | None:
-    """SGLang's own ``init_custom_process_group`` when sglang is installed, else None."""
+    """SGLang's own ``init_custom_process_group`` when sglang is installed, else None. Looked
+    up once per process, so a broken sglang is reported once (a warning naming the error)."""
     if importlib.util.find_spec("sglang") is None:
         return None
     try:
         utils = importlib.import_module("sglang.srt.utils")
-    except Exception:  # noqa: BLE001 - a broken sglang install falls back to our copy
+    except Exception as exc:  # noqa: BLE001 - a broken sglang install falls back to our copy
+        log.warning("sglang is installed but sglang.srt.utils does not import (%s: %s): the "
+                    "weight-update group is built by rollout_watchdog's own copy of its "
+                    "construction", type(exc).__name__, exc)
         return None
     return getattr(utils, "init_custom_process_group", None)
 

@@ -65,6 +65,12 @@ def ipc_problem(path: str, *, local: bool) -> str | None:
     return None
 
 
+def bracket_host(host: str) -> str:
+    """A host as it goes before `:PORT` in a URL or a tcp:// address: an IPv6 address in
+    brackets (once), anything else as it is."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def endpoint_problem(endpoint: str) -> str | None:
     """Why `endpoint` is not a ZMQ endpoint to connect to: tcp://HOST:PORT or ipc://PATH."""
     if endpoint.startswith("ipc://"):

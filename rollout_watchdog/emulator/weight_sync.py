@@ -17,6 +17,7 @@ from torch import nn
 from rollout_watchdog.common.torch_group import (
     destroy_process_group,
     init_custom_process_group,
+    tcp_init_method,
 )
 
 TP_RANK = 0  # the emulator is one TP rank
@@ -26,12 +27,6 @@ NO_SESSION = (
 )
 
 Result = tuple[bool, str]
-
-
-def tcp_init_method(address: str, port: int) -> str:
-    """``tcp://host:port`` (an IPv6 address in brackets), as SGLang's NetworkAddress.to_tcp."""
-    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    return f"tcp://{host}:{port}"
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -19,6 +19,7 @@ makes its own (the parent's are left alone, never closed from the child).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -28,11 +29,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
-import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable
+from rollout_watchdog.common.keys import ClientKeys
+from rollout_watchdog.common.lograte import DropCount
 from rollout_watchdog.refit_bridge.stream import SILENCE_S, EventStream
 from rollout_watchdog.refit_bridge.views import (
     EngineView,
@@ -46,6 +48,7 @@ from rollout_watchdog.refit_bridge.views import (
 if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.refit import Refit
 
+log = logging.getLogger(__name__)
 __all__ = ["EngineView", "EventStream", "FleetClient", "FleetEvent", "FleetResult", "NodeReply",
            "NodeView"]
 
@@ -121,20 +124,20 @@ class FleetClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.address, self.key, self.coordinator_key = address, key, coordinator_key
         self.timeout_s = float(timeout_s)
-        self._curve: tuple[bytes, bytes, bytes] | None = None
-        if key is not None and coordinator_key is not None:
-            public, secret = zmq.auth.load_certificate(key)
-            server, _ = zmq.auth.load_certificate(coordinator_key)
-            if secret is None:
-                raise ValueError(f"{key} holds no secret key: give this client's "
-                                 "NAME.key_secret")
-            self._curve = (public, secret, server)
+        self._curve = None if key is None or coordinator_key is None \
+            else ClientKeys.load(key, coordinator_key)
+        self._bad_frames = DropCount(log, "a bad frame from the coordinator")
         self._lock = threading.Lock()
         self._pid = os.getpid()                                # under _lock
         self._conns: dict[threading.Thread, _Connection] = {}  # under _lock
 
     def __repr__(self) -> str:
         return f"FleetClient({self.address!r}, curve={self._curve is not None})"
+
+    def stats(self) -> dict[str, int]:
+        """What this client dropped: `bad_frames`, frames from the coordinator that were not
+        a reply (undecodable, or of another kind), over all its threads."""
+        return {"bad_frames": self._bad_frames.count}
 
     # ------------------------------------------------------------------ pickling (Ray actors)
 
@@ -156,7 +159,7 @@ class FleetClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if self._curve is not None:
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
+            self._curve.apply(sock)
         if connect:
             sock.connect(self.address)
         return sock
@@ -243,13 +246,17 @@ class FleetClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @staticmethod
-    def _decode(data: bytes) -> protocol.Reply | None:
+    def _decode(self, data: bytes) -> protocol.Reply | None:
+        """The reply in `data`; None (counted in `stats()`) for a bad frame: the wait goes on."""
         try:
             message = protocol.decode(data)
-        except protocol.ProtocolError:
-            return None  # not ours to answer; the wait goes on
-        return message if isinstance(message, protocol.Reply) else None
+        except protocol.ProtocolError as exc:
+            self._bad_frames.drop(str(exc))
+            return None
+        if not isinstance(message, protocol.Reply):
+            self._bad_frames.drop(f"a {message.KIND!r} message, not a reply")
+            return None
+        return message
 
     def call(self, cmd: str, args: dict[str, Any] | None = None, *, node: str | None = None,
              engine: str | None = None, timeout_s: float | None = None,

@@ -30,6 +30,7 @@ from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_it
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, check_bind
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.limits import raise_nofile_limit
+from rollout_watchdog.common.lograte import worth_logging
 from rollout_watchdog.refit_bridge import queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
@@ -45,7 +46,6 @@ MAX_POLL_S = 0.1            # how soon stop() is noticed
 SWEEP_S = 0.1               # how often silent nodes and subscribers are looked for
 MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
 START_TIMEOUT_S = 10.0
-BOOT_PREFIX = COORDINATOR_BOOT_PREFIX
 # Plain ints for the flags of the sends and receives of every message: pyzmq's flag enums, and
 # its multipart helpers built on them, cost microseconds a call (thousands a fleet-wide pause)
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
@@ -66,7 +66,7 @@ class Coordinator:
         self.bind, self.keys, self.router_url, self.state_dir = bind, keys, router_url, state_dir
         self.endpoint = bind
         self.heartbeat_s = heartbeat_s
-        self.boot = f"{BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
+        self.boot = f"{COORDINATOR_BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.view = FleetView(node_timeout_s)
         self.routes = NodeRoutes(curve=bool(keys))
         self.relay = Relay(gap_frame=self._gap_frame)
@@ -171,11 +171,11 @@ class Coordinator:
             try:
                 for item in self.journal.load():
                     self.relay.add(item)
-                    if not item.boot.startswith(BOOT_PREFIX):
+                    if not item.boot.startswith(COORDINATOR_BOOT_PREFIX):
                         self.view.journaled[item.node_id] = (item.boot, item.seq)
                         self.view.expected.add(item.node_id)
             except OSError as exc:
-                raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from None
+                raise ValueError(f"cannot use the state dir {self.state_dir}: {exc}") from exc
         self._ctx = zmq.Context()
         try:
             sock, self._auth = bind_hub(self._ctx, self.bind, self.keys)
@@ -443,13 +443,13 @@ class Coordinator:
     def _command(self, client: bytes, cmd: protocol.Command, now: float) -> None:
         known = self.fanout.known(cmd.request_id)
         if isinstance(known, bytes):
-            self._send(client, known)
+            self._send_reply(client, known)
             return
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
             return
         if cmd.cmd in queries.COMMANDS:  # read-only: nothing to remember for a repeat
-            self._send(client, encode_reply(queries.answer(self, cmd)))   # (TOO_BIG if need be)
+            self._send_reply(client, encode_reply(queries.answer(self, cmd)))   # (TOO_BIG: too big)
             return
         if cmd.cmd in refit.COMMANDS:
             self.refit.handle(self, client, cmd, now)
@@ -481,7 +481,7 @@ class Coordinator:
 
     def reply(self, client: bytes, reply: protocol.Reply) -> None:
         """Answer `client`; the reply is kept for a repeat of its request id."""
-        self._send(client, self.fanout.remember(reply))
+        self._send_reply(client, self.fanout.remember(reply))
 
     def weights_changed(self) -> None:
         self._view_changed = True
@@ -515,7 +515,7 @@ class Coordinator:
         if reply is None:
             return
         if gathering.client is not None:
-            self._send(gathering.client, gathering.frame)
+            self._send_reply(gathering.client, gathering.frame)
         elif reply.status == "error":
             log.warning("%s %s: %s", gathering.command.cmd, gathering.command.engine,
                         reply.reason)
@@ -570,6 +570,13 @@ class Coordinator:
             return self._send_or_wait(peer, frame)
         return False
 
+    def _send_reply(self, client: bytes, frame: bytes) -> None:
+        """Send a reply; one that cannot go (the client's queue full, or the client gone) is
+        counted (`bad_messages`, reason reply_dropped) and logged, rate-limited."""
+        if not self._send(client, frame):
+            self._bad("reply_dropped", f"a reply to client {client.hex()[:32]}: its queue is "
+                      "full or it is gone")
+
     def _send_node(self, node_id: str, frame: bytes) -> bool:
         """Send to a node's own connection (NodeRoutes); False as _send, or when it has none."""
         route = self.routes.route_of(node_id)
@@ -592,7 +599,7 @@ class Coordinator:
     def _bad(self, reason: str, detail: str) -> None:
         self.bad_messages[reason] += 1
         count = self.bad_messages[reason]
-        if count <= 10 or count % 1000 == 0:  # a flood must not flood the log too
+        if worth_logging(count):
             log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
 
 

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.states import EngineState
 
 log = logging.getLogger(__name__)
 NODE_TIMEOUT_S = 5.0
 STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
-RUNNING_STATES = frozenset({"starting", "healthy", "suspect"})
+RUNNING_STATES = frozenset(state.value for state in EngineState if state.running)
 
 
 class Refused(Exception):
@@ -130,7 +131,7 @@ class FleetView:
         for msg in events:
             seq += 1
             if (msg.seq != seq or msg.boot != boot or msg.node_id != peer
-                    or msg.event.get("to") == "stopping"):
+                    or msg.event.get("to") == EngineState.STOPPING):
                 return None
         own = self._heard(record, now, wall, "event")
         record.received_seq = seq
@@ -212,7 +213,7 @@ class FleetView:
     def group_restarts(self, node_id: str, event: dict[str, Any]) -> list[tuple[str, str]]:
         """The other parts of a multi-node engine to restart because this event says one
         part failed: a running part going to `stopping` for any cause but `commanded`."""
-        if (event.get("kind") != "state" or event.get("to") != "stopping"
+        if (event.get("kind") != "state" or event.get("to") != EngineState.STOPPING
                 or event.get("cause") in (None, "commanded")
                 or event.get("from") not in RUNNING_STATES):
             return []
@@ -226,7 +227,7 @@ class FleetView:
                    if e.get("group") == group and (r.node_id, e["id"]) != (node_id, engine_id)
                    and e.get("state") in RUNNING_STATES]
         for _, part in targets:  # restarting now: a second failure must not restart it again
-            part["state"] = "stopping"
+            part["state"] = EngineState.STOPPING.value
         return [(r.node_id, e["id"]) for r, e in targets]
 
 
@@ -260,5 +261,5 @@ def engine_view(engine: dict[str, Any], reachable: bool) -> dict[str, Any]:
     Until the refit bridge records weights, `serving` means healthy and `weight_version` is
     unknown (null)."""
     return {**engine, "weight_version": engine.get("weight_version"),
-            "serving": engine.get("state") == "healthy", "reachable": reachable}
+            "serving": engine.get("state") == EngineState.HEALTHY, "reachable": reachable}
 

@@ -28,6 +28,7 @@ from rollout_watchdog.common.errors import RolloutWatchdogError
 from rollout_watchdog.common.torch_group import (
     destroy_process_group,
     init_custom_process_group,
+    tcp_init_method,
 )
 from rollout_watchdog.refit_bridge import engine_calls, sockets
 from rollout_watchdog.refit_bridge.buckets import buckets, dtype_name, with_last
@@ -176,9 +177,7 @@ class WeightUpdateGroup:
         if not self.master_port:
             self.master_port = _free_port(self.master_address)
         self._before = set(sockets.socket_inodes().values())
-        init_method = f"tcp://{self.master_address}:{self.master_port}"
-        if ":" in self.master_address:
-            init_method = f"tcp://[{self.master_address}]:{self.master_port}"
+        init_method = tcp_init_method(self.master_address, self.master_port)
         timeout = datetime.timedelta(seconds=self.init_timeout_s)
 
         def own_side() -> ProcessGroup:

@@ -45,6 +45,7 @@ from rollout_watchdog.common.errors import (
     RefitTimeout,
     RolloutWatchdogError,
 )
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge import engine_calls
 from rollout_watchdog.refit_bridge.member_pages import collect, field_of
 from rollout_watchdog.refit_bridge.refit_state import (
@@ -135,7 +136,8 @@ class Refit:
             members = self._all_members(result, "refit_acquire")
             if result.get("relaunched"):
                 members = self._wait_for_relaunched(result["relaunched"])
-            engines = [EngineView.from_json(m["node_id"], True, {**m, "state": "healthy"})
+            engines = [EngineView.from_json(m["node_id"], True,
+                                            {**m, "state": EngineState.HEALTHY.value})
                        for m in members]
             if not engines:
                 raise NoMembers(f"refit {self.version!r}: no engine to update (no healthy "
@@ -312,7 +314,7 @@ class Refit:
         wanted = {(n, e) for n, e in relaunched}
         try:
             self.client.wait_until(
-                lambda view: all(v.state == "healthy" for v in view
+                lambda view: all(v.state == EngineState.HEALTHY for v in view
                                  if (v.node_id, v.id) in wanted),
                 max(0.1, self.deadline - time.monotonic() - CALL_TIMEOUT_S))
         except TimeoutError as exc:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable, LeaseLost
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge.refit_state import Phase, RefitGuard
 from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent
 
@@ -110,7 +111,8 @@ class RefitWatch:
         engine = self._by_key.get((event.node_id, str(event.engine)))
         if engine is None:
             return
-        gone = event.kind == "state" and event.to not in ("healthy", "suspect") \
+        gone = event.kind == "state" \
+            and event.to not in (EngineState.HEALTHY, EngineState.SUSPECT) \
             and event.incarnation == engine.incarnation
         replaced = event.incarnation is not None and event.incarnation > engine.incarnation
         if gone or replaced:

@@ -32,6 +32,7 @@ from typing import Any
 import requests
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
+from rollout_watchdog.common.validate import bracket_host
 
 __all__ = ["RouterClient", "RouterError", "RouterWorker", "normalize_url", "reconcile", "url_key"]
 
@@ -95,9 +96,7 @@ def normalize_url(url: str) -> str:
         port = parts.port
     except ValueError:
         raise ValueError(f"bad port in URL {url!r}") from None
-    host = parts.hostname
-    if ":" in host:
-        host = f"[{host}]"
+    host = bracket_host(parts.hostname)
     netloc = host if port in (None, _DEFAULT_PORTS[scheme]) else f"{host}:{port}"
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
@@ -173,15 +172,6 @@ class RouterClient:
         path = "/workers/" + urllib.parse.quote(worker_id, safe="")
         answer = self._call("DELETE", path, f"removing worker {worker_id}", (200, 202, 204, 404))
         return answer.status != 404
-
-    def remove(self, url: str) -> bool:
-        """Remove every worker listed under ``url`` (any spelling); False if none was listed."""
-        key = normalize_url(url)
-        removed = False
-        for worker in self.workers():
-            if url_key(worker.url) == key:
-                removed = self.delete(worker.id) or removed
-        return removed
 
     def _call(self, method: str, path: str, action: str, ok: tuple[int, ...],
               body: dict[str, Any] | None = None) -> _Answer:

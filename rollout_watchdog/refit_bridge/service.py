@@ -68,6 +68,7 @@ from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.commands import Arg, Registry, flag, number, rule, text
 from rollout_watchdog.common.replies import CommandError
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge import member_pages
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import FleetView
@@ -448,7 +449,7 @@ class RefitService:
             if not record.reachable:
                 continue
             for engine in record.engines.values():
-                if engine.get("state") != "healthy":
+                if engine.get("state") != EngineState.HEALTHY:
                     continue
                 if allowed is not None and (node_id, engine["id"]) not in allowed:
                     continue
@@ -491,7 +492,7 @@ class RefitService:
             for engine in core.view.nodes[node_id].engines.values():
                 if engine.get("deferred_waiting") or (
                         engine.get("restart_policy") == "deferred"
-                        and engine.get("state") == "backoff"):
+                        and engine.get("state") == EngineState.BACKOFF):
                     out.append((node_id, engine["id"]))
                     cmd = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "restart", {},
                                            node_id, engine["id"], RELEASE_TIMEOUT_S)

@@ -15,6 +15,7 @@ deduplicated the same way but are never resume points.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from types import TracebackType
@@ -23,11 +24,13 @@ from typing import TYPE_CHECKING
 import zmq
 
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.lograte import DropCount
 from rollout_watchdog.refit_bridge.views import FleetEvent
 
 if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.client import FleetClient
 
+log = logging.getLogger(__name__)
 SILENCE_S = 3.0      # no word from the coordinator for this long: it is gone, subscribe again
 HEARTBEAT_S = 1.0    # our heartbeat, which keeps the subscription
 
@@ -54,6 +57,7 @@ class EventStream:
         self.positions: dict[str, protocol.ResumePoint] = {}  # last node event, per node
         self.subscriptions = 0   # how often it subscribed: 1 + the coordinator's departures
         self.duplicates = 0      # events dropped as already delivered
+        self._bad_frames = DropCount(log, "a bad frame from the coordinator")
         self._last: dict[tuple[str, str], int] = {}
         self._ready: deque[FleetEvent] = deque()   # the rest of a received batch
         self._sock: zmq.Socket[bytes] | None = None
@@ -106,14 +110,17 @@ class EventStream:
         """The events in `data` not delivered yet; none for anything else."""
         try:
             message = protocol.decode(data)
-        except protocol.ProtocolError:
+        except protocol.ProtocolError as exc:
+            self._bad_frames.drop(str(exc))
             return []
         if isinstance(message, protocol.Events):
             return [e for m in message.events if (e := self._new(m)) is not None]
         if isinstance(message, protocol.Event):
             event = self._new(message)
             return [] if event is None else [event]
-        return []  # a heartbeat: the coordinator is there
+        if not isinstance(message, protocol.Heartbeat):  # a heartbeat: the coordinator is there
+            self._bad_frames.drop(f"a {message.KIND!r} message, not an event")
+        return []
 
     def _new(self, message: protocol.Event) -> FleetEvent | None:
         """The event, unless it was delivered already (by its node, boot and seq)."""
@@ -126,6 +133,16 @@ class EventStream:
         if not event.is_node_event:
             self.positions[event.node_id] = protocol.ResumePoint(event.boot, event.seq)
         return event
+
+    @property
+    def bad_frames(self) -> int:
+        """Frames dropped: undecodable, or neither events nor a heartbeat."""
+        return self._bad_frames.count
+
+    def stats(self) -> dict[str, int]:
+        """The stream's counts: its subscriptions, the duplicates and bad frames it dropped."""
+        return {"subscriptions": self.subscriptions, "duplicates": self.duplicates,
+                "bad_frames": self.bad_frames}
 
     def close(self) -> None:
         if self._sock is not None:

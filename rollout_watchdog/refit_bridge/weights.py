@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge.durable import DurableWriter
 
 Member = tuple[str, str, int]   # (node_id, engine, incarnation)
-SERVING_STATES = ("healthy",)
+SERVING_STATES = (EngineState.HEALTHY.value,)
 # A version goes into every acquire reply (once per member), every status page and the state
 # file: a long one would push them past the frame limit, for good.
 MAX_VERSION_CHARS = 256

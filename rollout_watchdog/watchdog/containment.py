@@ -158,20 +158,3 @@ def read_marker(pid: int) -> str | None:
         if entry.startswith(needle):
             return entry[len(needle):].decode("utf-8", "replace")
     return None
-
-
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def find_marked(pids: Iterable[int] | None, prefix: str) -> dict[int, str]:
-    """Every process among ``pids`` (all of /proc if None) whose marker starts with ``prefix``.
-
-    Reads the environ of each process: about 25 us per process (a scan of all of /proc took
-    26 ms at 1,081 processes, where process_table() took 11 ms), so pass the pids you have."""
-    found: dict[int, str] = {}
-    for pid in _all_pids() if pids is None else pids:
-        marker = read_marker(pid)
-        if marker and marker.startswith(prefix):
-            found[pid] = marker
-    return found

@@ -246,9 +246,9 @@ def bind_control(sock: zmq.SyncSocket, endpoint: str) -> None:
         if os.path.exists(path):
             try:
                 listening = socket_listening(path)
-            except PermissionError:
+            except PermissionError as exc:
                 raise RuntimeError(f"control socket {path} exists and belongs to another "
-                                   "user (permission denied)") from None
+                                   "user (permission denied)") from exc
             if listening:
                 raise RuntimeError(f"control socket {path} is in use: is another daemon "
                                    "running?")

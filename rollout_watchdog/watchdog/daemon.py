@@ -166,7 +166,7 @@ class Daemon:
                 self.metrics.start_server(self.config.metrics_port, self.config.metrics_host)
             except OSError as exc:
                 raise RuntimeError(f"cannot serve metrics on {address}: {exc.strerror or exc}"
-                                   ) from None
+                                   ) from exc
         for factory in self._participant_factories:
             participant = factory(self)
             self.participants.append(participant)
@@ -203,7 +203,7 @@ class Daemon:
             cgroups.prepare()
         except CgroupError as exc:
             if mode == "cgroup":
-                raise RuntimeError(f"containment = \"cgroup\", but {exc}") from None
+                raise RuntimeError(f"containment = \"cgroup\", but {exc}") from exc
             log.warning("no delegated cgroup v2 (%s): subreaper and marker in force", exc)
             return
         self.supervisor.cgroups = cgroups

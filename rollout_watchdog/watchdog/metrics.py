@@ -21,8 +21,9 @@ from prometheus_client import (
 from prometheus_client.metrics import MetricWrapperBase
 
 from rollout_watchdog.common.metrics_server import MAX_CONNECTIONS, TIMEOUT_S, MetricsServer
+from rollout_watchdog.common.states import EngineState
 
-STATES = ("starting", "healthy", "suspect", "stopping", "backoff", "failed", "stopped")
+STATES = tuple(state.value for state in EngineState)
 
 # Probe latency: a healthy /health_generate answers in milliseconds, a failing one at the timeout.
 _PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)

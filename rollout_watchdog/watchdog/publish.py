@@ -10,7 +10,7 @@ from typing import Any
 
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.protocol import FORGETTING_KINDS
-from rollout_watchdog.common.states import Cause
+from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import EngineRuntime
 from rollout_watchdog.watchdog.metrics import Metrics
 
@@ -72,7 +72,7 @@ def metrics_subscriber(metrics: Metrics) -> Subscriber:
             metrics.set_incarnation(engine, event.incarnation)
         if event.kind in ("state", "adopted") and event.to:
             metrics.set_state(engine, event.to)
-            if event.to == "starting":
+            if event.to == EngineState.STARTING:
                 metrics.set_paused(engine, False)  # a pause belongs to its incarnation
         if "detected_after_s" in extra:
             metrics.detection(engine, event.cause or "", extra["detected_after_s"])
