@@ -44,7 +44,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout_watchdog import Coordinator, EngineLost, EngineView, FleetClient, LeaseLost
+from rollout_watchdog import (
+    Coordinator,
+    EngineLost,
+    EngineView,
+    FleetClient,
+    LeaseLost,
+    NoMembers,
+)
 from rollout_watchdog.emulator import write_weight_spec
 
 NODES, ENGINES_PER_NODE = ("node-a", "node-b"), 2
@@ -158,6 +165,10 @@ def run_loop(fleet: FleetClient, router_url: str, steps: int, kill_at: int) -> N
                 log.warning("refit %s, attempt %d, lost %s", version, attempt, exc.lost)
             except LeaseLost as exc:                     # we stalled past the lease: retake it
                 log.warning("refit %s, attempt %d: %s", version, attempt, exc)
+            except NoMembers as exc:                     # no healthy engine: wait for one
+                log.warning("refit %s, attempt %d: %s", version, attempt, exc)
+                fleet.wait_until(lambda view: any(e.state == "healthy" and e.reachable
+                                                  for e in view), timeout_s=600.0)
         raise RuntimeError(f"refit {version} failed {attempts} times")
 
     def named_tensors() -> Iterator[tuple[str, torch.Tensor]]:

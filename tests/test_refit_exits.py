@@ -446,6 +446,9 @@ class Core:
     def weights_changed(self) -> None:
         pass
 
+    def refit_ended(self, outcome: str, duration_s: float) -> None:
+        pass
+
 
 def acquire(service: RefitService, core: Core, holder: str) -> protocol.Reply:
     service.handle(core, b"client", protocol.Command(  # type: ignore[arg-type]

@@ -221,7 +221,7 @@ class RefitService:
                 f"the refit lock is held by the coordinator: it puts the members of refit "
                 f"#{ended.number} (by {ended.holder}, which neither committed nor aborted) back "
                 "in service", {"holder": "coordinator", "version": ended.version,
-                               "expires_in_s": 2 * PUTBACK_CALL_S})
+                               "expires_in_s": 2 * PUTBACK_CALL_S}, protocol.LOCK_HELD)
         try:
             lease = self.lock.acquire(holder, version, lease_s, now)
         except LockHeld as exc:
