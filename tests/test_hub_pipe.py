@@ -55,7 +55,7 @@ def test_reload_keys_wakes_an_embedded_coordinator_at_once(tmp_path: Path,
                                                            keys: Path) -> None:  # noqa: F811
     """A key added to authorized/ lets its client in once reload_keys() is called, although
     the coordinator's loop has nothing due for an hour."""
-    coordinator = asleep_for_an_hour(keys=str(keys))
+    coordinator = asleep_for_an_hour(str(keys))
     coordinator.start()
     late = Peer(coordinator.endpoint, curve_of(tmp_path, "stranger"))
     try:
