@@ -48,6 +48,13 @@ class CpuMeter:
             f"{100 * used[k] / elapsed:12.1f}" if elapsed >= 0.1 else f"{'-':>12}"
             for k in self.PARTS))
 
+    def main_thread_seconds(self) -> float:
+        """CPU seconds of the coordinator's main thread (its loop; the rest of the process
+        is libzmq's I/O thread, its ZAP handler and the refit state's writer)."""
+        assert self.proc is not None
+        return sum(t.user_time + t.system_time for t in self.proc.threads()
+                   if t.id == self.proc.pid)
+
     def seconds(self) -> dict[str, float]:
         """CPU seconds used so far by each part."""
         assert self.proc is not None

@@ -38,12 +38,15 @@ long each takes to see them, and the ratio. Also a sequential pause loop against
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import pstats
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -93,6 +96,12 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flips", type=int, default=None,
                         help="state changes watched by push and by polling (30)")
     parser.add_argument("--kills", type=int, default=None, help="real engine kills (10)")
+    parser.add_argument("--only-pauses", action="store_true",
+                        help="measure the fleet-wide pauses only (after an idle window)")
+    parser.add_argument("--profile", metavar="PATH", default=None,
+                        help="profile the coordinator (cProfile) within the pause round trips "
+                             "only, write the stats to PATH and print the costliest functions "
+                             "(profiling slows it: its CPU figures are not comparable then)")
 
 
 class Subscriber(threading.Thread):
@@ -292,7 +301,13 @@ def main(args: argparse.Namespace) -> int:
           f"{seconds:g} s in bursts of {burst} per node, {flips} watched changes, {kills} real "
           f"kill(s); files in {tmp}; load average {os.getloadavg()[0]:.2f}")
     cpu = CpuMeter()
-    coord = start_coordinator_process(bind, log_path=tmp / "coordinator.log")
+    if args.profile is not None:
+        args.profile = os.path.abspath(args.profile)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(args.profile)
+    wrap = [] if args.profile is None else [sys.executable, str(Path(__file__).with_name(
+        "_profiled.py")), args.profile, "--"]
+    coord = start_coordinator_process(bind, log_path=tmp / "coordinator.log", wrap=wrap)
     workers: Workers | None = None
     ok = True
     try:
@@ -308,14 +323,17 @@ def main(args: argparse.Namespace) -> int:
         cpu.measure("idle fleet (heartbeats), 5 s" if not quick else "idle fleet, 1 s",
                     time.sleep, 1.0 if quick else 5.0)
         sub.baseline = workers.emitted()   # the subscription has begun, the fleet is quiet
-        ok &= side_by_side(workers, sub, nodes, args.engines, flips)
-        ok &= pauses(coord, workers, sub, cpu, args.repeat)
-        ok &= throughput(coord, workers, sub, cpu, rate, seconds, burst)
-        ok &= end_to_end(coord, sub, kills, args.keep)
+        if not args.only_pauses:
+            ok &= side_by_side(workers, sub, nodes, args.engines, flips)
+        ok &= pauses(coord, workers, sub, cpu, args.repeat, args.profile)
+        if not args.only_pauses:
+            ok &= throughput(coord, workers, sub, cpu, rate, seconds, burst)
+            ok &= end_to_end(coord, sub, kills, args.keep)
         sub.stopping.set()
         sub.join(5)
-        converged, coord = restart(coord, bind, tmp, cpu, nodes, args.engines)
-        ok &= converged
+        if not args.only_pauses:
+            converged, coord = restart(coord, bind, tmp, cpu, nodes, args.engines)
+            ok &= converged
         print(f"CPU (load average at the end {os.getloadavg()[0]:.2f}):")
         cpu.report()
         rss = cpu.peak_rss / 2**20
@@ -406,18 +424,28 @@ _sequential_ms: list[float] = []
 
 
 def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: CpuMeter,
-           repeat: int) -> bool:
+           repeat: int, profile: str | None = None) -> bool:
+    """Fleet-wide pause and resume, `repeat` times; with `profile`, the coordinator profiles
+    each pause round trip (bench/_profiled.py: SIGUSR1 on, SIGUSR2 off and dump)."""
     conn = coord.connect()
     rtts, resumes = [], []
+    loop = 0.0   # CPU seconds of the coordinator's main thread within the pause round trips
     used = dict.fromkeys(CpuMeter.PARTS, 0.0)   # CPU seconds within the pause round trips
     try:
         def one() -> None:
+            nonlocal loop
             for _ in range(repeat):
                 workers.wait_acked(60)
+                if profile is not None:
+                    coord.proc.send_signal(signal.SIGUSR1)
                 before, started = cpu.seconds(), time.monotonic()
+                loop_before = cpu.main_thread_seconds()
                 reply = conn.call("pause", {"deadline_s": 60, "all": True}, timeout_s=30,
                                   gather_s=10)
                 rtts.append(1000 * (time.monotonic() - started))
+                loop += cpu.main_thread_seconds() - loop_before
+                if profile is not None:
+                    coord.proc.send_signal(signal.SIGUSR2)
                 for part, spent in cpu.seconds().items():
                     used[part] += spent - before[part]
                 assert reply.status == "ok" and not reply.result["missing"], reply
@@ -435,12 +463,17 @@ def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: Cp
     p99 = sorted(rtts)[min(len(rtts) - 1, int(0.99 * len(rtts)))]
     print(f"  CPU per pause: coordinator {1000 * used['coordinator'] / repeat:.0f} ms, nodes "
           f"{1000 * used['nodes'] / repeat:.0f} ms, subscriber "
-          f"{1000 * used['subscriber'] / repeat:.0f} ms; % of one core within the round trips:")
+          f"{1000 * used['subscriber'] / repeat:.0f} ms (the coordinator's main thread "
+          f"{1000 * loop / repeat:.0f} ms); % of one core within the round trips:")
     cpu.line("pause round trips", sum(rtts) / 1000, used)
     print(f"  pause p99 {p99:.1f} ms")
     if _sequential_ms:
         ratio = statistics.median(_sequential_ms) / s.median
         print(f"  ratio sequential loop / fan-out: {ratio:.1f}x median")
+    if profile is not None:
+        wait_for(lambda: os.path.exists(profile), 10, "the coordinator's profile")
+        print(f"the coordinator's profile within the pauses ({profile}), by own time:")
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
     return goal("pause p99 <= 250 ms", p99 <= 250)
 
 

@@ -172,8 +172,8 @@ def test_a_flood_of_connections_that_never_speak_locks_nobody_out(
         assert client.engines() == []
         _, taken = client.call("refit_acquire", {"holder": "trainer", "version": "v1",
                                                  "lease_s": 30})
-        client.call("refit_renew", {"token": taken["token"]})
-        client.call("refit_release", {"token": taken["token"]})
+        client.call("refit_renew", {"holder": "trainer", "token": taken["token"]})
+        client.call("refit_release", {"holder": "trainer", "token": taken["token"]})
         assert coordinator.proc.poll() is None
     finally:
         for sock in flood:

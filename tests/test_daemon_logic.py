@@ -12,6 +12,7 @@ from daemon_harness import run_command
 
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import parse_config
+from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime
 from rollout_watchdog.watchdog.probe import ProbeResult
@@ -27,8 +28,8 @@ class FakeGpus:
 
 def make_daemon(tmp_path: Path, inspector: FakeGpus | None = None,
                 **engine_keys: object) -> Daemon:
-    engine = {"id": "e0", "url": "http://127.0.0.1:39999", "command": ["true"], "gpus": [0],
-              **engine_keys}
+    engine = {"id": "e0", "url": f"http://127.0.0.1:{free_port()}", "command": ["true"],
+              "gpus": [0], **engine_keys}
     config = parse_config({"state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
                            "restart": {"release_timeout_s": 1.0, "backoff_initial_s": 1.0},
                            "engine": [engine]})

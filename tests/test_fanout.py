@@ -23,10 +23,11 @@ def gathering(request_id: str, targets: list[str], timeout_s: float | None = Non
 
 def test_each_node_gets_its_own_request_id_with_the_engine_in_its_args() -> None:
     fanout = Fanout()
-    sent = fanout.start(gathering("r1", ["n1"], timeout_s=2.5, node="n1", engine="e0"))
-    assert sent == [("n1", Command("r1/n1", "restart", {"force": True, "engine": "e0"}, "n1",
-                                   "e0", 2.5))]
-    sent = fanout.start(gathering("r2", ["n1", "n2"]))
+    frames = fanout.start(gathering("r1", ["n1"], timeout_s=2.5, node="n1", engine="e0"))
+    assert frames == [("n1", encode(Command("r1/n1", "restart", {"force": True, "engine": "e0"},
+                                            "n1", "e0", 2.5)))]
+    decoded = [(node, decode(frame)) for node, frame in fanout.start(gathering("r2", ["n1", "n2"]))]
+    sent = [(node, cmd) for node, cmd in decoded if isinstance(cmd, Command)]
     assert [(node, cmd.request_id, cmd.node, cmd.args) for node, cmd in sent] == [
         ("n1", "r2/n1", "n1", {"force": True}), ("n2", "r2/n2", "n2", {"force": True})]
     assert len({cmd.request_id for _, cmd in sent}) == 2

@@ -306,3 +306,55 @@ def test_the_view_is_warm_once_every_journaled_node_is_back_or_a_timeout_passed(
     assert not view.warm(started=0.0, now=1.0)      # n2 not back yet
     view.hello(hello("n2", boot="b2"), "n2", now=1.5, wall=1.5)
     assert view.warm(started=0.0, now=1.5)
+
+
+# ---------------------------------------------------------------------- batches
+
+
+def paused(node: str, seq: int, engine_id: str, boot: str = "b1") -> Event:
+    body = {"ts": WALL0 + seq, "node_id": node, "engine": engine_id, "incarnation": 1,
+            "kind": "paused", "from": None, "to": None, "cause": None, "detail": "",
+            "deadline": WALL0 + 60}
+    return Event(node, boot, seq, body)
+
+
+def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one() -> None:
+    """A fleet-wide pause's frame per node: the same view, seqs and reachability as taking
+    each event alone."""
+    engines = [engine(f"e{i}") for i in range(4)]
+    whole, alone = FleetView(), FleetView()
+    for view in (whole, alone):
+        view.hello(hello("n1", engines=[dict(e) for e in engines], last_seq=1), "n1", T0, WALL0)
+    batch = [paused("n1", seq, f"e{seq - 1}") for seq in range(1, 5)]
+    view_tick = T0 + 2 * whole.node_timeout_s
+    for view in (whole, alone):   # silent: the batch makes the node reachable again
+        assert [e["kind"] for e in view.tick(view_tick, WALL0)] == ["node_unreachable"]
+    own = whole.batch(batch, "n1", view_tick, WALL0 + 9)
+    expected: list[dict[str, Any]] = []
+    for event in batch:
+        fresh, more = alone.event(event, "n1", view_tick, WALL0 + 9)
+        assert fresh
+        expected += more
+    assert own == expected and [e["kind"] for e in own] == ["node_reachable"]
+    assert whole.status() == alone.status()
+    assert whole.nodes["n1"].received_seq == alone.nodes["n1"].received_seq == 4
+    # seq 1 was in the HELLO's snapshot: not applied; the others paused with their deadline
+    assert [e["paused"] for e in whole.nodes["n1"].engines.values()] == [False, True, True, True]
+
+
+@pytest.mark.parametrize("case", ["gap", "replay", "other_boot", "other_node", "stopping",
+                                  "unknown_node"])
+def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str) -> None:
+    view = FleetView()
+    joined(view, "n1", engines=[engine("e0"), engine("e1")])
+    view.event(paused("n1", 1, "e0"), "n1", T0, WALL0)
+    batch = {"gap": [paused("n1", 2, "e0"), paused("n1", 4, "e1")],
+             "replay": [paused("n1", 1, "e0"), paused("n1", 2, "e1")],
+             "other_boot": [paused("n1", 2, "e0", boot="b2")],
+             "other_node": [paused("n1", 2, "e0"), Event("n2", "b1", 3, {})],
+             "stopping": [paused("n1", 2, "e0"),
+                          state_event("n1", 3, "e1", "healthy", "stopping", "exited")],
+             "unknown_node": [paused("n9", 1, "e0")]}[case]
+    before = json.dumps(view.status())
+    assert view.batch(batch, "n9" if case == "unknown_node" else "n1", T0 + 1, WALL0) is None
+    assert json.dumps(view.status()) == before and view.nodes["n1"].received_seq == 1

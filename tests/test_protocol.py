@@ -20,6 +20,8 @@ from rollout_watchdog.common.protocol import (
     Reply,
     ResumePoint,
     Subscribe,
+    ack_frame,
+    command_frames,
     decode,
     encode,
 )
@@ -223,3 +225,22 @@ def test_the_event_s_own_json_mapping_is_the_generic_one() -> None:
         obj = {k: v for k, v in event.to_json().items() if k != missing}
         with pytest.raises(ProtocolError, match=f"event: missing required field '{missing}'"):
             decode(json.dumps(obj).encode())
+
+
+def test_the_hub_s_batch_encoders_write_what_encode_writes() -> None:
+    """ack_frame and command_frames (a fleet-wide pause's 1,000 ACKs and commands, encoded
+    together) must write the very frames encode() would, whatever the ids and args hold."""
+    assert ack_frame("b-77 ü\"", 13) == encode(Ack("b-77 ü\"", 13, batches=True))
+    assert ack_frame("b", 0) == encode(Ack("b", 0, batches=True))
+    targets = [("r-1/n1", "n1"), ("r-1/nœud \"2\"", "nœud \"2\"")]
+    for args in ({"all": True, "deadline_s": 60}, {"x": "\x00request", "y": "\x00node"}):
+        template = Command("r-1", "pause", args, None, None, 2.5)
+        assert command_frames(template, targets) == [
+            encode(Command(rid, "pause", args, node, None, 2.5)) for rid, node in targets]
+    one = Command("r-2", "restart", {"engine": "e0"}, "n1", "e0")
+    assert command_frames(one, [("r-2/n1", "n1")]) == [
+        encode(Command("r-2/n1", "restart", {"engine": "e0"}, "n1", "e0"))]
+    with pytest.raises(ProtocolError, match="over the limit"):
+        command_frames(Command("r", "pause", {}), [("r/n", "n" * MAX_MESSAGE_BYTES)])
+    with pytest.raises(ProtocolError, match="'node' must be a non-empty string"):
+        command_frames(Command("r", "pause", {}), [("r/", "")])

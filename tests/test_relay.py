@@ -286,3 +286,19 @@ def test_one_event_bigger_than_the_byte_bound_is_still_relayed() -> None:
     relay.add(Relayed("n1", "b1", 1, b"x" * 5_000))
     relay.pump(clients.send, T0)
     assert len(clients.got[A]) == 1 and len(relay.buffer) == 1
+
+
+def test_a_batch_added_at_once_is_bounded_as_its_events_added_one_by_one() -> None:
+    """add_all (a node's batch, the coordinator's hot path) keeps both bounds as add does."""
+    for capacity, max_bytes in ((10, 1 << 20), (1_000, 2_000)):
+        whole = Relay(capacity=capacity, max_bytes=max_bytes)
+        alone = Relay(capacity=capacity, max_bytes=max_bytes)
+        for first in range(1, 40, 8):
+            whole.add_all(node_batch("n1", range(first, first + 8)))
+            for one in node_batch("n1", range(first, first + 8)):
+                alone.add(one)
+            assert ([(i.seq, i.size) for i in whole.buffer]
+                    == [(i.seq, i.size) for i in alone.buffer])
+            assert (whole.first, whole.bytes) == (alone.first, alone.bytes)
+            assert len(whole.buffer) <= capacity and whole.bytes <= max(
+                max_bytes, whole.buffer[-1].size)

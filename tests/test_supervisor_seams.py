@@ -18,6 +18,7 @@ from daemon_harness import run_command
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import parse_config
+from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.watchdog import statefile, timers
 from rollout_watchdog.watchdog.adoption import adopt, record_of
 from rollout_watchdog.watchdog.daemon import Daemon
@@ -68,7 +69,8 @@ class PortsTaken(ProcessOps):
 
 def make_daemon(tmp_path: Path, clock: Clock | None = None, ops: ProcessOps | None = None,
                 **engine_keys: Any) -> Daemon:
-    engine = {"id": "e0", "url": "http://127.0.0.1:39999", "command": ["true"], **engine_keys}
+    engine = {"id": "e0", "url": f"http://127.0.0.1:{free_port()}", "command": ["true"],
+              **engine_keys}
     config = parse_config({"state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
                            "engine": [engine]})
     return Daemon(config, inspector=NoGpus(), rng=random.Random(0), clock=clock, ops=ops)

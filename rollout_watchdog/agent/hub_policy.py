@@ -46,6 +46,9 @@ class View(Protocol):
     def event(self, msg: protocol.Event, peer: str, now: float, wall: float
               ) -> tuple[bool, list[OwnEvent]]:
         """Take a node's event: whether it is new (relayed), Refused for a bad one."""
+    def batch(self, events: list[protocol.Event], peer: str, now: float, wall: float
+              ) -> list[OwnEvent] | None:
+        """A node's "events" frame taken whole when plain (None: take each event alone)."""
     def heard(self, peer: str, now: float, wall: float) -> list[OwnEvent]:
         """A node was heard from (a heartbeat, a reply)."""
     def tick(self, now: float, wall: float) -> list[OwnEvent]:

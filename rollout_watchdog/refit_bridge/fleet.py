@@ -110,6 +110,29 @@ class FleetView:
             apply_event(record.engines, msg)
         return True, own
 
+    def batch(self, events: list[protocol.Event], peer: str, now: float, wall: float
+              ) -> list[dict[str, Any]] | None:
+        """A node's "events" frame taken whole, as `event` would take each of its events, when
+        that is plain: the node's current boot, each seq the next after the last received, no
+        engine stopping (which may restart a group's parts: decided event by event). Then the
+        coordinator's own events it causes; None otherwise, and nothing changed."""
+        record = self.nodes.get(peer)
+        if record is None:
+            return None
+        boot, seq = record.boot, record.received_seq
+        for msg in events:
+            seq += 1
+            if (msg.seq != seq or msg.boot != boot or msg.node_id != peer
+                    or msg.event.get("to") == "stopping"):
+                return None
+        own = self._heard(record, now, wall, "event")
+        record.received_seq = seq
+        snapshot, engines = record.snapshot_seq, record.engines
+        for msg in events:
+            if msg.seq > snapshot:
+                apply_event(engines, msg)
+        return own
+
     def heard(self, peer: str, now: float, wall: float) -> list[dict[str, Any]]:
         """Any other message from a node (a heartbeat, a reply) keeps it reachable."""
         record = self.nodes.get(peer)
@@ -211,13 +234,12 @@ def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None
     engine = engines.get(str(event.get("engine")))
     if engine is None:
         return
-    if event.get("kind") in protocol.FORGETTING_KINDS and event.get("incarnation") in (
-            None, engine.get("incarnation")):
+    kind, incarnation = event.get("kind"), event.get("incarnation")
+    if kind in protocol.FORGETTING_KINDS and incarnation in (None, engine.get("incarnation")):
         del engines[str(event.get("engine"))]   # gone from its node: from the view and router
         return
-    if event.get("incarnation") is not None:
-        engine["incarnation"] = event["incarnation"]
-    kind = event.get("kind")
+    if incarnation is not None:
+        engine["incarnation"] = incarnation
     if kind == "state" and isinstance(event.get("to"), str):
         engine["state"] = event["to"]
     elif kind in protocol.PAUSE_KINDS:   # sent without a status: they say all they change

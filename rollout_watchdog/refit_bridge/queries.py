@@ -1,20 +1,22 @@
 """The coordinator's read-only commands, answered from its own state (nothing to remember for
 a repeat): `status` (the fleet view, a page at a time: `after`, `next`) and `ping` (its health
-and counters)."""
+and counters). Each is declared in `COMMANDS` (`common.commands`): its docstring is its wire
+spec, its arguments are checked before it runs."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rollout_watchdog.agent.relay import Relay
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.commands import Arg, Registry, text
+from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.router_sync import RouterSync
 from rollout_watchdog.refit_bridge.service import RefitService
-
-COMMANDS = ("status", "ping")
 
 
 class Hub(Protocol):
@@ -26,21 +28,49 @@ class Hub(Protocol):
     bad_messages: Counter[str]
 
 
+Handler = Callable[[Hub, protocol.Command, dict[str, Any]], dict[str, Any]]
+COMMANDS: Registry[Handler] = Registry("the coordinator")
+
+
 def answer(hub: Hub, cmd: protocol.Command) -> protocol.Reply:
-    if cmd.cmd == "status":
-        if cmd.node is not None and cmd.node not in hub.view.nodes:
-            return error(cmd, f"unknown node {cmd.node!r}", protocol.UNKNOWN_NODE)
-        after = cmd.args.get("after")
-        if after is not None and not isinstance(after, str):
-            return error(cmd, f"'after' must be a node id, got {str(after)[:40]!r}",
-                         protocol.BAD_ARGS)
-        view = hub.view.status(cmd.node, after)
-        for node in view["nodes"]:
-            for engine in node["engines"]:
-                hub.refit.book.decorate(node["node_id"], engine)
-        return protocol.Reply(cmd.request_id, "ok", None, view)
+    """Run a query: its result, or an error with its code (BAD_ARGS: a malformed argument)."""
+    try:
+        spec = COMMANDS.lookup(cmd.cmd)
+        result = spec.handler(hub, cmd, spec.validate(cmd.args))
+    except CommandError as exc:
+        return error(cmd, str(exc), exc.code or protocol.BAD_ARGS)
+    return protocol.Reply(cmd.request_id, "ok", None, result)
+
+
+@COMMANDS.command("status", Arg("after", text()))
+def status(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any]:
+    """The fleet view, a page at a time (about 512 KiB of nodes), in node id order.
+
+    args: {"after"?: NODE: the page after that node}; the command's `node` narrows it to one
+    node (unknown: UNKNOWN_NODE). result: {"nodes": [{"node_id", "reachable", "last_seen",
+    "boot", "engines": [the node's engine objects, plus "weight_version", "serving",
+    "reachable"]}], "next": NODE | null (not null when more follow: ask again after it)}
+    """
+    if cmd.node is not None and cmd.node not in hub.view.nodes:
+        raise CommandError(f"unknown node {cmd.node!r}", protocol.UNKNOWN_NODE)
+    view = hub.view.status(cmd.node, args["after"])
+    for node in view["nodes"]:
+        for engine in node["engines"]:
+            hub.refit.book.decorate(node["node_id"], engine)
+    return view
+
+
+@COMMANDS.command("ping")
+def ping(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any]:
+    """The coordinator's health and counters.
+
+    args: {}. result: {"coordinator": BOOT, "nodes", "reachable", "subscribers",
+    "bad_messages": {REASON: N}, "relay_skipped", "relay_behind", "refit": {"current_version",
+    "holder": {"holder", "version", "expires_in_s"} | null} (never the holder's token),
+    "router": RouterSync.status() | null}
+    """
     relay = hub.relay
-    return protocol.Reply(cmd.request_id, "ok", None, {
+    return {
         "coordinator": hub.boot, "nodes": len(hub.view.nodes),
         "reachable": len(hub.view.reachable()), "subscribers": len(relay.subscribers),
         "bad_messages": {**hub.bad_messages, **hub.view.refused},
@@ -48,7 +78,7 @@ def answer(hub: Hub, cmd: protocol.Command) -> protocol.Reply:
         "relay_behind": max((relay.end - sub.cursor for sub in relay.subscribers.values()),
                             default=0),
         "refit": hub.refit.status(time.monotonic()),
-        "router": None if hub.router is None else hub.router.status()})
+        "router": None if hub.router is None else hub.router.status()}
 
 
 def error(cmd: protocol.Command, reason: str, code: str) -> protocol.Reply:

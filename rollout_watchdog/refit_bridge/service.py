@@ -5,7 +5,9 @@ refit-scoped call carries the `holder` that took the lock and its `token`, an op
 shown to that holder only (never in a refusal, `ping` or `status`) and never handed out again,
 also by a restarted coordinator; a call whose pair is not the current holder's is refused with a
 reason starting "lease lost" (code LEASE_LOST). Every error reply carries a code
-(protocol.CODES). A `version` is 1 to 256 printable characters.
+(protocol.CODES). A `version` is 1 to 256 printable characters. Each command's arguments are
+declared with its handler (`COMMANDS`, `common.commands`) and checked before it runs: a
+malformed one is refused naming it (code BAD_ARGS).
 
 - `refit_acquire {holder, version, lease_s, deadline_s}`: take the lock. Pauses deep probes on
   every reachable node with the refit's own owner tag (answering once in-flight probes ended,
@@ -55,6 +57,8 @@ from typing import Any, Protocol
 
 from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.commands import Arg, Registry, flag, number, rule, text
+from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.lock import (
@@ -69,13 +73,11 @@ from rollout_watchdog.refit_bridge.weights import (
     Member,
     RefitState,
     WeightBook,
-    check_version,
     members_of,
+    version_problem,
 )
 
 log = logging.getLogger(__name__)
-COMMANDS = ("refit_acquire", "refit_members", "refit_renew", "refit_commit", "refit_abort",
-            "refit_release")
 PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
 RELEASE_TIMEOUT_S = 5.0
 PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
@@ -104,6 +106,25 @@ class Core(Protocol):
     def reply(self, client: bytes, reply: protocol.Reply) -> None: ...
     def weights_changed(self) -> None: ...
     def refit_ended(self, outcome: str, duration_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Call:
+    """One refit command to run: its arguments checked (`COMMANDS`)."""
+
+    core: Core
+    client: bytes
+    cmd: protocol.Command
+    args: dict[str, Any]
+    now: float
+
+
+# A handler answers with its result, or None when it answers by itself (refit_acquire).
+Handler = Callable[["RefitService", Call], "dict[str, Any] | None"]
+COMMANDS: Registry[Handler] = Registry("the coordinator")
+# The holder and its token are checked by the lock (a pair that is not the holder's: LEASE_LOST).
+FENCE = (Arg("holder", lambda v: v), Arg("token", lambda v: v))
+VERSION = Arg("version", rule(version_problem), required=True)
 
 
 class RefitError(Exception):
@@ -157,17 +178,21 @@ class RefitService:
                 unsaved.client = client
                 return
         try:
-            if cmd.cmd == "refit_acquire":
-                self._acquire(core, client, cmd, now)
-                return
-            result = getattr(self, "_" + cmd.cmd.removeprefix("refit_"))(core, cmd, now)
+            spec = COMMANDS.lookup(cmd.cmd)
+            result = spec.handler(self, Call(core, client, cmd, spec.validate(cmd.args), now))
         except RefitError as exc:
             core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), exc.result,
                                               exc.code))
             return
+        except CommandError as exc:   # an argument refused (BAD_ARGS), an unknown command
+            core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None,
+                                              exc.code or protocol.BAD_ARGS))
+            return
         except (Fenced, ValueError) as exc:
             code = protocol.LEASE_LOST if isinstance(exc, Fenced) else protocol.BAD_ARGS
             core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None, code))
+            return
+        if result is None:   # it answers by itself
             return
 
         def answer(to: bytes, error: str | None) -> None:
@@ -210,11 +235,14 @@ class RefitService:
             log.error("refit state not saved: %s", why)
             unsaved.then(unsaved.client, why)
 
-    def _acquire(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
-        holder = _text(cmd.args, "holder")
-        version = check_version(cmd.args.get("version"))
-        lease_s = _number(cmd.args, "lease_s", 30.0)
-        deadline_s = _number(cmd.args, "deadline_s", 600.0)
+    @COMMANDS.command("refit_acquire", Arg("holder", text(), required=True), VERSION,
+                      Arg("lease_s", number(0, above=True), 30.0),
+                      Arg("deadline_s", number(0, above=True), 600.0))
+    def _acquire(self, call: Call) -> None:
+        """Take the lock, pause the fleet, answer the token and the members (module docstring)."""
+        core, client, cmd, now = call.core, call.client, call.cmd, call.now
+        holder, version = call.args["holder"], call.args["version"]
+        lease_s, deadline_s = call.args["lease_s"], call.args["deadline_s"]
         if self._putback is not None:
             ended = self._putback[1]
             raise RefitError(
@@ -287,21 +315,31 @@ class RefitService:
         return protocol.Reply(cmd.request_id, "error", f"refit lock not taken: the answer "
                               f"cannot be sent ({why})", None, protocol.TOO_BIG)
 
-    def _members(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
+    @COMMANDS.command("refit_members", *FENCE)
+    def _members(self, call: Call) -> dict[str, Any]:
+        """The members again, with the relaunched engines that became healthy."""
+        core = call.core
+        lease = self.lock.check(call.args["token"], call.args["holder"], call.now)
         members = self.members(core, lease)
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in members]
         self._save()
         return {"members": members}
 
-    def _renew(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.renew(cmd.args.get("token"), cmd.args.get("holder"), now)
-        return {"expires_in_s": lease.expires - now}
+    @COMMANDS.command("refit_renew", *FENCE)
+    def _renew(self, call: Call) -> dict[str, Any]:
+        """Extend the lease by its `lease_s`."""
+        lease = self.lock.renew(call.args["token"], call.args["holder"], call.now)
+        return {"expires_in_s": lease.expires - call.now}
 
-    def _commit(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
-        version = check_version(cmd.args.get("version"))
-        members = members_of(cmd.args.get("members"))
+    @COMMANDS.command("refit_commit", *FENCE, VERSION,
+                      Arg("members", members_of, required=True), Arg("release", flag, False))
+    def _commit(self, call: Call) -> dict[str, Any]:
+        """These members hold `version` now, the fleet's current version; `release`: and the
+        lock is released."""
+        core = call.core
+        lease = self.lock.check(call.args["token"], call.args["holder"], call.now)
+        version: str = call.args["version"]
+        members: list[Member] = call.args["members"]
         self.book.commit(version, members, core.view.process_of)
         lease.committed = True
         lease.members = []
@@ -309,16 +347,21 @@ class RefitService:
         core.weights_changed()
         log.info("refit %r committed by %s on %d engine(s)", version, lease.holder,
                  len(members))
-        if cmd.args.get("release") is True:
-            return {"version": version, "members": len(members),
-                    **self._release(core, cmd, now)}
+        if call.args["release"]:
+            return {"version": version, "members": len(members), **self._let_go(call)}
         return {"version": version, "members": len(members)}
 
-    def _abort(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.check(cmd.args.get("token"), cmd.args.get("holder"), now)
-        members = members_of(cmd.args.get("members", [list(m) for m in lease.members]))
-        wedged = members_of(cmd.args.get("wedged", []))
-        reason = str(cmd.args.get("reason") or "aborted by its holder")[:500]
+    @COMMANDS.command("refit_abort", *FENCE, Arg("members", members_of),
+                      Arg("wedged", members_of, []), Arg("reason", text(empty=True)))
+    def _abort(self, call: Call) -> dict[str, Any]:
+        """The refit failed: its members are stale, its `wedged` ones restarted."""
+        core, now = call.core, call.now
+        lease = self.lock.check(call.args["token"], call.args["holder"], now)
+        members: list[Member] | None = call.args["members"]
+        if members is None:   # (absent: the lease's)
+            members = list(lease.members)
+        wedged: list[Member] = call.args["wedged"]
+        reason = (call.args["reason"] or "aborted by its holder")[:500]
         if not lease.committed:   # (an abort after a commit whose answer was lost)
             self.book.stale(members + lease.members)
             lease.aborted = True
@@ -338,9 +381,14 @@ class RefitService:
                 core.gather(None, restart, [node], now)
         return {"stale": len(members), "restarted": [[n, e] for n, e, _ in wedged]}
 
-    def _release(self, core: Core, cmd: protocol.Command, now: float) -> dict[str, Any]:
-        lease = self.lock.release(cmd.args.get("token"), cmd.args.get("holder"), now)
-        self._ended(core, lease, now, "released by its holder", expired=False)
+    @COMMANDS.command("refit_release", *FENCE)
+    def _release(self, call: Call) -> dict[str, Any]:
+        """End the refit: its own pause is lifted."""
+        return self._let_go(call)
+
+    def _let_go(self, call: Call) -> dict[str, Any]:
+        lease = self.lock.release(call.args["token"], call.args["holder"], call.now)
+        self._ended(call.core, lease, call.now, "released by its holder", expired=False)
         return {"released": lease.token}
 
     # ------------------------------------------------------------------ the loop's turn
@@ -473,20 +521,6 @@ class RefitService:
         lease = self.lock.lease
         return self.state.encode(self.book, self.lock.next_token,
                                  lease.members if lease is not None else [])
-
-
-def _text(args: dict[str, Any], key: str) -> str:
-    value = args.get(key)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"'{key}' must be a non-empty string, got {str(value)[:40]!r}")
-    return value
-
-
-def _number(args: dict[str, Any], key: str, default: float) -> float:
-    value = args.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"'{key}' must be a number > 0, got {str(value)[:40]!r}")
-    return float(value)
 
 
 __all__ = ["COMMANDS", "Core", "RefitService", "Member", "WeightBook"]

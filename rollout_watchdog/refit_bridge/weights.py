@@ -34,14 +34,24 @@ MAX_VERSION_CHARS = 256
 def check_version(version: object) -> str:
     """`version` if it is a weight version (1 to MAX_VERSION_CHARS printable characters);
     ValueError naming the problem otherwise."""
-    if not isinstance(version, str) or not version:
-        raise ValueError(f"version must be a non-empty string, got {str(version)[:40]!r}")
-    if len(version) > MAX_VERSION_CHARS:
-        raise ValueError(f"version must be at most {MAX_VERSION_CHARS} characters, got "
-                         f"{len(version)}: {version[:40]!r}...")
-    if not version.isprintable():
-        raise ValueError(f"version must be printable characters only, got {version[:80]!r}")
+    problem = version_problem(version)
+    if problem is not None:
+        raise ValueError(f"version {problem}")
+    assert isinstance(version, str)
     return version
+
+
+def version_problem(version: object) -> str | None:
+    """Why `version` is not a weight version, or None (the caller names it: common.validate's
+    convention)."""
+    if not isinstance(version, str) or not version:
+        return f"must be a non-empty string, got {str(version)[:40]!r}"
+    if len(version) > MAX_VERSION_CHARS:
+        return (f"must be at most {MAX_VERSION_CHARS} characters, got {len(version)}: "
+                f"{version[:40]!r}...")
+    if not version.isprintable():
+        return f"must be printable characters only, got {version[:80]!r}"
+    return None
 
 
 @dataclass
@@ -127,15 +137,17 @@ class WeightBook:
 
 
 def members_of(rows: object) -> list[Member]:
-    """Parse `[[node, engine, incarnation], ...]` from a command; ValueError names the problem."""
+    """Parse `[[node, engine, incarnation], ...]` (a command's `members` or `wedged`, the
+    state file's `in_flight`); ValueError says what is wrong, the caller names the argument."""
     if not isinstance(rows, list):
-        raise ValueError("'members' must be a list of [node, engine, incarnation]")
+        raise ValueError(f"must be a list of [node, engine, incarnation], got "
+                         f"{str(rows)[:40]}")
     out = []
     for row in rows:
         if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
                 and isinstance(row[1], str) and isinstance(row[2], int)
                 and not isinstance(row[2], bool)):
-            raise ValueError(f"not a [node, engine, incarnation]: {str(row)[:80]}")
+            raise ValueError(f"holds {str(row)[:80]}, not a [node, engine, incarnation]")
         out.append((row[0], row[1], row[2]))
     return out
 
@@ -165,8 +177,11 @@ class RefitState:
             token = data.get("next_token", 1)
             if not isinstance(token, int) or token < 1:
                 raise ValueError(f"bad next_token {token!r}")
-            return (WeightBook.from_json(data.get("weights") or {}), token,
-                    members_of(data.get("in_flight", [])))
+            try:
+                in_flight = members_of(data.get("in_flight", []))
+            except ValueError as exc:
+                raise ValueError(f"in_flight {exc}") from None
+            return WeightBook.from_json(data.get("weights") or {}), token, in_flight
         except (OSError, ValueError) as exc:
             raise ValueError(f"refit state {self.path} is unreadable ({exc}); move it away "
                              "to start afresh (every engine then needs a refit)") from exc

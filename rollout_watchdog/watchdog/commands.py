@@ -1,5 +1,7 @@
 """The command table of the node daemon, and the commands' implementations. Each handler's
-docstring is both its wire spec and the help text of the matching CLI command.
+docstring is both its wire spec and the help text of the matching CLI command; its arguments
+are declared with it and checked before it runs (`common.commands`: a malformed one is refused
+naming it).
 
 Every transport (the local control socket, the agent) dispatches here, so remote commands run
 through exactly the paths of local ones. The commands see the node through the `Node`
@@ -11,17 +13,25 @@ reply `{"v": 1, "id": ANY, "status": "ok"|"error", "reason": str|null, "result":
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from rollout_watchdog.common.clock import Clock
+from rollout_watchdog.common.commands import (
+    Arg,
+    Registry,
+    choice,
+    flag,
+    integer,
+    number,
+    rule,
+    text,
+)
 from rollout_watchdog.common.events import EventLog
-from rollout_watchdog.common.protocol import UNKNOWN_COMMAND
 from rollout_watchdog.common.replies import CommandError, Deferred
 from rollout_watchdog.common.states import Cause, EngineState
-from rollout_watchdog.common.validate import check_engine_id
+from rollout_watchdog.common.validate import check_engine_id, shown
 from rollout_watchdog.config import EngineConfig, url_port
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.process import ProcessOps
@@ -67,25 +77,22 @@ class Node(Protocol):
 
 
 Handler = Callable[[Node, dict[str, Any]], "dict[str, Any] | Deferred"]
-COMMANDS: dict[str, Handler] = {}
+COMMANDS: Registry[Handler] = Registry("the node")
+command = COMMANDS.command
 
-
-def command(name: str) -> Callable[[Handler], Handler]:
-    def register(func: Handler) -> Handler:
-        COMMANDS[name] = func
-        return func
-    return register
+# The arguments several commands take.
+ENGINE = Arg("engine", rule(lambda v: None if isinstance(v, str) else
+                            f"must name an engine (a string), got {shown(v)}"))
+ALL = Arg("all", flag)
+OWNER = Arg("owner", text(100))
 
 
 def dispatch(node: Node, name: str, args: dict[str, Any]) -> dict[str, Any] | Deferred:
     """Run one command: the one entry point of every transport (control socket, agent)."""
-    handler = COMMANDS.get(name)
-    if handler is None:
-        raise CommandError(f"unknown command {name!r} (commands: {', '.join(sorted(COMMANDS))})",
-                           UNKNOWN_COMMAND)
+    spec = COMMANDS.lookup(name)
     if node.stopping and name in REFUSED_WHILE_STOPPING:
         raise CommandError("the daemon is stopping")
-    return handler(node, args)
+    return spec.handler(node, spec.validate(args))
 
 
 def dispatcher(node: Node) -> Callable[[str, dict[str, Any]], dict[str, Any] | Deferred]:
@@ -93,14 +100,11 @@ def dispatcher(node: Node) -> Callable[[str, dict[str, Any]], dict[str, Any] | D
 
 
 def engine_ids(node: Node, args: dict[str, Any]) -> list[str]:
-    """The engines a command names: `engine` (one id) or `all: true`."""
-    every = args.get("all")
-    if every is not None and not isinstance(every, bool):
-        raise CommandError(f"'all' must be true or false, got {str(every)[:40]!r}")
-    if every is True:
+    """The engines a command names (validated as ENGINE and ALL): `engine` or `all: true`."""
+    if args.get("all") is True:
         return list(node.engines)
     engine = args.get("engine")
-    if not isinstance(engine, str):
+    if engine is None:
         raise CommandError("name an engine ('engine') or all engines ('all': true)")
     if engine not in node.engines:
         known = ", ".join(node.engines) or "none"
@@ -111,27 +115,6 @@ def engine_ids(node: Node, args: dict[str, Any]) -> list[str]:
 def one_engine(node: Node, args: dict[str, Any]) -> EngineRuntime:
     (engine_id,) = engine_ids(node, {"engine": args.get("engine")})
     return node.engines[engine_id]
-
-
-def _owner(args: dict[str, Any]) -> str | None:
-    """A pause's owner tag (`owner`), or None when the command names none."""
-    owner = args.get("owner")
-    if owner is not None and not (isinstance(owner, str) and 0 < len(owner) <= 100):
-        raise CommandError(f"'owner' must be a string of 1 to 100 characters, got "
-                           f"{str(owner)[:40]!r}")
-    return owner
-
-
-def _number(args: dict[str, Any], key: str, default: float) -> float:
-    value = args.get(key, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        number = math.nan
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(number) or number < 0:
-        raise CommandError(f"'{key}' must be a finite number >= 0, got {str(value)[:40]}")
-    return number
 
 
 @command("status")
@@ -147,7 +130,8 @@ def status(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     return node.status()
 
 
-@command("events")
+@command("events", Arg("since", number(0), 0.0), Arg("boot", text()),
+         Arg("wait_s", number(0), 5.0))
 def events(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
     """Follow the event stream (long poll).
 
@@ -157,10 +141,10 @@ def events(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
     restarted) starts from its first event. A follower so far behind that events were dropped
     from memory first gets an event of kind "gap" that says how many.
     """
-    since = int(_number(args, "since", 0))
-    if args.get("boot") not in (None, node.boot_id):
+    since = int(args["since"])
+    if args["boot"] not in (None, node.boot_id):
         since = 0
-    wait_s = min(_number(args, "wait_s", 5.0), MAX_EVENTS_WAIT_S)
+    wait_s = min(args["wait_s"], MAX_EVENTS_WAIT_S)
 
     def ready() -> dict[str, Any] | None:
         found = node.events.since(since)
@@ -181,7 +165,8 @@ def events(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
     return ready() or Deferred(ready, node.clock.monotonic() + wait_s, empty)
 
 
-@command("pause")
+@command("pause", ENGINE, ALL, Arg("deadline_s", number(0, above=True, maximum=MAX_PAUSE_S),
+                                   DEFAULT_PAUSE_S), Arg("wait_s", number(0)), OWNER)
 def pause(node: Node, args: dict[str, Any]) -> Deferred:
     """Pause deep probes of ENGINE (or all) until resumed or until the deadline passes.
 
@@ -196,12 +181,9 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     resume without an owner, or the deadline).
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
-    deadline_s = _number(args, "deadline_s", DEFAULT_PAUSE_S)
-    if not 0 < deadline_s <= MAX_PAUSE_S:
-        raise CommandError(f"the pause deadline must be more than 0 and at most "
-                           f"{MAX_PAUSE_S:g} s (probing must come back), got {deadline_s:g}")
-    wait_s = _number(args, "wait_s", 0.0) if "wait_s" in args else None
-    owner = _owner(args) or ""
+    deadline_s: float = args["deadline_s"]   # (at most MAX_PAUSE_S: probing must come back)
+    wait_s: float | None = args["wait_s"]
+    owner: str = args["owner"] or ""
     ids = engine_ids(node, args)
     clock = node.clock
     deadline = clock.wall() + deadline_s
@@ -240,14 +222,14 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     return Deferred(ready, clock.monotonic() + wait_s, late)
 
 
-@command("resume")
+@command("resume", ENGINE, ALL, OWNER)
 def resume(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Resume deep probes of ENGINE (or all).
 
     args: {"engine": ID} or {"all": true}, optional "owner": lift that owner's pause only (an
     engine another owner paused too stays paused). result: {"resumed": [ID, ...]}
     """
-    owner = _owner(args)
+    owner = args["owner"]
     resumed = []
     for engine_id in engine_ids(node, args):
         engine = node.engines[engine_id]
@@ -264,7 +246,8 @@ def resume(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     return {"resumed": resumed}
 
 
-@command("restart")
+@command("restart", ENGINE, Arg("cause", choice(Cause.REFIT_WEDGED.value)),
+         Arg("incarnation", integer(0)), Arg("detail", text(empty=True)))
 def restart(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Kill ENGINE (if running) and relaunch it at once; uses no restart budget.
 
@@ -277,19 +260,15 @@ def restart(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     result: {"engine": ID, "action": TEXT}
     """
     engine = one_engine(node, args)
-    cause = args.get("cause")
-    if cause is None:
+    if args["cause"] is None:
         return {"engine": engine.id, "action": _restart(node, engine)}
-    if cause != Cause.REFIT_WEDGED.value:
-        raise CommandError(f"restart cause must be {Cause.REFIT_WEDGED.value!r}, got "
-                           f"{str(cause)[:40]!r}")
     if engine.kill is not None or not engine.state.running:
         return {"engine": engine.id, "action": f"not running ({engine.state}): nothing to do"}
-    wanted = args.get("incarnation")
+    wanted = args["incarnation"]
     if wanted is not None and wanted != engine.incarnation:
         return {"engine": engine.id, "action": f"incarnation {engine.incarnation} is not the "
                                                f"wedged {wanted}: nothing to do"}
-    node.fail(engine, Cause.REFIT_WEDGED, str(args.get("detail") or "wedged in a refit")[:500],
+    node.fail(engine, Cause.REFIT_WEDGED, (args["detail"] or "wedged in a refit")[:500],
               node.clock.monotonic())
     return {"engine": engine.id, "action": "failed (refit_wedged): killing, then recovering"}
 
@@ -333,7 +312,7 @@ def require_released(node: Node, engine: EngineRuntime) -> None:
         raise CommandError(f"engine {engine.id} not relaunched: " + "; ".join(problems))
 
 
-@command("stop")
+@command("stop", ENGINE)
 def stop(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Kill ENGINE and keep it down until `restart` or `reset`.
 
@@ -354,7 +333,7 @@ def stop(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     return {"engine": engine.id, "action": action}
 
 
-@command("reset")
+@command("reset", ENGINE)
 def reset(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Clear ENGINE's restart budget; a `failed` engine is relaunched.
 
@@ -373,7 +352,11 @@ def reset(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     return {"engine": engine.id, "action": "restart budget cleared; relaunched"}
 
 
-@command("register")
+@command("register", Arg("engine", rule(check_engine_id), required=True),
+         Arg("url", rule(lambda v: None if isinstance(v, str) and url_port(v) is not None else
+                         f"must be an http URL with a host and a valid port, got {shown(v, 80)}"),
+             required=True),
+         Arg("pid", integer(1), required=True))
 def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Watch an engine started by someone else (a Ray actor): probed and killed like the
     node's own, never relaunched.
@@ -381,15 +364,9 @@ def register(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     Each registration is a new incarnation, never a number the engine id had before.
     args: {"engine": ID, "url": URL, "pid": PID}. result: {"engine": ID, "action": TEXT}
     """
-    engine_id, url, pid = args.get("engine"), args.get("url"), args.get("pid")
-    problem = check_engine_id(engine_id)
-    if problem or not isinstance(engine_id, str):
-        raise CommandError(f"'engine' {problem}")
-    if not isinstance(url, str) or url_port(url) is None:
-        raise CommandError(f"'url' must be an http URL with a host and a valid port, got "
-                           f"{str(url)[:80]!r}")
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        raise CommandError("'pid' must be a positive integer")
+    engine_id: str = args["engine"]
+    url: str = args["url"]
+    pid: int = args["pid"]
     key = node.ops.proc_key(pid)
     if key is None:
         raise CommandError(f"no process with pid {pid}")
@@ -435,16 +412,14 @@ def protected_pids(ops: ProcessOps) -> set[int]:
     return pids
 
 
-@command("unregister")
+@command("unregister", Arg("engine", text(), required=True))
 def unregister(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Stop watching an external engine (it is not killed); it leaves the fleet view and the
     router at once.
 
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """
-    engine_id = args.get("engine")
-    if not isinstance(engine_id, str):
-        raise CommandError("'engine' must be a string")
+    engine_id: str = args["engine"]
     engine = node.engines.get(engine_id)
     if engine is None or not engine.external:
         raise CommandError(f"no external engine {engine_id!r:.80}")

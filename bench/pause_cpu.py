@@ -1,0 +1,149 @@
+"""The coordinator's own CPU per fleet-wide pause, in one process, without sockets (issue 13).
+
+A real `Coordinator` (not started: its hub's socket is a stand-in that hands it prepared frames and
+keeps what it sends) with --nodes nodes of --engines engines said HELLO and one subscriber
+taking "events" frames. Each round is what the coordinator's loop does for `pause --all` (then
+`resume --all`): the client's command fanned out to every node, every node's "events" frame (one
+`paused` event per engine, as a node's link encodes it) and its reply taken in, ACKed and
+relayed, the gathered reply sent. The frames are made beforehand; only the coordinator's work is
+timed (process CPU time, with its garbage collections). No libzmq I/O thread, no heartbeats, no
+other process: the part of bench/fleet_scale.py's "CPU per pause" that is the coordinator's
+Python, and much less sensitive to a loaded machine.
+
+    PYTHONPATH=<checkout> python bench/pause_cpu.py [--nodes 1000] [--engines 8] [--repeat 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any
+
+import zmq
+
+from rollout_watchdog.agent.fanout import node_request_id
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.events import Event as NodeEvent
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
+
+
+class StandInSocket:
+    """Just what the coordinator's loop calls on its ROUTER, in both styles it has used."""
+
+    def __init__(self) -> None:
+        self.inbox: list[list[bytes]] = []    # messages to receive, the next one last
+        self.sent: list[list[bytes]] = []
+        self._parts: list[bytes] = []
+        self._peer = b""
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
+        if not self.inbox:
+            raise zmq.Again()
+        return self.inbox.pop()
+
+    def recv(self, flags: int = 0) -> bytes:
+        if not self._parts:
+            if not self.inbox:
+                raise zmq.Again()
+            self._parts = self.inbox.pop()
+        return self._parts.pop(0)
+
+    def get(self, option: int) -> int:
+        return 1 if self._parts else 0
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        self.sent.append(frames)
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        if flags & zmq.SNDMORE:
+            self._peer = frame
+        else:
+            self.sent.append([self._peer, frame])
+
+
+def engine(i: int) -> dict[str, Any]:
+    return {"id": f"e{i}", "state": "healthy", "paused": False, "pid": 10_000 + i,
+            "incarnation": 1, "restarts": 0, "url": f"http://10.0.0.1:{30000 + i}",
+            "last_failure": None, "since": time.time(), "external": False,
+            "restart_policy": "immediate", "deferred_waiting": False, "next_launch": None,
+            "pause_deadline": None, "gpus": [i], "ports": [], "group": None, "tp_size": 1,
+            "kill": None}
+
+
+class Bench:
+    def __init__(self, nodes: int, engines: int) -> None:
+        self.coordinator = Coordinator("tcp://127.0.0.1:0")
+        self.sock = StandInSocket()
+        self.coordinator.hub.sock = self.sock  # type: ignore[assignment]
+        self.engines = engines
+        self.nodes = [f"sim-{i:04d}" for i in range(nodes)]
+        self.seq = dict.fromkeys(self.nodes, 0)
+        for node in self.nodes:
+            hello = protocol.Hello(node, f"{node}-boot", [engine(i) for i in range(engines)], 0)
+            self.sock.inbox.insert(0, [node.encode(), protocol.encode(hello)])
+        self.sock.inbox.insert(0, [b"client", protocol.encode(protocol.Subscribe(batches=True))])
+        self.turns()
+        assert len(self.coordinator.view.nodes) == nodes
+
+    def turns(self) -> None:
+        """Loop turns until every message is taken and the subscriber has every event."""
+        c = self.coordinator.hub
+        while self.sock.inbox:
+            c._receive_some()
+            c.relay.pump(c._send_or_wait, time.monotonic())
+        while c.relay.pump(c._send_or_wait, time.monotonic()):
+            pass
+
+    def round(self, cmd: str, kind: str, request_id: str) -> float:
+        """CPU seconds of one fleet-wide `cmd` whose nodes each send `kind` for every engine."""
+        deadline = time.time() + 60
+        frames = []
+        for node in self.nodes:
+            events = []
+            for i in range(self.engines):
+                self.seq[node] += 1
+                extra = {"deadline": deadline} if kind == "paused" else None
+                event = NodeEvent(time.time(), node, f"e{i}", 1, kind,
+                                  detail=f"deep probes {kind}", extra=extra)
+                events.append(protocol.Event(node, f"{node}-boot", self.seq[node],
+                                             event.to_json()))
+            frames.insert(0, [node.encode(), protocol.encode(protocol.Events(events))])
+            ids = [f"e{i}" for i in range(self.engines)]
+            result = {"paused": ids, "deadline": deadline} if cmd == "pause" else {"resumed": ids}
+            reply = protocol.Reply(node_request_id(request_id, node), "ok", None, result)
+            frames.insert(0, [node.encode(), protocol.encode(reply)])
+        command = protocol.Command(request_id, cmd, {"all": True, "deadline_s": 60})
+        self.sock.sent.clear()
+        self.sock.inbox = [[b"client", protocol.encode(command)]]
+        started = time.process_time()
+        self.coordinator.hub._receive_some()   # the fan-out
+        self.sock.inbox = frames
+        self.turns()
+        spent = time.process_time() - started
+        assert any(peer == b"client" and b'"kind":"reply"' in frame
+                   for peer, frame in self.sock.sent), "no gathered reply"
+        return spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    bench = Bench(args.nodes, args.engines)
+    gc.collect()
+    pauses, resumes = [], []
+    for k in range(args.repeat):
+        pauses.append(1000 * bench.round("pause", "paused", f"p{k}"))
+        resumes.append(1000 * bench.round("resume", "resumed", f"r{k}"))
+    for name, values in (("pause", pauses), ("resume", resumes)):
+        print(f"coordinator CPU per fleet-wide {name} ({args.nodes} x {args.engines}), ms: "
+              f"min {min(values):.1f} / median {statistics.median(values):.1f} / max "
+              f"{max(values):.1f} (n={args.repeat})")
+
+
+if __name__ == "__main__":
+    main()
