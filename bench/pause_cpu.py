@@ -1,6 +1,6 @@
 """The coordinator's own CPU per fleet-wide pause, in one process, without sockets (issue 13).
 
-A real `Coordinator` (not started: its socket is a stand-in that hands it prepared frames and
+A real `Coordinator` (not started: its hub's socket is a stand-in that hands it prepared frames and
 keeps what it sends) with --nodes nodes of --engines engines said HELLO and one subscriber
 taking "events" frames. Each round is what the coordinator's loop does for `pause --all` (then
 `resume --all`): the client's command fanned out to every node, every node's "events" frame (one
@@ -76,7 +76,7 @@ class Bench:
     def __init__(self, nodes: int, engines: int) -> None:
         self.coordinator = Coordinator("tcp://127.0.0.1:0")
         self.sock = StandInSocket()
-        self.coordinator.sock = self.sock  # type: ignore[assignment]
+        self.coordinator.hub.sock = self.sock  # type: ignore[assignment]
         self.engines = engines
         self.nodes = [f"sim-{i:04d}" for i in range(nodes)]
         self.seq = dict.fromkeys(self.nodes, 0)
@@ -89,7 +89,7 @@ class Bench:
 
     def turns(self) -> None:
         """Loop turns until every message is taken and the subscriber has every event."""
-        c = self.coordinator
+        c = self.coordinator.hub
         while self.sock.inbox:
             c._receive_some()
             c.relay.pump(c._send_or_wait, time.monotonic())
@@ -118,7 +118,7 @@ class Bench:
         self.sock.sent.clear()
         self.sock.inbox = [[b"client", protocol.encode(command)]]
         started = time.process_time()
-        self.coordinator._receive_some()   # the fan-out
+        self.coordinator.hub._receive_some()   # the fan-out
         self.sock.inbox = frames
         self.turns()
         spent = time.process_time() - started

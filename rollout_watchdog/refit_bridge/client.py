@@ -413,11 +413,12 @@ class FleetClient:
     # ------------------------------------------------------------------ events
 
     def events(self, resume: bool = True, *, idle_s: float | None = None,
-               silence_s: float | None = None) -> EventStream:
+               silence_s: float | None = None, wake: zmq.Socket[bytes] | None = None
+               ) -> EventStream:
         """The fleet's events as FleetEvent objects, each once, following the coordinator
         across its restarts (see EventStream)."""
         return EventStream(self, resume=resume, idle_s=idle_s,
-                           silence_s=SILENCE_S if silence_s is None else silence_s)
+                           silence_s=SILENCE_S if silence_s is None else silence_s, wake=wake)
 
 
     # ------------------------------------------------------------------ the router

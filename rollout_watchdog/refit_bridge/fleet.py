@@ -14,6 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_watchdog.agent.hub_policy import Refused
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.states import EngineState
 
@@ -22,14 +23,6 @@ NODE_TIMEOUT_S = 5.0
 STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
 RUNNING_STATES = frozenset(state.value for state in EngineState if state.running)
-
-
-class Refused(Exception):
-    """A node message that is dropped and counted; `reason` is the counter's key."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 @dataclass

@@ -436,8 +436,8 @@ class Refit:
         return wedged
 
     def _finish(self) -> None:
-        """Release the lock. The guard thread is told to stop and not waited for: it ends
-        within GUARD_POLL_S, and past a commit or an abort it can change nothing."""
+        """Release the lock. The guard thread is told to stop and not waited for: the pipe
+        wakes it and it ends at once, and past a commit or an abort it can change nothing."""
         if self._watch is not None:
             self._watch.stop(wait=False)
         snap = self._state.snapshot()

@@ -5,7 +5,10 @@ this thread aborts at once, freeing a trainer blocked in a collective.
 
 Threads: the refit's thread calls `renewing()` once the lock is taken and `hold()` once the
 members are known, handing them over (Events order both before this thread acts on them);
-everything else here is this thread's own.
+everything else here is this thread's own. The thread waits in its event stream's poll, which
+also polls the thread's end of a pipe (`agent.pipe`, as the coordinator's hub does): `stop()`
+and `renewing()` go down it and wake the thread at once; otherwise it sleeps until an event
+or its next timer (the lease's renewal, the refit's deadline).
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import zmq
+
+from rollout_watchdog.agent.pipe import STOP, Pipe
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable, LeaseLost
 from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge.refit_state import Phase, RefitGuard
+from rollout_watchdog.refit_bridge.stream import EventStream
 from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent
 
 if TYPE_CHECKING:
@@ -27,8 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RENEW_EVERY_S = 1.0       # the coordinator takes a holder silent for 5 s for gone
-GUARD_POLL_S = 0.1
+RENEW = b"RENEW"          # down the pipe: the lock is taken, renew its lease from now on
 START_TIMEOUT_S = 10.0    # the thread's subscription is made before the lock is asked for
+MIN_WAIT_S = 0.001
 AbortGroup = Callable[["WeightUpdateGroup | None", str], None]
 
 
@@ -40,7 +48,7 @@ class RefitWatch:
         self.client, self.version, self.state = client, version, state
         self.deadline, self.timeout_s = deadline, timeout_s
         self._renew_call, self._abort_group = renew, abort_group
-        self._stop = threading.Event()
+        self._pipe: Pipe | None = None
         self._ready = threading.Event()  # the thread follows the events
         self._renewing = threading.Event()   # the lock is taken: renew its lease
         self._held = threading.Event()   # set once _by_key holds the members
@@ -50,12 +58,15 @@ class RefitWatch:
 
     def start(self) -> None:
         """Start; returns once the thread follows the events (so none of the refit is missed)."""
+        self._pipe = Pipe(zmq.Context.instance(), "refit-guard")   # the thread closes it
         self._thread.start()
         self._ready.wait(START_TIMEOUT_S)
 
     def renewing(self) -> None:
-        """The lock is taken: renew its lease from now on."""
+        """The lock is taken: renew its lease from now on (the thread wakes to do it)."""
         self._renewing.set()
+        if self._pipe is not None:
+            self._pipe.send(RENEW)
 
     def hold(self, engines: list[EngineView]) -> None:
         """These are the members to watch (events heard before are checked now)."""
@@ -63,40 +74,36 @@ class RefitWatch:
         self._held.set()
 
     def stop(self, wait: bool) -> None:
-        """Stop; with `wait`, until it ended (at most START_TIMEOUT_S). Without, it ends within
-        GUARD_POLL_S, and past a commit or an abort it can change nothing."""
-        self._stop.set()
+        """Stop: STOP down the pipe wakes the thread, which ends at once; with `wait`, until it
+        ended (at most START_TIMEOUT_S). Past a commit or an abort it can change nothing."""
+        if self._pipe is not None:
+            self._pipe.send(STOP)
         if wait and self._thread.is_alive():
             self._thread.join(START_TIMEOUT_S)
 
     def _run(self) -> None:
         """Any failure of the thread itself aborts the refit (nothing would watch it)."""
+        assert self._pipe is not None
         try:
-            with self.client.events(resume=True, idle_s=GUARD_POLL_S) as stream:
+            with self.client.events(resume=True, idle_s=RENEW_EVERY_S,
+                                    wake=self._pipe.end) as stream:
                 self._ready.set()
-                self._loop(stream)
+                self._loop(stream, self._pipe)
         except Exception as exc:   # noqa: BLE001 - reported through the guard
             log.exception("refit %r: the guard thread failed", self.version)
             why = f"the refit's guard thread failed: {exc}"
             self._abort_group(self.state.fail_guard(why), why)
         finally:
+            self._pipe.close()
             self._ready.set()
 
-    def _loop(self, stream: Iterable[FleetEvent]) -> None:
+    def _loop(self, stream: EventStream, pipe: Pipe) -> None:
+        """Until STOP comes down the pipe: the timers that are due, then the events until the
+        next timer (or a command down the pipe)."""
         early: list[FleetEvent] = []   # heard before the members were known
         next_renew = time.monotonic() + RENEW_EVERY_S
         expired = False
-        while not self._stop.is_set():
-            for event in stream:   # ends after GUARD_POLL_S without an event
-                if not self._held.is_set():
-                    early.append(event)
-                else:
-                    for queued in early:
-                        self._heard(queued)
-                    early.clear()
-                    self._heard(event)
-                if self._stop.is_set() or time.monotonic() >= next_renew:
-                    break          # the timers below are due even in a stream of events
+        while STOP not in pipe.receive():
             now = time.monotonic()
             if now >= self.deadline and not expired:
                 expired = True
@@ -106,6 +113,26 @@ class RefitWatch:
                     and self.state.phase.value < Phase.COMMITTING.value:
                 next_renew = now + RENEW_EVERY_S
                 self._renew()
+            due = self._due(next_renew, expired)
+            stream.idle_s = None if due is None else max(MIN_WAIT_S, due - time.monotonic())
+            for event in stream:   # ends at `due` without an event, at once on a command
+                if not self._held.is_set():
+                    early.append(event)
+                else:
+                    for queued in early:
+                        self._heard(queued)
+                    early.clear()
+                    self._heard(event)
+                if due is not None and time.monotonic() >= due:
+                    break          # the timers are due even in a stream of events
+
+    def _due(self, next_renew: float, expired: bool) -> float | None:
+        """When the next timer is due: the lease's renewal while this thread renews it, the
+        refit's deadline until it passed (None: neither; a command down the pipe wakes it)."""
+        timers = [] if expired else [self.deadline]
+        if self._renewing.is_set() and self.state.phase.value < Phase.COMMITTING.value:
+            timers.append(next_renew)
+        return min(timers, default=None)
 
     def _heard(self, event: FleetEvent) -> None:
         engine = self._by_key.get((event.node_id, str(event.engine)))

@@ -41,19 +41,23 @@ class EventStream:
 
     With `resume` (the default) a re-subscription asks for what the client missed; without it,
     only for what comes next. With `idle_s`, the iteration ends after that long without an
-    event (a later `next()` waits again); without, it follows for ever. Not for sharing between
-    threads: each follower makes its own with `FleetClient.events()`. `close()` (or `with`)
-    releases the socket.
+    event (a later `next()` waits again; it is read at each `next()`); without, it follows for
+    ever. With `wake` (a thread's end of its pipe, `agent.pipe`), it also ends as soon as that
+    socket is readable (what is readable is left there). Not for sharing between threads: each
+    follower makes its own with `FleetClient.events()`. `close()` (or `with`) releases the
+    socket.
     """
 
     def __init__(self, client: FleetClient, *, resume: bool = True, idle_s: float | None = None,
-                 silence_s: float = SILENCE_S, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 silence_s: float = SILENCE_S, heartbeat_s: float = HEARTBEAT_S,
+                 wake: zmq.Socket[bytes] | None = None) -> None:
         for name, value in (("idle_s", idle_s), ("silence_s", silence_s),
                             ("heartbeat_s", heartbeat_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         self.client, self.resume = client, resume
         self.idle_s, self.silence_s, self.heartbeat_s = idle_s, silence_s, heartbeat_s
+        self.wake = wake
         self.positions: dict[str, protocol.ResumePoint] = {}  # last node event, per node
         self.subscriptions = 0   # how often it subscribed: 1 + the coordinator's departures
         self.duplicates = 0      # events dropped as already delivered
@@ -85,12 +89,25 @@ class EventStream:
                 self._send(protocol.Heartbeat(time.time()))
             wake = min(self._heard + self.silence_s, self._next_heartbeat,
                        idle_until if idle_until is not None else float("inf"))
-            if self._sock.poll(max(1, int((wake - now) * 1000))):
+            if self._wait(max(1, int((wake - now) * 1000))):
                 data = self._sock.recv()
                 self._heard = time.monotonic()
                 self._ready.extend(self._accept(data))
                 if self._ready:
                     return self._ready.popleft()
+
+    def _wait(self, timeout_ms: int) -> bool:
+        """Whether a frame came within `timeout_ms`; StopIteration when `wake` is readable."""
+        assert self._sock is not None
+        if self.wake is None:
+            return bool(self._sock.poll(timeout_ms))
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self.wake, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self.wake in ready:
+            raise StopIteration
+        return self._sock in ready
 
     def _send(self, message: protocol.Message) -> None:
         assert self._sock is not None

@@ -1,0 +1,457 @@
+"""The coordinator's hub: the one ROUTER that nodes and clients connect to, and its loop
+(DESIGN.md, "Agent"; docs/protocol.md, "The coordinator's side").
+
+It receives and decodes every message and checks who sent it (`hub_socket.NodeRoutes`), ACKs
+node events once taken (journaled first, with a state dir: `journal.Journal`), relays them to
+subscribed clients (`relay.Relay`), fans commands out to nodes and gathers their replies
+(`fanout.Fanout`), and heartbeats. What a node's message means is the fleet view's to say, and
+everything else is the policy's to decide (`hub_policy`: commands, group restarts, the refit
+lock, router gating); the coordinator (`refit_bridge.coordinator`) hands both in.
+
+`loop` is one turn after another, each the same named steps: wait for a message or the next
+deadline; obey the pipe (`pipe.Pipe`: stop, reload the keys), which wakes the poll at once;
+receive; do what is due; relay. It never blocks: every send is non-blocking, every wait is the
+poll's. `hub_thread.HubThread` serves it, in a thread of its own or in the caller's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import zmq
+
+from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
+from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
+from rollout_watchdog.agent.hub_socket import NodeRoutes, bind_hub
+from rollout_watchdog.agent.journal import Journal
+from rollout_watchdog.agent.pipe import RELOAD, STOP, Pipe
+from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
+from rollout_watchdog.agent.security import NamedKeyAuthenticator
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.lograte import worth_logging
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
+SWEEP_S = 0.1               # how often silent nodes and subscribers are looked for
+MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
+BEHIND_POLL_S = 0.005       # the relay has more to send: a short look at the sockets first
+# Plain ints for the flags of the sends and receives of every message: pyzmq's flag enums, and
+# its multipart helpers built on them, cost microseconds a call (thousands a fleet-wide pause)
+_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
+
+
+class Hub:
+    """See the module docstring. Not thread-safe: only the thread that serves it calls it;
+    others talk to it over ZMQ, or down its pipe."""
+
+    def __init__(self, bind: str, keys: str | None, view: View, policy: Policy, boot: str,
+                 state_dir: str | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 sweep_s: float = SWEEP_S) -> None:
+        self.bind, self.keys, self.boot = bind, keys, boot
+        self.endpoint = bind      # the bound one once serving (a port 0 picked)
+        self.view, self.policy = view, policy
+        self.heartbeat_s, self.sweep_s = heartbeat_s, sweep_s
+        self.routes = NodeRoutes(curve=bool(keys))
+        self.relay = Relay(gap_frame=self._gap_frame)
+        self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
+        self.fanout = Fanout()
+        self.bad_messages: Counter[str] = Counter()
+        self.own_seq = 0
+        self.sock: zmq.Socket[bytes] | None = None
+        self._unjournaled: list[Relayed] = []
+        self._acks: set[str] = set()      # the nodes whose events this turn took
+        self._next_heartbeat = self._next_sweep = 0.0
+        self._auth: NamedKeyAuthenticator | None = None
+
+    # ------------------------------------------------------------------ open and close
+
+    def open(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        """Journal back into the relay, socket bound in `ctx`, policy told; ValueError naming
+        the problem, and then everything closed again."""
+        try:
+            if self.journal is not None:
+                try:
+                    restored = self.journal.load()
+                except OSError as exc:
+                    raise ValueError(f"cannot use the state dir {self.journal.path.parent}: "
+                                     f"{exc}") from exc
+                for item in restored:
+                    self.relay.add(item)
+                self.policy.restored(restored)
+            sock, self._auth = bind_hub(ctx, self.bind, self.keys)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.sock = sock
+            self.policy.opened()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.policy.closed()
+        if self.journal is not None:
+            self.journal.close()
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def loop(self, pipe: Pipe) -> None:
+        """One turn after another, each the same steps, until STOP comes down the pipe."""
+        assert self.sock is not None
+        poller = zmq.Poller()
+        poller.register(pipe.end, zmq.POLLIN)
+        poller.register(self.sock, zmq.POLLIN)
+        woken = self.policy.wakeup_fd
+        if woken is not None:
+            poller.register(woken, zmq.POLLIN)
+        behind = False   # the relay had more to send than a turn sends
+        while True:
+            # wait: for a message, a command down the pipe, or the next deadline
+            timeout = BEHIND_POLL_S if behind else self._timeout(time.monotonic())
+            ready = dict(poller.poll(int(timeout * 1000)))
+            # obey the pipe: stop (before anything else), reload the keys
+            if pipe.end in ready and not self._obey(pipe.receive()):
+                return
+            if woken in ready:          # the policy's own descriptor (its state written)
+                self.policy.woke(time.monotonic())
+            if self.sock in ready:      # receive: messages, then the journal and the ACKs
+                self._receive_some()
+            # what is due: expired gatherings, the sweep, heartbeats
+            self._tick(time.monotonic(), time.time())
+            # relay: events to subscribers, as far as their queues take them
+            behind = self.relay.pump(self._send_or_wait, time.monotonic())
+
+    def _timeout(self, now: float) -> float:
+        """Until the soonest deadline: nothing else needs a turn (the pipe wakes the poll for
+        stop and reload, the sockets for messages)."""
+        deadlines = [self._next_heartbeat, self._next_sweep, self.fanout.next_deadline(),
+                     self.policy.next_deadline()]
+        soonest = min(d for d in deadlines if d is not None)
+        return max(0.0, soonest - now)
+
+    def _obey(self, commands: list[bytes]) -> bool:
+        """The commands that came down the pipe; False for STOP."""
+        if STOP in commands:
+            return False
+        if RELOAD in commands:
+            self._reload_keys()
+        return True
+
+    def _reload_keys(self) -> None:
+        if self._auth is None:
+            log.warning("no keys to reload: this coordinator runs without CURVE")
+            return
+        try:
+            self._auth.reload()
+        except (OSError, ValueError) as exc:  # a half-copied key file: keep the old list
+            log.error("cannot reload the authorized keys, keeping the old list: %s", exc)
+
+    def _receive_some(self) -> None:
+        assert self.sock is not None
+        taken = 0   # bytes: a turn takes less than the relay buffer holds, so that the events
+        for _ in range(MESSAGES_PER_TURN):   # reach subscribers before they could leave it
+            if taken > self.relay.max_bytes // 4:
+                break
+            try:
+                received = self._recv()
+            except zmq.Again:
+                break
+            try:
+                if received is not None:
+                    taken += len(received[1])
+                    self._receive(*received)
+            except Exception:  # a bug on one message must not stop the fleet's hub
+                self.bad_messages["internal_error"] += 1
+                log.exception("coordinator: failed to handle a message")
+        if self.journal is not None and self._unjournaled:
+            self.journal.append(self._unjournaled, self.relay.buffer)  # before the ACKs
+        self._unjournaled.clear()
+        for node_id in self._acks:
+            record = self.view.nodes[node_id]
+            self._send_node(node_id, protocol.ack_frame(record.boot, record.received_seq))
+        self._acks.clear()
+
+    def _recv(self) -> tuple[bytes, bytes, str | None] | None:
+        """(peer, message, name of its CURVE key); None for a bad frame count. Frame objects
+        (slower to get) only with CURVE, where the key's name (the User-Id) is needed."""
+        assert self.sock is not None
+        if not self.keys:
+            frames = [self.sock.recv(_NOBLOCK)]
+            while self.sock.get(_RCVMORE):
+                frames.append(self.sock.recv(_NOBLOCK))
+            if len(frames) == 2:
+                return frames[0], frames[1], None
+        else:
+            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            if len(parts) == 2:
+                return parts[0].bytes, parts[1].bytes, str(parts[1].get("User-Id"))
+            frames = [p.bytes for p in parts]
+        self._bad("framing", f"{len(frames) - 1} frames instead of one")
+        return None
+
+    def _receive(self, route: bytes, data: bytes, user: str | None) -> None:
+        """One message from the connection `route`; `user` is the name of its CURVE key (None
+        without). Only the connection a node's HELLO came from speaks for it (NodeRoutes)."""
+        try:
+            msg = protocol.decode(data)
+        except protocol.ProtocolError as exc:
+            self._bad("undecodable", str(exc))
+            return
+        node = self.routes.node_of(route)
+        now, wall = time.monotonic(), time.time()
+        if node is not None and self.keys and user != node:   # a routing id taken over
+            self._bad("unknown_node", f"{msg.KIND} from node {node!r}'s routing id under the "
+                                      f"key of {user!r}")
+            return
+        try:
+            if isinstance(msg, protocol.Hello):
+                self._hello(msg, route, user, now, wall)
+            elif isinstance(msg, (protocol.Event, protocol.Events)):
+                if node is None:
+                    raise Refused("no_hello", f"{msg.KIND} from a peer that sent no HELLO "
+                                              f"(routing id {route[:60]!r})")
+                if isinstance(msg, protocol.Event):
+                    self._event(msg, data, node, now, wall)
+                else:
+                    self._events(msg, data, node, now, wall)
+            elif isinstance(msg, protocol.Reply):
+                if node is not None:   # anyone else's reply is no answer
+                    self.own_events(self.view.heard(node, now, wall))
+                    gathering = self.fanout.answered(msg, node)
+                    if gathering is not None:
+                        self._answer(gathering)
+            elif isinstance(msg, protocol.Command):
+                self.policy.command(route, msg, now)
+            elif isinstance(msg, protocol.Subscribe):
+                self.relay.subscribe(route, msg, now)
+            elif isinstance(msg, protocol.Heartbeat):
+                if node is not None:
+                    self.own_events(self.view.heard(node, now, wall))
+                self.relay.heard(route, now)
+            else:
+                self._bad("wrong_direction", f"{msg.KIND} from {route[:60]!r}")
+        except Refused as exc:
+            self._bad(exc.reason, str(exc))
+
+    def _hello(self, msg: protocol.Hello, route: bytes, user: str | None, now: float,
+               wall: float) -> None:
+        refusal = self.routes.refusal(route, msg.node_id, user)
+        if refusal is not None:
+            raise Refused("unknown_node", refusal)
+        self.policy.changed()   # a snapshot: engines may differ, no event says so
+        self.own_events(self.view.hello(msg, msg.node_id, now, wall))
+        self.routes.bind(route, msg.node_id)
+        self._acks.add(msg.node_id)
+
+    def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
+               ) -> None:
+        _check_size(msg, len(frame), peer)
+        new, own = self.view.event(msg, peer, now, wall)
+        self.own_events(own)
+        self._acks.add(peer)
+        if not new:
+            return
+        self._relay(Relayed(msg.node_id, msg.boot, msg.seq, frame))
+        for node, engine in self.policy.restarts(peer, msg):
+            self.policy.group_restart(node, engine, msg)
+
+    def _events(self, msg: protocol.Events, frame: bytes, peer: str, now: float, wall: float
+                ) -> None:
+        """A batch: each event taken as if it came alone (a refused one is counted), relayed
+        as the node's frame when all are new (one ACK for all, as for any turn's events).
+        A plain batch (FleetView.batch) is taken whole, with no work per event here."""
+        if len(frame) <= protocol.MAX_EVENT_BYTES and frame.isascii():   # (_reencodes_small)
+            own = self.view.batch(msg.events, peer, now, wall)
+            if own is not None:
+                self.own_events(own)
+                self._acks.add(peer)
+                self._relay_all(batch_items(msg.events, frame))
+                return
+        new: list[protocol.Event] = []
+        restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
+        taken = False
+        big = len(frame) > protocol.MAX_EVENT_BYTES   # (never a batch from this package's nodes)
+        for event in msg.events:
+            try:
+                if big:
+                    _check_size(event, _encoded_size(event), peer)
+                fresh, own = self.view.event(event, peer, now, wall)
+            except Refused as exc:
+                self._bad(exc.reason, str(exc))
+                continue
+            taken = True
+            if own:
+                self.own_events(own)
+            if fresh:   # restarts decided in turn, as for single events; sent after the relay
+                new.append(event)
+                restarts += [(event, target) for target in self.policy.restarts(peer, event)]
+        if taken:
+            self._acks.add(peer)
+        if len(new) == len(msg.events) and _reencodes_small(frame):
+            for item in batch_items(new, frame):   # kept together: relayed as it came
+                self._relay(item)
+        else:
+            for event in new:   # encoded now: one that cannot be sent is never relayed
+                try:
+                    self._relay(Relayed(event.node_id, event.boot, event.seq,
+                                        protocol.encode(event)))
+                except protocol.ProtocolError as exc:
+                    self._bad("unsendable", f"event {event.seq} of {peer!r}: {exc}")
+        for cause, (node, engine) in restarts:
+            self.policy.group_restart(node, engine, cause)
+
+    def _tick(self, now: float, wall: float) -> None:
+        """What is due: expired gatherings; the sweep (silent nodes and subscribers, then the
+        policy's checks); heartbeats to nodes and subscribers."""
+        for gathering in self.fanout.expire(now):
+            self._answer(gathering)
+        if now >= self._next_sweep:  # the per-node checks, O(nodes): a few times a second
+            self._next_sweep = now + self.sweep_s
+            gone = self.view.tick(now, wall)
+            self.own_events(gone)
+            for event in gone:
+                for gathering in self.fanout.node_gone(event["node_id"]):
+                    self._answer(gathering)
+            for client in self.relay.expire(now):
+                log.info("subscriber %s silent for %g s: unsubscribed", client.hex(),
+                         self.relay.subscriber_timeout_s)
+            self.policy.sweep(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.heartbeat_s
+            beat = protocol.encode(protocol.Heartbeat(wall))
+            for node in self.view.reachable():
+                self._send_node(node, beat)
+            for client in list(self.relay.subscribers):
+                self.send(client, beat)
+
+    # ------------------------------------------------------------------ commands down
+
+    def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
+               now: float, finish: Callable[[Gathering], protocol.Reply] | None = None
+               ) -> None:
+        """Fan `cmd` out to `targets`; its gathered reply goes to `client` (None: nobody),
+        made by `finish` if given."""
+        timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
+        gathering = Gathering(client, cmd, targets, now + timeout, finish=finish)
+        for node, frame in self.fanout.start(gathering):
+            if not self._send_node(node, frame):
+                gathering.gone.add(node)
+        if self.fanout.settle(gathering):
+            self._answer(gathering)
+
+    def reply(self, client: bytes, reply: protocol.Reply) -> None:
+        """Answer `client`; the reply is kept for a repeat of its request id."""
+        self.send_reply(client, self.fanout.remember(reply))
+
+    def send_reply(self, client: bytes, frame: bytes) -> None:
+        """Send a reply; one that cannot go (the client's queue full, or the client gone) is
+        counted (`bad_messages`, reason reply_dropped) and logged, rate-limited."""
+        if not self.send(client, frame):
+            self._bad("reply_dropped", f"a reply to client {client.hex()[:32]}: its queue is "
+                      "full or it is gone")
+
+    def _answer(self, gathering: Gathering) -> None:
+        reply = gathering.final
+        if reply is None:
+            return
+        if gathering.client is not None:
+            self.send_reply(gathering.client, gathering.frame)
+        elif reply.status == "error":
+            log.warning("%s %s: %s", gathering.command.cmd, gathering.command.engine,
+                        reply.reason)
+
+    # ------------------------------------------------------------------ output
+
+    def own_events(self, events: list[OwnEvent]) -> None:
+        """Relay events of the coordinator's own (numbered by its boot and count)."""
+        for event in events:
+            self.own_seq += 1
+            log.info("%s: %s (%s)", event["node_id"], event["kind"], event["detail"])
+            message = protocol.Event(event["node_id"], self.boot, self.own_seq, event)
+            self._relay(Relayed(event["node_id"], self.boot, self.own_seq,
+                                protocol.encode(message)))
+
+    def _gap_frame(self, lost: int) -> bytes:
+        """The "gap" event that tells a subscriber that fell out of the relay buffer how many
+        events it lost (its own: no other subscriber gets it)."""
+        self.own_seq += 1
+        event = Event(time.time(), "*", None, None, "gap",
+                      detail=f"{lost} event(s) lost: this subscriber fell behind the relay "
+                             f"buffer ({self.relay.capacity} events, "
+                             f"{self.relay.max_bytes >> 20} MiB)").to_json()
+        return protocol.encode(protocol.Event("*", self.boot, self.own_seq, event))
+
+    def _relay(self, item: Relayed) -> None:
+        self.policy.changed()   # every change of the view comes with an event
+        self.relay.add(item)
+        if self.journal is not None:
+            self._unjournaled.append(item)
+
+    def _relay_all(self, items: list[Relayed]) -> None:
+        """_relay() each of them (a node's batch)."""
+        self.policy.changed()
+        self.relay.add_all(items)
+        if self.journal is not None:
+            self._unjournaled += items
+
+    def send(self, peer: bytes, frame: bytes) -> bool:
+        """Send without blocking; False if the peer is gone or its queue is full."""
+        with contextlib.suppress(LookupError):
+            return self._send_or_wait(peer, frame)
+        return False
+
+    def _send_node(self, node_id: str, frame: bytes) -> bool:
+        """Send to a node's own connection (NodeRoutes); False as send, or when it has none."""
+        route = self.routes.route_of(node_id)
+        return route is not None and self.send(route, frame)
+
+    def _send_or_wait(self, peer: bytes, frame: bytes) -> bool:
+        """False when the peer's queue is full (try later); LookupError when it is gone."""
+        assert self.sock is not None
+        try:   # (a full or gone peer fails the first part; a message's parts go together)
+            self.sock.send(peer, _NOBLOCK | _SNDMORE)
+            self.sock.send(frame, _NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise LookupError(peer) from None
+            raise
+        return True
+
+    def _bad(self, reason: str, detail: str) -> None:
+        self.bad_messages[reason] += 1
+        count = self.bad_messages[reason]
+        if worth_logging(count):   # a flood must not flood the log too
+            log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
+
+
+def _check_size(event: protocol.Event, size: int, node: str) -> None:
+    """Refused: an event over MAX_EVENT_BYTES (a node cuts its own to fit, so this one came
+    from a hostile or broken node); never applied, relayed or journaled."""
+    if size > protocol.MAX_EVENT_BYTES:
+        raise Refused("oversized_event", f"event {event.seq} of node {node!r}: {size} bytes, "
+                                         f"over the limit of {protocol.MAX_EVENT_BYTES}")
+
+
+def _encoded_size(event: protocol.Event) -> int:
+    try:
+        return len(protocol.encode(event))
+    except protocol.ProtocolError:   # over the message limit once encoded again
+        return protocol.MAX_MESSAGE_BYTES + 1
+
+
+def _reencodes_small(frame: bytes) -> bool:
+    """Whether each event of this "events" frame, encoded again on its own, surely fits in a
+    frame: re-encoding ASCII JSON at most about quintuples it (a float written 1e9 comes back
+    as 1000000000.0), and nodes send ASCII frames of at most BATCH_BYTES."""
+    return len(frame) <= protocol.MAX_MESSAGE_BYTES // 8 and frame.isascii()
