@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_watchdog.common.lograte import worth_logging
-
 log = logging.getLogger(__name__)
 
 
@@ -75,7 +73,7 @@ class EventLog:
                 f.write(json.dumps(event.to_json()) + "\n")
         except OSError as exc:
             self.write_errors += 1
-            if worth_logging(self.write_errors):
+            if self.write_errors == 1:   # once: the metrics count the rest
                 log.error("cannot write event log %s: %s (events stay in memory)", self.path,
                           exc.strerror or exc)
 
