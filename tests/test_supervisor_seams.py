@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import random
 import subprocess
 import time
@@ -302,6 +303,32 @@ def test_a_process_that_takes_an_engine_name_later_becomes_fatal() -> None:
     table[101] = ProcStat(101, b"S", 100, 100, 51.0, "sglang::schedul")
     assert tracker.sweep([engine], table)
     assert engine.procs[child] is True
+
+
+def test_a_zombie_main_process_with_a_watched_pidfd_is_left_to_its_pidfd() -> None:
+    """The leader of a multi-threaded engine reads as a zombie before its other threads have
+    exited, and its exit status cannot be read yet: the sweep must not report its exit then
+    (it was reported as "exit status unknown"); the pidfd does, once the status is there. A
+    zombie main process without a pidfd is still reported by the sweep."""
+    main = ProcKey(100, 50.0)
+    engine = EngineRuntime(cfg=parse_config({"engine": [
+        {"id": "e0", "url": "http://127.0.0.1:1", "command": ["true"]}]},
+        check_commands=False).engines[0], state=S.HEALTHY, main=main, procs={main: True})
+    gone: list[ProcKey] = []
+    tracker = ProcessTracker({"e0": engine}, zmq.Poller(), ProcessOps(),
+                             lambda e, k: gone.append(k))
+    zombie = {100: ProcStat(100, b"Z", 1, 100, 50.0, "python")}
+    read_end, write_end = os.pipe()   # stands in for the main process's pidfd
+    try:
+        tracker.pidfds[read_end] = ("e0", main)
+        tracker.sweep([engine], zombie)
+        assert gone == []
+        del tracker.pidfds[read_end]
+        tracker.sweep([engine], zombie)
+        assert gone == [main]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 class Environs(ProcessOps):

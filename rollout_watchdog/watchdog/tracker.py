@@ -136,14 +136,20 @@ class ProcessTracker:
     def sweep(self, engines: list[EngineRuntime], table: dict[int, ProcStat]) -> bool:
         """Refresh the trees of the running engines from one scan of the process table: new
         processes are watched (so a kill reaches them); a main process found gone without its
-        exit event (not expected) still counts. True if a new process was found."""
+        exit event (not expected) still counts. A main process that reads as a zombie while its
+        pidfd is watched is left to the pidfd: the leader of a multi-threaded process is a
+        zombie before its other threads have exited, and its exit status can be read (and its
+        pidfd polls readable) only once they have. True if a new process was found."""
         alive = []
+        watched = {key for _, key in self.pidfds.values()}
         for engine in engines:
             if engine.main is None:
                 continue
             stat = table.get(engine.main.pid)
             if stat is not None and stat.alive and stat.key == engine.main:
                 alive.append(engine)
+            elif stat is not None and stat.key == engine.main and engine.main in watched:
+                continue   # exiting: its pidfd says when its status can be read
             elif engine.main not in engine.dead:
                 self.on_gone(engine, engine.main)
         found = self.refresh(alive, table)
