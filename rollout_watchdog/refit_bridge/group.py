@@ -445,10 +445,8 @@ class WeightUpdateGroup:
     def _fail(self, calls: dict[GroupMember, Future[dict[str, Any]]],
               broken: list[Future[Any]], what: str) -> None:
         """Tear the group down, give the other calls a moment to end (the torn-down group fails
-        theirs too), and raise naming the culprits: the members gone (no answer: a dead engine
-        is the cause, and a live one whose collective broke with it a bystander, even when its
-        call failed first), else those whose calls failed before the teardown, else those that
-        said no, else the silent."""
+        theirs too), and raise naming the culprits: the members whose calls failed before the
+        teardown, else those gone (no answer), else those that said no, else the silent."""
         first = [m for m, f in calls.items() if f.done() and f.exception() is not None]
         reasons = [f"trainer: {f.exception()}" for f in broken]
         if self._mark_aborted(f"{what} failed"):
@@ -474,7 +472,8 @@ class WeightUpdateGroup:
             reasons.append(f"{m.label()}: {exc}")
         pending = [m for m, f in calls.items() if not f.done()]
         reasons += [f"{m.label()}: no answer" for m in pending]
-        culprits = gone or first or list(refused) or pending
+        first.sort(key=lambda m: m not in gone)
+        culprits = first or gone or list(refused) or pending
         raise GroupMemberFailed(culprits, f"{what}: " + "; ".join(reasons), gone=gone,
                                 refused=refused)
 
