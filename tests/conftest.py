@@ -31,6 +31,18 @@ def coordinator() -> Iterator[Coordinator]:
 
 
 @pytest.fixture
+def router() -> Iterator[Any]:
+    """The real sglang-router on free ports (skipped without the test extra's sglang-router);
+    its log's last lines are printed (shown when the test failed)."""
+    pytest.importorskip("sglang_router", reason="needs sglang-router 0.3.x (the test extra)")
+    from router_harness import Router
+    started = Router.start()
+    yield started
+    print(f"---- sglang-router log (last lines)\n{started.log_tail()}")
+    started.stop()
+
+
+@pytest.fixture
 def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     """Build (and later tear down) a daemon over emulator engines: make_node(engines, ...)."""
     nodes: list[Node] = []

@@ -234,7 +234,7 @@ def test_huge_events_from_a_node_keep_the_relay_and_journal_within_their_bytes(
             sock.connect(coord.endpoint)
         for sock in (keeper, sleeper):
             sock.send(protocol.encode(protocol.Subscribe()))
-        time.sleep(0.5)   # the subscriptions land first (nothing to wait on: no reply)
+        wait_for(lambda: len(coord.relay.subscribers) == 2, 10, "both subscriptions taken")
         node.send(protocol.encode(protocol.Hello("n9", "hostile-boot", [], 0)))
         got: list[int] = []
         acked = largest = 0

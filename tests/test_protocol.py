@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from rollout_watchdog.common.frames import ack_frame, command_frames
 from rollout_watchdog.common.protocol import (
     MAX_MESSAGE_BYTES,
     Ack,
@@ -20,8 +21,6 @@ from rollout_watchdog.common.protocol import (
     Reply,
     ResumePoint,
     Subscribe,
-    ack_frame,
-    command_frames,
     decode,
     encode,
 )

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.frames import EventsFrame
 from rollout_watchdog.common.protocol import (
     MAJOR,
     Ack,
     Command,
     Event,
     Events,
-    EventsFrame,
     Heartbeat,
     Hello,
     Message,

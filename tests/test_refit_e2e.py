@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from daemon_harness import Node, wait_for
@@ -27,13 +27,6 @@ from rollout_watchdog.refit_bridge.router import normalize_url
 
 pytest.importorskip("sglang_router")
 from router_harness import Router  # noqa: E402
-
-
-@pytest.fixture
-def router() -> Iterator[Router]:
-    started = Router.start()
-    yield started
-    started.stop()
 
 
 def test_crash_recover_and_resync_through_the_router(make_node: Callable[..., Node],

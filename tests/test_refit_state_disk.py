@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import os
 import select
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import wait_for
 from test_coordinator import Peer
 
 from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 from rollout_watchdog.refit_bridge.durable import DurableWriter
+from rollout_watchdog.refit_bridge.save_gate import SaveGate
+from rollout_watchdog.refit_bridge.weights import RefitState
 
 
 def wait_readable(fd: int, timeout_s: float = 10.0) -> None:
@@ -115,3 +119,19 @@ def test_a_hung_disk_never_blocks_the_loop_and_the_wait_is_bounded(
         other.close()
         reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # lets the hung write end
         os.close(reader)
+
+
+def test_a_save_nobody_waits_for_leaves_the_loop_nothing_to_wake_for(tmp_path: Path) -> None:
+    """A state change with no reply waiting (a lease that ran out) is written too; once it
+    is, the loop is woken once and its wakeup descriptor cleared, or every later poll would
+    return at once (the loop spun at full CPU until the next refit call's save)."""
+    gate = SaveGate(RefitState(str(tmp_path)), timeout_s=5.0)
+    try:
+        fd = gate.wakeup_fd
+        assert fd is not None
+        gate.submit(b'{"current": null, "held": []}')
+        wait_for(lambda: select.select([fd], [], [], 0)[0], 10, "the write's wakeup")
+        gate.saved(time.monotonic())
+        assert select.select([fd], [], [], 0)[0] == []
+    finally:
+        gate.close()

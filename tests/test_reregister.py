@@ -26,12 +26,6 @@ MakeNode = Callable[..., Node]
 VERIFY_S = 0.5   # the coordinator's check of routed engines' own versions, fast for the test
 
 
-@pytest.fixture
-def router() -> Iterator[Router]:
-    started = Router.start()
-    yield started
-    started.stop()
-
 
 @pytest.fixture
 def coordinator(router: Router) -> Iterator[Coordinator]:

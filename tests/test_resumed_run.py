@@ -3,7 +3,7 @@ commits (its engines booted from the base model are stale), with the real sglang
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from daemon_harness import Node, wait_for
@@ -26,12 +26,6 @@ def test_the_weight_book_serves_nothing_before_the_first_commit_when_told() -> N
     assert book.serving("n", healthy)
     assert not book.serving("n", {**healthy, "incarnation": 2})   # relaunched: pending
 
-
-@pytest.fixture
-def router() -> Iterator[Router]:
-    started = Router.start()
-    yield started
-    started.stop()
 
 
 def test_no_engine_is_routed_until_the_first_refit_commits(make_node: Callable[..., Node],

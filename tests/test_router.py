@@ -83,13 +83,6 @@ def engines() -> Iterator[Engines]:
         stop_emulator(proc)
 
 
-@pytest.fixture
-def router() -> Iterator[Router]:
-    started = Router.start()
-    yield started
-    print(f"---- sglang-router log (last lines)\n{started.log_tail()}")
-    started.stop()
-
 
 @pytest.fixture
 def make_sync() -> Iterator[Callable[..., RouterSync]]:

@@ -4,7 +4,7 @@ emulator engines, an embedded coordinator."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from daemon_harness import Node
@@ -15,13 +15,6 @@ from rollout_watchdog.refit_bridge.router import normalize_url
 
 pytest.importorskip("sglang_router")
 from router_harness import Router  # noqa: E402
-
-
-@pytest.fixture
-def router() -> Iterator[Router]:
-    started = Router.start()
-    yield started
-    started.stop()
 
 
 def test_wait_router_synced_returns_what_the_router_lists(make_node: Callable[..., Node],

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import frames, protocol
 from rollout_watchdog.common.replies import REPLIES_KEPT, RecentReplies
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -76,11 +76,11 @@ class Fanout:
         targets = [(node_request_id(cmd.request_id, node), node) for node in gathering.targets]
         template = protocol.Command(cmd.request_id, cmd.cmd, args, cmd.node, cmd.engine,
                                     cmd.timeout_s)
-        frames = protocol.command_frames(template, targets)
+        per_node = frames.command_frames(template, targets)
         self.pending[cmd.request_id] = gathering
         for rid, node in targets:
             self.by_node_request[rid, node] = cmd.request_id
-        return [(node, frame) for (_, node), frame in zip(targets, frames, strict=True)]
+        return [(node, frame) for (_, node), frame in zip(targets, per_node, strict=True)]
 
     def answered(self, reply: protocol.Reply, node: str) -> Gathering | None:
         """A reply from `node` (its sender); the gathering it completes, if any. A reply from

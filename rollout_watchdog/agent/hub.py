@@ -31,7 +31,7 @@ from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.pipe import RELOAD, STOP, Pipe
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
 from rollout_watchdog.agent.security import NamedKeyAuthenticator
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import frames, protocol
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.lograte import worth_logging
 
@@ -177,7 +177,7 @@ class Hub:
         self._unjournaled.clear()
         for node_id in self._acks:
             record = self.view.nodes[node_id]
-            self._send_node(node_id, protocol.ack_frame(record.boot, record.received_seq))
+            self._send_node(node_id, frames.ack_frame(record.boot, record.received_seq))
         self._acks.clear()
 
     def _recv(self) -> tuple[bytes, bytes, str | None] | None:
@@ -269,7 +269,8 @@ class Hub:
         """A batch: each event taken as if it came alone (a refused one is counted), relayed
         as the node's frame when all are new (one ACK for all, as for any turn's events).
         A plain batch (FleetView.batch) is taken whole, with no work per event here."""
-        if len(frame) <= protocol.MAX_EVENT_BYTES and frame.isascii():   # (_reencodes_small)
+        small = _reencodes_small(frame)   # (one scan of the frame for both paths)
+        if small and len(frame) <= protocol.MAX_EVENT_BYTES:
             own = self.view.batch(msg.events, peer, now, wall)
             if own is not None:
                 self.own_events(own)
@@ -296,7 +297,7 @@ class Hub:
                 restarts += [(event, target) for target in self.policy.restarts(peer, event)]
         if taken:
             self._acks.add(peer)
-        if len(new) == len(msg.events) and _reencodes_small(frame):
+        if len(new) == len(msg.events) and small:
             for item in batch_items(new, frame):   # kept together: relayed as it came
                 self._relay(item)
         else:

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import frames, protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.keys import ClientKeys
@@ -47,6 +47,7 @@ from rollout_watchdog.common.replies import (
     PendingReplies,
     RecentReplies,
 )
+from rollout_watchdog.common.validate import shorten
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -252,7 +253,7 @@ class NodeLink:
     def _send_events(self, events: Iterable[protocol.Event]) -> bool:
         """Send `events` (the outbox's unsent ones), several to a frame when the coordinator
         takes that; False if the queue filled up first (`_sent_seq` says how far it got)."""
-        packed = protocol.EventsFrame(protocol.BATCH_EVENTS if self._batches else 1,
+        packed = frames.EventsFrame(protocol.BATCH_EVENTS if self._batches else 1,
                                       protocol.BATCH_BYTES)
         done = self._sent_seq          # sent, or skipped as unsendable, once `packed` is out
         for event in events:
@@ -426,8 +427,7 @@ def event_frame(event: protocol.Event) -> bytes | None:
 def _cut(value: Any, limit: int) -> Any:
     """A JSON value with every string over `limit` characters cut to it, saying so."""
     if isinstance(value, str):
-        return value if len(value) <= limit else \
-            f"{value[:limit]}... ({len(value) - limit} characters cut)"
+        return shorten(value, limit)
     if isinstance(value, dict):
         return {key: _cut(item, limit) for key, item in value.items()}
     if isinstance(value, list):

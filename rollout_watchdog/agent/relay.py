@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import frames, protocol
 
 BUFFER_EVENTS = 50_000
 BUFFER_BYTES = 64 << 20
@@ -223,7 +223,7 @@ class Relay:
     def _next(self, sub: Subscriber, most: int) -> tuple[bytes | None, int, int]:
         """What to send `sub` next from its cursor: (frame or None when it has all of them,
         how many events the frame holds, the cursor after them)."""
-        packed = protocol.EventsFrame(min(most, protocol.BATCH_EVENTS) if sub.batches else 1,
+        packed = frames.EventsFrame(min(most, protocol.BATCH_EVENTS) if sub.batches else 1,
                                       protocol.BATCH_BYTES)
         index = sub.cursor
         while index < self.end:

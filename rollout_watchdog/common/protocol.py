@@ -476,38 +476,6 @@ def encode(msg: Message) -> bytes:
     return data
 
 
-def ack_frame(boot: str, seq: int) -> bytes:
-    """encode(Ack(boot, seq, batches=True)), for a coordinator that acknowledges a thousand
-    nodes in one loop turn: `boot` and `seq` come from events it accepted already."""
-    return b"".join((_ACK_OPEN, _ENCODER.encode(boot).encode("ascii"), b',"seq":',
-                     str(seq).encode("ascii"), b',"batches":true}'))
-
-
-def command_frames(template: Command, targets: list[tuple[str, str]]) -> list[bytes]:
-    """The frame of `template` for each (request_id, node) of `targets` (a fleet-wide
-    command's per-node copies): what they share encoded once, as encode() would write it."""
-    marked = Command("\x00request", template.cmd, template.args, "\x00node", template.engine,
-                     template.timeout_s)
-    parts = encode(marked).split(b'"\\u0000request"')
-    if len(parts) == 2 and parts[1].count(b'"\\u0000node"') == 1:
-        head, (middle, tail) = parts[0], parts[1].split(b'"\\u0000node"')
-        room = MAX_MESSAGE_BYTES - len(head) - len(middle) - len(tail)
-        frames = []
-        for request_id, node in targets:
-            _check_str(Command.KIND, "request_id", request_id)
-            _check_str(Command.KIND, "node", node)
-            rid, name = _ENCODER.encode(request_id), _ENCODER.encode(node)
-            if len(rid) + len(name) > room:
-                raise ProtocolError(f"command: {len(rid) + len(name) - room} bytes over the "
-                                    f"limit of {MAX_MESSAGE_BYTES} bytes")
-            frames.append(b"".join((head, rid.encode("ascii"), middle, name.encode("ascii"),
-                                    tail)))
-        return frames
-    return [encode(Command(request_id, template.cmd, template.args, node, template.engine,
-                           template.timeout_s))   # (its args hold a mark)
-            for request_id, node in targets]
-
-
 def _parse_float(text: str) -> float:
     number = float(text)
     if not math.isfinite(number):
@@ -570,34 +538,3 @@ def decode(data: bytes) -> Message:
         return from_json(obj)
     except RecursionError:  # showing a deeply nested value in a refusal
         raise ProtocolError("JSON nested too deeply") from None
-
-
-_ACK_OPEN = f'{{"v":[{MAJOR},{MINOR}],"kind":"ack","boot":'.encode()
-_EVENTS_OPEN = f'{{"v":[{MAJOR},{MINOR}],"kind":"events","events":['.encode()
-_EVENTS_CLOSE = b"]}"
-
-
-class EventsFrame:
-    """Event frames (each a whole "event" message, as encode() makes them) gathered into one
-    frame without encoding them again: one frame stays itself, several become an "events"
-    message. Holds at most `max_events`, and never makes a frame over `max_bytes`."""
-
-    def __init__(self, max_events: int, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        self.max_events, self.max_bytes = max_events, max_bytes
-        self.frames: list[bytes] = []
-        self._size = len(_EVENTS_OPEN) + len(_EVENTS_CLOSE)
-
-    def fits(self, frame: bytes) -> bool:
-        """Whether `frame` can join (the first always can: it is a frame of its own)."""
-        return not self.frames or (len(self.frames) < self.max_events
-                                   and self._size + len(frame) + 1 <= self.max_bytes)
-
-    def add(self, frame: bytes) -> None:
-        self.frames.append(frame)
-        self._size += len(frame) + 1
-
-    def take(self) -> bytes:
-        """The frame of what was added (at least one), and empty again."""
-        frames, self.frames = self.frames, []
-        self._size = len(_EVENTS_OPEN) + len(_EVENTS_CLOSE)
-        return frames[0] if len(frames) == 1 else _EVENTS_OPEN + b",".join(frames) + _EVENTS_CLOSE

@@ -88,3 +88,9 @@ def endpoint_problem(endpoint: str) -> str | None:
         except ValueError:
             return usage
     return None if len(host) <= 253 and _HOSTNAME.fullmatch(host) else usage
+
+
+def shorten(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, saying how many were cut (a text for people: a
+    reason, a detail; never data)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} characters cut)"

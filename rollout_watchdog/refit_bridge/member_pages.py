@@ -22,6 +22,7 @@ from typing import Any
 
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import CommandRefused
+from rollout_watchdog.common.validate import shorten
 from rollout_watchdog.refit_bridge.fleet import STATUS_PAGE_BYTES
 
 MEMBERS_PAGE_BYTES = STATUS_PAGE_BYTES   # half the message limit: room for the rest
@@ -64,9 +65,7 @@ def page(listing: list[dict[str, Any]], after: Cursor | None, paged: bool,
 
 def cut(text: str | None, limit: int = PROBLEMS_CHARS) -> str | None:
     """`text` cut to `limit` characters, saying so (a text for people, never data)."""
-    if text is None or len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} characters cut)"
+    return None if text is None else shorten(text, limit)
 
 
 # ---------------------------------------------------------------------- the client's side

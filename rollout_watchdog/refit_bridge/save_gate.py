@@ -69,9 +69,11 @@ class SaveGate:
     def saved(self, now: float) -> None:
         """A write of the state ended, or a wait for one may be over: go on with what waited
         for it."""
-        if self.state.writer is None or not self._unsaved:
+        if self.state.writer is None:
             return
-        written, failed, error = self.state.writer.outcome()
+        written, failed, error = self.state.writer.outcome()   # (clears wakeup_fd: always)
+        if not self._unsaved:
+            return
         waiting, self._unsaved = self._unsaved, []
         for unsaved in waiting:
             if written >= unsaved.generation:
