@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Coordinator": "rollout_watchdog.refit_bridge.coordinator",
     "FleetClient": "rollout_watchdog.refit_bridge.client",
+    "EngineSpec": "rollout_watchdog.common.spec",
     "EngineView": "rollout_watchdog.refit_bridge.views",
     "FleetEvent": "rollout_watchdog.refit_bridge.views",
     "FleetResult": "rollout_watchdog.refit_bridge.views",
@@ -26,7 +27,8 @@ _LAZY = {
     "RefitTimeout": "rollout_watchdog.common.errors",
     "UpdateRefused": "rollout_watchdog.common.errors",
 }
-__all__ = ["CommandRefused", "Coordinator", "CoordinatorUnavailable", "EngineLost", "EngineView",
+__all__ = ["CommandRefused", "Coordinator", "CoordinatorUnavailable", "EngineLost", "EngineSpec",
+           "EngineView",
            "FleetClient", "FleetEvent", "FleetResult", "LeaseLost", "NoMembers", "RefitTimeout",
            "RolloutWatchdogError", "UpdateRefused", "__version__"]
 
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
         RolloutWatchdogError,
         UpdateRefused,
     )
+    from rollout_watchdog.common.spec import EngineSpec
     from rollout_watchdog.refit_bridge.client import FleetClient
     from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent, FleetResult
 
