@@ -88,6 +88,7 @@ class NodeView:
     last_seen: float | None
     boot: str | None
     engines: list[EngineView]
+    metrics_port: int | None = None   # where the node serves its Prometheus metrics
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> NodeView:
@@ -99,7 +100,9 @@ class NodeView:
                    boot=_opt_str(obj.get("boot")),
                    engines=[EngineView.from_json(node_id, reachable, e)
                             for e in (engines if isinstance(engines, list) else [])
-                            if isinstance(e, dict)])
+                            if isinstance(e, dict)],
+                   metrics_port=port if isinstance(port := obj.get("metrics_port"), int)
+                   and not isinstance(port, bool) else None)
 
 
 def nodes_of(status: object) -> list[NodeView]:
