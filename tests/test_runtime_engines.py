@@ -67,7 +67,7 @@ def test_launch_refusals_origin_and_gpus(make_node: MakeNode, tmp_path: Path) ->
     e0 = node.wait_state("e0", "healthy")
     answer = launch(node, sleeper("x1", tmp_path / "x1.env", gpus=[1, 2]))
     assert answer["engine"] == "x1" and answer["status"]["origin"] == "launched"
-    x1 = node.wait_state("x1", "healthy")
+    node.wait_state("x1", "healthy")
     assert seen_env(tmp_path / "x1.env") == "1,2"   # exactly its spec's GPUs
     launch(node, sleeper("x2", tmp_path / "x2.env", stubborn=True))
     node.wait_state("x2", "healthy")
