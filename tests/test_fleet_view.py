@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rollout_watchdog.common.protocol import Event, Hello
+from rollout_watchdog.common.protocol import Event, Hello, ProtocolError
 from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
 
 T0 = 1000.0          # monotonic clock of the tests
@@ -210,13 +210,24 @@ def test_status_has_exactly_the_documented_shape() -> None:
     assert list(status) == ["nodes", "next"]
     assert [n["node_id"] for n in status["nodes"]] == ["n1", "n2"]
     n2 = status["nodes"][1]
-    assert set(n2) == {"node_id", "reachable", "last_seen", "boot", "engines"}
+    assert set(n2) == {"node_id", "reachable", "last_seen", "boot", "metrics_port", "engines"}
     assert (n2["reachable"], n2["last_seen"], n2["boot"]) == (True, WALL0 + 2, "b7")
+    assert n2["metrics_port"] is None   # the node did not say
     (e0,) = n2["engines"]
     assert e0 == {**node_engine, "weight_version": None, "serving": True, "reachable": True}
     assert status["nodes"][0]["engines"][0]["serving"] is False   # starting is not serving
     assert view.status("n1")["nodes"] == [status["nodes"][0]]
     assert view.status("n9") == {"nodes": [], "next": None}
+
+
+def test_the_metrics_port_of_the_latest_hello_is_in_the_view() -> None:
+    view = FleetView()
+    view.hello(Hello("n1", "b1", [], 0, metrics_port=9101), "n1", T0, WALL0)
+    assert view.status()["nodes"][0]["metrics_port"] == 9101
+    view.hello(Hello("n1", "b2", [], 0, metrics_port=9202), "n1", T0 + 1, WALL0 + 1)
+    assert view.status()["nodes"][0]["metrics_port"] == 9202
+    with pytest.raises(ProtocolError, match="metrics_port"):
+        Hello("n1", "b3", [], 0, metrics_port=0)
 
 
 # ---------------------------------------------------------------------- groups

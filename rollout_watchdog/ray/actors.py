@@ -29,8 +29,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.keys import keygen, load_keypair, load_public
 from rollout_watchdog.common.validate import check_engine_id
+from rollout_watchdog.emulator.testing import free_port  # below the ephemeral range
 from rollout_watchdog.ray import daemon_process
-from rollout_watchdog.ray.layout import NodeLayout, free_port, node_config, tcp_endpoint, to_toml
+from rollout_watchdog.ray.layout import NodeLayout, node_config, tcp_endpoint, to_toml
 from rollout_watchdog.ray.runtime import alive_nodes, node_ip, ray_dirs, remote
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key, read_stat

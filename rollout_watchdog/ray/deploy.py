@@ -126,7 +126,7 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
     ray.get(coordinator.stop_watching.remote(), timeout=timeout_s)   # no new watchdogs
     client = _client(ray.get(coordinator.info.remote(), timeout=timeout_s))
     try:
-        remove_launched(client)
+        remove_launched(client, timeout_s)
     except RolloutWatchdogError as exc:   # the daemons stop their engines anyway
         log.warning("cannot remove the launched engines: %s", exc)
     finally:
@@ -149,11 +149,9 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
         ray.kill(coordinator, no_restart=True)
 
 
-def remove_launched(client: FleetClient) -> None:
-    """`fleet.remove` every engine launched at run time on a reachable node."""
-    for node in client.status()["nodes"]:
-        if not node.get("reachable"):
-            continue
-        for engine in node.get("engines", []):
-            if engine.get("origin") == "launched":
-                client.remove(f"{node['node_id']}/{engine['id']}")
+def remove_launched(client: FleetClient, wait_s: float) -> None:
+    """`fleet.remove` every engine launched at run time on a reachable node, each gone
+    within `wait_s`."""
+    for engine in client.engines():
+        if engine.origin == "launched" and engine.reachable:
+            client.remove(engine.name, wait_s=wait_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,13 +70,6 @@ class NodeLayout:
         logs = self.state_dir / "logs"
         if not logs.exists() and not logs.is_symlink():
             logs.symlink_to(self.log_dir, target_is_directory=True)
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the OS's pick)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def node_config(layout: NodeLayout, *, coordinator: str, metrics_host: str, metrics_port: int,

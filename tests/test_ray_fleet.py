@@ -1,0 +1,341 @@
+"""rollout_watchdog.ray on a real multi-node Ray cluster on this machine
+(`ray.cluster_utils.Cluster`: a head and 2 workers, one declaring 2 GPUs it does not have),
+shared by the tests of this module: the real actors, node daemons and emulator engines, CURVE
+on (the cluster's address is not a loopback one)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from daemon_harness import EMULATOR_ENV, FAST_PROBE, FAST_RESTART  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+
+import rollout_watchdog.ray as rw_ray  # noqa: E402
+from rollout_watchdog import EngineSpec, FleetClient  # noqa: E402
+from rollout_watchdog.emulator.testing import emulator_command, free_port, wait_until  # noqa: E402
+from rollout_watchdog.refit_bridge.views import EngineView  # noqa: E402
+from rollout_watchdog.watchdog.process import is_alive, proc_key, read_stat  # noqa: E402
+
+NS = "rw-test"
+NODE_TIMEOUT_S = 3.0
+WAIT_S = 90.0          # generous: a 2-core machine shared with other test runs
+NODE_CONFIG = {"gpu_check": "none", "probe": FAST_PROBE, "restart": FAST_RESTART}
+
+
+@dataclass
+class RayFleet:
+    cluster: Any
+    fleet: FleetClient
+    tmp: Path
+    head: str        # Ray node ids (hex)
+    cpu: str
+    gpu: str
+
+
+def _kill_left_over(tmp: Path) -> None:
+    """Whatever a failed test left: every process started from a config under `tmp` (the
+    daemons, double-forked away from Ray) and the trees below them."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(tmp) in " ".join(proc.info["cmdline"] or []):
+            try:
+                for p in [*proc.children(recursive=True), proc]:
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.fixture(scope="module")
+def ray_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:
+    tmp = tmp_path_factory.mktemp("ray")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        cpu = cluster.add_node(num_cpus=1)
+        gpu = cluster.add_node(num_cpus=1, num_gpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        fleet = rw_ray.start(NS, state_dir=str(tmp), log_dir=str(tmp / "logs"), keys=True,
+                             node_timeout_s=NODE_TIMEOUT_S, node_config=NODE_CONFIG,
+                             timeout_s=WAIT_S)
+        yield RayFleet(cluster, fleet, tmp, cluster.head_node.node_id, cpu.node_id,
+                       gpu.node_id)
+        rw_ray.shutdown(NS)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        _kill_left_over(tmp)
+
+
+def emulator(engine_id: str, gpus: list[int] | None = None, **kwargs: Any) -> EngineSpec:
+    port = free_port()
+    return EngineSpec(engine_id, f"http://127.0.0.1:{port}", emulator_command(port),
+                      gpus=gpus or (), env=EMULATOR_ENV, tp_size=1, **kwargs)
+
+
+def environ(pid: int) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in
+                Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in line)
+
+
+def view(fleet: FleetClient, name: str) -> EngineView | None:
+    return next((e for e in fleet.engines() if e.name == name), None)
+
+
+def wait_view(fleet: FleetClient, name: str, what: str, check: Any) -> EngineView:
+    def ready() -> EngineView | None:
+        found = view(fleet, name)
+        return found if found is not None and check(found) else None
+    return wait_until(ready, WAIT_S, what=what)
+
+
+def node_info(node_id: str) -> dict[str, Any]:
+    actor = ray.get_actor(f"node-{node_id}", namespace=NS)
+    info: dict[str, Any] = ray.get(actor.info.remote(), timeout=WAIT_S)
+    return info
+
+
+@ray.remote(num_cpus=0)
+def _start_again() -> list[tuple[str, bool, int | None]]:
+    """A second `start` from a Ray task: a client of the running fleet."""
+    fleet = rw_ray.start(NS)
+    again = rw_ray.fleet(NS)
+    assert [n.node_id for n in again.nodes()] == [n.node_id for n in fleet.nodes()]
+    return [(n.node_id, n.reachable, n.metrics_port) for n in fleet.nodes()]
+
+
+def test_start_puts_a_watchdog_on_every_node_and_a_second_start_joins(
+        ray_fleet: RayFleet) -> None:
+    nodes = ray_fleet.fleet.nodes()
+    assert {n.node_id for n in nodes} == {ray_fleet.head, ray_fleet.cpu, ray_fleet.gpu}
+    assert all(n.reachable for n in nodes)
+    ports = [n.metrics_port for n in nodes]   # one each, though the nodes share a host
+    assert all(isinstance(p, int) for p in ports) and len(set(ports)) == 3
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NS}
+    assert names == {"coordinator"} | {f"node-{n.node_id}" for n in nodes}
+    daemons = {n.node_id: node_info(n.node_id)["daemon_pid"] for n in nodes}
+    controls = {node_info(n.node_id)["control"] for n in nodes}
+    assert len(controls) == 3
+
+    seen = ray.get(_start_again.remote(), timeout=WAIT_S)
+    assert sorted(seen) == sorted((n.node_id, True, n.metrics_port) for n in nodes)
+    assert {n: node_info(n)["daemon_pid"] for n in daemons} == daemons   # no second daemon
+    # the metrics port is the daemon's own
+    port = next(n.metrics_port for n in nodes if n.node_id == ray_fleet.head)
+    import requests
+    assert "rollout_watchdog" in requests.get(f"http://{ray.util.get_node_ip_address()}:{port}"
+                                              "/metrics", timeout=10).text
+
+
+def test_an_engine_sigkilled_comes_back_with_its_port_and_gpus(ray_fleet: RayFleet) -> None:
+    fleet = ray_fleet.fleet
+    spec = emulator("kill-me", gpus=[1])
+    first = fleet.launch(ray_fleet.head, spec, wait_s=WAIT_S)
+    try:
+        assert first.pid is not None and first.origin == "launched"
+        assert environ(first.pid)["CUDA_VISIBLE_DEVICES"] == "1"
+        os.kill(first.pid, signal.SIGKILL)
+        again = wait_view(fleet, first.name, "the relaunch", lambda e: e.state == "healthy"
+                          and e.incarnation > first.incarnation)
+        assert again.url == first.url and again.pid != first.pid
+        assert again.pid is not None
+        assert environ(again.pid)["CUDA_VISIBLE_DEVICES"] == "1"
+    finally:
+        fleet.remove(first.name, wait_s=WAIT_S)
+
+
+def test_bundles_map_to_their_nodes_gpus_and_engines(ray_fleet: RayFleet) -> None:
+    fleet = ray_fleet.fleet
+    pg = placement_group([{"GPU": 1, "CPU": 0.01}, {"GPU": 1, "CPU": 0.01}],
+                         strategy="STRICT_PACK")
+    calls: list[tuple[int, str, list[int], str]] = []
+
+    def make_spec(index: int, node_id: str, gpu_ids: list[int], host: str) -> EngineSpec:
+        calls.append((index, node_id, gpu_ids, host))
+        return emulator(f"pg{index}", gpus=gpu_ids)
+
+    views: list[EngineView] = []
+    try:
+        views = rw_ray.launch_in_placement_group(fleet, pg, make_spec, wait_s=WAIT_S)
+        assert [c[0] for c in calls] == [0, 1]                     # bundle order, here
+        assert {c[1] for c in calls} == {ray_fleet.gpu}            # the node with the GPUs
+        assert sorted(g for c in calls for g in c[2]) == [0, 1]    # one GPU each
+        for (_, node_id, gpu_ids, _), engine in zip(calls, views, strict=True):
+            assert engine.node_id == node_id and engine.state == "healthy"
+            assert engine.pid is not None
+            assert environ(engine.pid)["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpu_ids))
+        # the daemon itself holds no GPU, and never Ray's empty value
+        assert "CUDA_VISIBLE_DEVICES" not in environ(node_info(ray_fleet.gpu)["daemon_pid"])
+    finally:
+        for engine in views:
+            fleet.remove(engine.name, wait_s=WAIT_S)
+        remove_placement_group(pg)
+
+
+def test_the_watchdog_actor_killed_is_not_the_engines_lifeline(ray_fleet: RayFleet) -> None:
+    fleet = ray_fleet.fleet
+    node = ray_fleet.cpu
+    engine = fleet.launch(node, emulator("survivor"), wait_s=WAIT_S)
+    try:
+        before = node_info(node)
+        daemon = proc_key(before["daemon_pid"])
+        assert daemon is not None and engine.pid is not None
+        ray.kill(ray.get_actor(f"node-{node}", namespace=NS), no_restart=False)
+        after = wait_until(lambda: (i := _info_or_none(node)) and
+                           i["actor_pid"] != before["actor_pid"] and i, WAIT_S,
+                           what="the watchdog actor back")
+        assert after["daemon_pid"] == before["daemon_pid"] and after["kept"]
+        assert is_alive(daemon)
+        same = view(fleet, engine.name)
+        assert same is not None and (same.pid, same.incarnation) == (engine.pid,
+                                                                      engine.incarnation)
+        # still supervised: a crash is relaunched
+        os.kill(engine.pid, signal.SIGKILL)
+        wait_view(fleet, engine.name, "the relaunch", lambda e: e.state == "healthy"
+                  and e.incarnation == engine.incarnation + 1)
+
+        # a daemon that died is replaced, and the new one adopts the engine as it is
+        current = view(fleet, engine.name)
+        assert current is not None
+        os.kill(daemon.pid, signal.SIGKILL)
+        replaced = wait_until(lambda: (i := _info_or_none(node)) and
+                              i["daemon_pid"] != daemon.pid and i, WAIT_S,
+                              what="another daemon")
+        adopted = wait_view(fleet, engine.name, "the engine adopted",
+                            lambda e: e.state == "healthy" and e.reachable)
+        assert (adopted.pid, adopted.incarnation) == (current.pid, current.incarnation)
+        assert replaced["daemon_pid"] != daemon.pid
+    finally:
+        fleet.remove(engine.name, wait_s=WAIT_S)
+
+
+def _info_or_none(node_id: str) -> dict[str, Any] | None:
+    try:
+        return node_info(node_id)
+    except (ValueError, ray.exceptions.RayError):
+        return None
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    """A trainer actor: refits through the client it was handed (pickled)."""
+
+    def refit(self, fleet: FleetClient, version: str) -> list[str]:
+        from rollout_watchdog.emulator.model import named_weights
+        assert fleet.key is None   # no key path: the key material came in the pickle
+        with fleet.refit(version, backend="gloo", timeout_s=WAIT_S) as refit:
+            refit.update_weights(named_weights(7))
+            return sorted(e.name for e in refit.engines)
+
+
+def test_a_refit_from_a_ray_actor_through_a_pickled_client_with_curve(
+        ray_fleet: RayFleet) -> None:
+    fleet = ray_fleet.fleet
+    assert "curve=True" in repr(fleet)
+    engines = [fleet.launch(node, emulator(f"r{i}"), wait_s=WAIT_S)
+               for i, node in enumerate((ray_fleet.cpu, ray_fleet.gpu))]
+    try:
+        trainer = Trainer.remote()
+        members = ray.get(trainer.refit.remote(fleet, "v1"), timeout=WAIT_S * 2)
+        assert members == sorted(e.name for e in engines)
+        names = {e.name for e in engines}
+        fleet.wait_until(lambda view: all(e.weight_version == "v1" for e in view
+                                          if e.name in names), WAIT_S)
+        ray.kill(trainer)
+    finally:
+        for engine in engines:
+            fleet.remove(engine.name, wait_s=WAIT_S)
+
+
+def test_a_node_removed_goes_unreachable_and_nothing_of_it_stays(ray_fleet: RayFleet) -> None:
+    fleet = ray_fleet.fleet
+    joined = ray_fleet.cluster.add_node(num_cpus=1)
+    node = joined.node_id
+    # a node that joins later gets its watchdog (within 10 s by design; a generous bound here)
+    wait_until(lambda: any(n.node_id == node and n.reachable for n in fleet.nodes()), WAIT_S,
+               what="the new node's watchdog")
+    engine = fleet.launch(node, emulator("doomed"), wait_s=WAIT_S)
+    daemon = proc_key(node_info(node)["daemon_pid"])
+    assert daemon is not None and engine.pid is not None
+    engine_key = proc_key(engine.pid)
+    assert engine_key is not None
+    ray_fleet.cluster.remove_node(joined)
+    wait_until(lambda: not next(n for n in fleet.nodes() if n.node_id == node).reachable,
+               WAIT_S, what="the node unreachable")
+    wait_until(lambda: not is_alive(daemon) and not is_alive(engine_key), WAIT_S,
+               what="its daemon and engine gone")
+    # and its watchdog is not recreated elsewhere (hard affinity)
+    with pytest.raises(ValueError):
+        ray.get_actor(f"node-{node}", namespace=NS)
+    # a refit goes on without it
+    survivor = fleet.launch(ray_fleet.cpu, emulator("after"), wait_s=WAIT_S)
+    try:
+        members = ray.get(Trainer.remote().refit.remote(fleet, "v2"), timeout=WAIT_S * 2)
+        assert members == [survivor.name]
+    finally:
+        fleet.remove(survivor.name, wait_s=WAIT_S)
+
+
+def test_a_raylet_crash_stops_its_daemon_and_engines(ray_fleet: RayFleet) -> None:
+    """A raylet SIGKILLed stays a zombie child of this process (measured): the daemon reads
+    its state, so the zombie counts as gone."""
+    fleet = ray_fleet.fleet
+    joined = ray_fleet.cluster.add_node(num_cpus=1)
+    try:
+        node = joined.node_id
+        wait_until(lambda: any(n.node_id == node and n.reachable for n in fleet.nodes()),
+                   WAIT_S, what="the new node's watchdog")
+        engine = fleet.launch(node, emulator("orphan-to-be"), wait_s=WAIT_S)
+        daemon = proc_key(node_info(node)["daemon_pid"])
+        assert daemon is not None and engine.pid is not None
+        engine_key = proc_key(engine.pid)
+        assert engine_key is not None
+        raylet = joined.all_processes["raylet"][0].process
+        raylet.send_signal(signal.SIGKILL)
+        wait_until(lambda: (stat := read_stat(raylet.pid)) is not None and stat.state == b"Z",
+                   WAIT_S, what="the raylet a zombie")
+        wait_until(lambda: not is_alive(daemon) and not is_alive(engine_key), WAIT_S,
+                   what="its daemon and engine gone")
+        wait_until(lambda: not next(n for n in fleet.nodes() if n.node_id == node).reachable,
+                   WAIT_S, what="the node unreachable")
+    finally:
+        ray_fleet.cluster.remove_node(joined, allow_graceful=False)
+
+
+def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
+    namespace = "rw-shutdown"
+    fleet = rw_ray.start(namespace, state_dir=str(ray_fleet.tmp / "other"),
+                         log_dir=str(ray_fleet.tmp / "other-logs"), node_config=NODE_CONFIG,
+                         timeout_s=WAIT_S)
+    engine = fleet.launch(ray_fleet.cpu, emulator("gone"), wait_s=WAIT_S)
+    infos = [ray.get(ray.get_actor(f"node-{n.node_id}", namespace=namespace).info.remote())
+             for n in fleet.nodes()]
+    assert engine.pid is not None
+    keys = [k for pid in [engine.pid, *(i["daemon_pid"] for i in infos)]
+            if (k := proc_key(pid)) is not None]
+    assert len(keys) == 4
+    fleet.close()
+    start = time.monotonic()
+    rw_ray.shutdown(namespace)
+    assert [k for k in keys if is_alive(k)] == []
+    wait_until(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
+                            if a["namespace"] == namespace], WAIT_S, what="no actor left")
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if str(ray_fleet.tmp / "other") in " ".join(p.info["cmdline"] or [])]
+    assert left == [], f"left after shutdown ({time.monotonic() - start:.1f} s): {left}"
+    with pytest.raises(Exception, match="no rollout-watchdog fleet"):
+        rw_ray.fleet(namespace)
+    # the other fleet goes on
+    assert all(n.reachable for n in ray_fleet.fleet.nodes()
+               if n.node_id in (ray_fleet.head, ray_fleet.cpu, ray_fleet.gpu))

@@ -1,0 +1,70 @@
+"""The Ray deployment's pure parts: each node's paths and config, and the daemon's
+environment (no cluster needed; rollout_watchdog.ray imports ray, hence the skip)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+
+from rollout_watchdog.common.validate import MAX_IPC_PATH_BYTES  # noqa: E402
+from rollout_watchdog.config import ConfigError, parse_config  # noqa: E402
+from rollout_watchdog.ray.daemon_process import daemon_environment  # noqa: E402
+from rollout_watchdog.ray.layout import NodeLayout, node_config, to_toml  # noqa: E402
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+NODE = "a" * 56   # a Ray node id in hex
+
+
+def test_nodes_sharing_a_host_get_their_own_paths_and_a_short_control_socket(
+        tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    one = NodeLayout.of(NODE, deep, deep / "logs", "rollout-watchdog")
+    other = NodeLayout.of("b" * 56, deep, deep / "logs", "rollout-watchdog")
+    again = NodeLayout.of(NODE, deep, deep / "logs", "rollout-watchdog")
+    assert one.control != other.control and one.node_dir != other.node_dir
+    assert one == again   # a restarted actor finds the same daemon
+    assert len(one.control[len("ipc://"):].encode()) <= MAX_IPC_PATH_BYTES
+    assert NodeLayout.of(NODE, deep, deep, "other-namespace").control != one.control
+
+
+def test_the_node_config_is_valid_and_engine_logs_go_to_the_log_dir(tmp_path: Path) -> None:
+    layout = NodeLayout.of(NODE, tmp_path / "state", tmp_path / "logs", "ns")
+    layout.prepare()
+    config = node_config(layout, coordinator="tcp://10.0.0.1:5555", metrics_host="10.0.0.2",
+                         metrics_port=9100, lifeline_pid=1, key="/k/n.key_secret",
+                         coordinator_key="/k/coordinator.key",
+                         extra={"gpu_check": "none", "probe": {"health_interval_s": 0.5}})
+    parsed = parse_config(tomllib.loads(to_toml(config)), check_commands=False)
+    assert (parsed.node_id, parsed.lifeline_pid, parsed.metrics_port) == (NODE, 1, 9100)
+    assert parsed.control == layout.control and parsed.engine_log == "file"
+    assert parsed.probe.health_interval_s == 0.5
+    assert (layout.state_dir / "logs").resolve() == layout.log_dir.resolve()
+
+
+def test_node_config_refuses_the_keys_the_deployment_owns(tmp_path: Path) -> None:
+    layout = NodeLayout.of(NODE, tmp_path, tmp_path, "ns")
+    with pytest.raises(ValueError, match="control, node_id"):
+        node_config(layout, coordinator="tcp://h:1", metrics_host="h", metrics_port=1,
+                    lifeline_pid=1, extra={"node_id": "x", "control": "ipc:///x"})
+
+
+def test_lifeline_pid_is_checked_like_every_key() -> None:
+    with pytest.raises(ConfigError, match="key 'lifeline_pid' must be an integer"):
+        parse_config({"lifeline_pid": "raylet"})
+    with pytest.raises(ConfigError, match="key 'lifeline_pid' must be >= 1"):
+        parse_config({"lifeline_pid": 0})
+
+
+def test_the_daemon_never_gets_rays_empty_device_lists() -> None:
+    env = daemon_environment({"CUDA_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
+                              "PATH": "/bin", "RAY_ADDRESS": "x"})
+    assert env == {"PATH": "/bin", "RAY_ADDRESS": "x"}
