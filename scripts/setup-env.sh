@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import rollout_watchdog, torch, numpy, pdoc, pytest, zmq, psutil, mypy, importlinter' 2>/dev/null \
+if ! .venv/bin/python -c 'import rollout_watchdog, torch, numpy, pdoc, pytest, zmq, psutil, mypy, importlinter, ray' 2>/dev/null \
    || [ setup.cfg -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"

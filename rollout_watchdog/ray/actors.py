@@ -89,6 +89,7 @@ class CoordinatorActor:
         port_file = self.dir / "port"   # a restarted actor binds the same port: nodes redial it
         port = int(port_file.read_text()) if port_file.exists() else free_port(self.host)
         self.keys = self._keys() if settings["curve"] else None
+        self._node_actor = remote(NodeWatchdog)
         self.coordinator = Coordinator(
             bind=tcp_endpoint(self.host, port), keys=str(self.keys) if self.keys else None,
             insecure=self.keys is None, router_url=settings["router_url"],
@@ -138,11 +139,15 @@ class CoordinatorActor:
         `get_if_exists` settles a race of two creators); the names of those actors."""
         names = []
         node_settings = {**self.settings, "coordinator": self.coordinator.endpoint}
+        existing = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["namespace"] == self.namespace}   # one call, not one per node
         for node in alive_nodes():
             name = node_actor_name(node["NodeID"])
             names.append(name)
+            if name in existing:
+                continue
             with contextlib.suppress(ValueError):   # alive here, gone a moment later
-                remote(NodeWatchdog).options(
+                self._node_actor.options(
                     name=name, namespace=self.namespace, get_if_exists=True,
                     lifetime="detached", num_cpus=0, num_gpus=0, max_restarts=-1,
                     max_concurrency=4,

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorUnschedulableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
@@ -62,10 +62,33 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
     deadline = time.monotonic() + timeout_s
     names = ray.get(coordinator.ensure_nodes.remote(), timeout=timeout_s)
     client = _client(ray.get(coordinator.info.remote(), timeout=timeout_s))
-    infos = ray.get([ray.get_actor(n, namespace=namespace).info.remote() for n in names],
-                    timeout=max(1.0, deadline - time.monotonic()))
-    wait_reachable(client, [i["node_id"] for i in infos], max(1.0, deadline - time.monotonic()))
+    up = _watchdogs_up(namespace, names, max(1.0, deadline - time.monotonic()))
+    wait_reachable(client, up, max(1.0, deadline - time.monotonic()))
     return client
+
+
+def _watchdogs_up(namespace: str, names: list[str], timeout_s: float) -> list[str]:
+    """The node ids whose watchdog runs its daemon. A node that died meanwhile (its actor
+    unschedulable: hard affinity) is left out, logged; TimeoutError names the slow ones."""
+    refs = {}
+    for name in names:
+        try:
+            refs[name] = ray.get_actor(name, namespace=namespace).info.remote()
+        except ValueError:   # its node died, and the actor with it
+            log.warning("%s: gone before it started", name)
+    ready, slow = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    if slow:
+        raise TimeoutError(f"watchdog(s) not up within {timeout_s:g} s: " + ", ".join(
+            name for name, ref in refs.items() if ref in slow))
+    up = []
+    for name, ref in refs.items():
+        try:
+            up.append(ray.get(ref)["node_id"])
+        except ActorUnschedulableError as exc:
+            log.warning("%s left out: %s", name, exc)
+        except RayError as exc:
+            raise RuntimeError(f"the watchdog {name} did not start: {exc}") from exc
+    return up
 
 
 def _curve_wanted(keys: str | bool | None) -> bool:
