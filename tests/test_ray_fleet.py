@@ -15,6 +15,7 @@ from typing import Any
 
 import psutil
 import pytest
+import requests
 
 ray = pytest.importorskip("ray")
 
@@ -133,7 +134,6 @@ def test_start_puts_a_watchdog_on_every_node_and_a_second_start_joins(
     assert {n: node_info(n)["daemon_pid"] for n in daemons} == daemons   # no second daemon
     # the metrics port is the daemon's own
     port = next(n.metrics_port for n in nodes if n.node_id == ray_fleet.head)
-    import requests
     assert "rollout_watchdog" in requests.get(f"http://{ray.util.get_node_ip_address()}:{port}"
                                               "/metrics", timeout=10).text
 
@@ -155,6 +155,13 @@ def test_the_coordinator_actor_killed_comes_back_on_its_port_with_its_nodes(
     assert rw_ray.fleet(NS).address == fleet.address   # the same port, the same keys
 
 
+def test_start_refuses_node_config_keys_it_owns(ray_fleet: RayFleet) -> None:
+    with pytest.raises(ValueError, match="may not set control"):
+        rw_ray.start("rw-refused", node_config={"control": "ipc:///tmp/x"})
+    with pytest.raises(Exception, match="no rollout-watchdog fleet"):
+        rw_ray.fleet("rw-refused")
+
+
 def test_an_engine_sigkilled_comes_back_with_its_port_and_gpus(ray_fleet: RayFleet) -> None:
     fleet = ray_fleet.fleet
     spec = emulator("kill-me", gpus=[1])
@@ -162,6 +169,9 @@ def test_an_engine_sigkilled_comes_back_with_its_port_and_gpus(ray_fleet: RayFle
     try:
         assert first.pid is not None and first.origin == "launched"
         assert environ(first.pid)["CUDA_VISIBLE_DEVICES"] == "1"
+        logs = Path(node_info(ray_fleet.head)["log_dir"])   # where `ray logs` looks
+        assert (logs / "kill-me.log").is_file() and (logs / "daemon.log").is_file()
+        assert str(ray_fleet.tmp / "logs") in str(logs)
         os.kill(first.pid, signal.SIGKILL)
         again = wait_view(fleet, first.name, "the relaunch", lambda e: e.state == "healthy"
                           and e.incarnation > first.incarnation)

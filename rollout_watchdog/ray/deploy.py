@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rollout_watchdog.common.errors import RolloutWatchdogError
 from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.ray.actors import COORDINATOR, NODE_PREFIX, CoordinatorActor
+from rollout_watchdog.ray.layout import check_extra
 from rollout_watchdog.ray.runtime import alive_nodes, remote
 from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.keyed_client import KeyedFleetClient
@@ -45,6 +46,7 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
     `node_timeout_s` and `coordinator_options`: the embedded `Coordinator`'s arguments."""
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before rollout_watchdog.ray.start()")
+    check_extra(node_config or {})   # here, not in an actor on every node
     options = dict(coordinator_options or {})
     if node_timeout_s is not None:
         options["node_timeout_s"] = node_timeout_s

@@ -77,9 +77,7 @@ def node_config(layout: NodeLayout, *, coordinator: str, metrics_host: str, metr
                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The node config (`rollout-watchdog run --config`) of one Ray node's daemon: no engine
     (they are launched at run time), output to files, and the raylet as its lifeline."""
-    if extra and (owned := sorted(OWNED_KEYS & set(extra))):
-        raise ValueError(f"node_config may not set {', '.join(owned)}: the Ray deployment "
-                         "sets them")
+    check_extra(extra or {})
     config: dict[str, Any] = {
         "node_id": layout.node_id, "coordinator": coordinator,
         "control": layout.control, "state_dir": str(layout.state_dir),
@@ -89,6 +87,13 @@ def node_config(layout: NodeLayout, *, coordinator: str, metrics_host: str, metr
     if key is not None:
         config["key"], config["coordinator_key"] = key, coordinator_key
     return config
+
+
+def check_extra(extra: Mapping[str, Any]) -> None:
+    """ValueError naming the keys of `start(node_config=...)` that the deployment owns."""
+    if owned := sorted(OWNED_KEYS & set(extra)):
+        raise ValueError(f"node_config may not set {', '.join(owned)}: the Ray deployment "
+                         "sets them")
 
 
 def to_toml(config: Mapping[str, Any]) -> str:
