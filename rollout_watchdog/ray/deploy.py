@@ -34,6 +34,7 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
           log_dir: str | None = None, node_timeout_s: float | None = None,
           node_config: Mapping[str, Any] | None = None,
           timeout_s: float = START_TIMEOUT_S, watch_s: float = WATCH_S,
+          daemon_check_s: float = DAEMON_CHECK_S,
           coordinator_options: Mapping[str, Any] | None = None) -> FleetClient:
     """Run the fleet on the Ray cluster of `ray.init()`, or join the one running in
     `namespace` (then the other arguments are the running fleet's, not these); its client
@@ -43,7 +44,9 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
     False for none, or the directory of the coordinator's keys (made if missing). `state_dir`
     and `log_dir` are roots on every node (default: the Ray session's dir and its log dir).
     `node_config`: node config keys for every daemon (`[probe]`, `[restart]`, ...).
-    `node_timeout_s` and `coordinator_options`: the embedded `Coordinator`'s arguments."""
+    `node_timeout_s` and `coordinator_options`: the embedded `Coordinator`'s arguments.
+    `watch_s`: how often the coordinator actor looks for new Ray nodes; `daemon_check_s`: how
+    often each watchdog actor checks that its daemon lives (one that died is replaced)."""
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before rollout_watchdog.ray.start()")
     check_extra(node_config or {})   # here, not in an actor on every node
@@ -54,7 +57,7 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
                 "log_dir": log_dir, "keys": keys if isinstance(keys, str) else None,
                 "curve": _curve_wanted(keys), "node_config": dict(node_config or {}),
                 "coordinator_options": options, "timeout_s": timeout_s, "watch_s": watch_s,
-                "daemon_check_s": DAEMON_CHECK_S}
+                "daemon_check_s": daemon_check_s}
     here = ray.get_runtime_context().get_node_id()
     coordinator = remote(CoordinatorActor).options(
         name=COORDINATOR, namespace=namespace, get_if_exists=True, lifetime="detached",

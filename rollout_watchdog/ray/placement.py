@@ -43,7 +43,8 @@ def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec:
                               wait_s: float | None = None) -> list[EngineView]:
     """Launch `make_spec(bundle_index, node_id, gpu_ids, host)` on each bundle's node, in
     bundle order (`make_spec` runs here, in the caller); the engines' views. With `wait_s`,
-    once every engine is healthy (TimeoutError otherwise). The engines belong to their node
+    once every engine is healthy (TimeoutError otherwise). A refusal raises CommandRefused;
+    the engines of the bundles before it stay launched. The engines belong to their node
     daemons, not to Ray: they hold the bundle's GPUs without a Ray actor of their own."""
     views = []
     for index, (node_id, gpus, host) in enumerate(bundle_locations(pg)):
