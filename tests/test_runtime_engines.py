@@ -203,3 +203,17 @@ def test_a_launched_engine_comes_back_after_a_clean_stop_until_the_config_takes_
              "the log line")
     kept = json.loads((node.state_dir / "launched.json").read_text())["engines"]
     assert sorted(kept) == ["x1"]
+
+
+def test_a_launched_engine_that_died_with_the_daemon_down_is_relaunched(
+        make_node: MakeNode, tmp_path: Path) -> None:
+    node = make_node([]).start()
+    launch(node, sleeper("x0", tmp_path / "x0.env", gpus=[5]))
+    first = node.wait_state("x0", "healthy")
+    node.kill_daemon()                       # right after the launch: the spec was kept
+    os.kill(first["pid"], signal.SIGKILL)    # and the engine dies while nobody watches
+    wait_for(lambda: pid_gone(first["pid"]), 10, "the engine to die")
+    node.start()
+    again = node.wait_state("x0", "healthy", incarnation=2)
+    assert (again["origin"], again["gpus"], again["url"]) == ("launched", [5], first["url"])
+    assert again["last_failure"]["cause"] == "exited"
