@@ -69,7 +69,7 @@ def test_launch_refusals_origin_and_gpus(make_node: MakeNode, tmp_path: Path) ->
     assert answer["engine"] == "x1" and answer["status"]["origin"] == "launched"
     node.wait_state("x1", "healthy")
     assert seen_env(tmp_path / "x1.env") == "1,2"   # exactly its spec's GPUs
-    launch(node, sleeper("x2", tmp_path / "x2.env", stubborn=True))
+    launch(node, sleeper("x2", tmp_path / "x2.env", stubborn=True, restart={"grace_s": 8.0}))
     node.wait_state("x2", "healthy")
     assert seen_env(tmp_path / "x2.env") is None    # Ray's empty value never reaches it
 

@@ -65,9 +65,9 @@ def test_fleet_launch_waits_for_health_refuses_and_removes(
     assert (lost.status, lost.code) == ("error", protocol.BAD_ARGS)
 
     # not healthy in time: TimeoutError, and the engine stays launched
-    with pytest.raises(TimeoutError, match="n1/x2 was not healthy within 1 s; it is starting"):
+    with pytest.raises(TimeoutError, match="n1/x2 was not healthy within 1 s"):
         fleet.launch("n1", emulated("x2", "--startup-delay", "600"), wait_s=1.0)
-    assert {e.name: e.state for e in fleet.engines()}["n1/x2"] == "starting"
+    fleet.wait_until(lambda v: any(e.name == "n1/x2" and e.state == "starting" for e in v), 30)
 
     # remove: gone from the node and from the fleet view
     pid = view.pid
