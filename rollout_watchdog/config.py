@@ -395,6 +395,18 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
                         restart=engine_restart)
 
 
+def read_engine(table: object, probe: ProbeConfig, restart: RestartConfig, *,
+                check_commands: bool = True) -> EngineConfig:
+    """One `[[engine]]` table (an engine launched at run time), validated by the config
+    file's own rules and merged with the node's `probe`/`restart` defaults; ConfigError with
+    every problem, each naming the field as check-config does."""
+    problems: list[str] = []
+    engine = _read_engine(problems, 0, table, probe, restart, check_commands)
+    if problems or engine is None:
+        raise ConfigError(problems or ["engine #1: unusable"])
+    return engine
+
+
 def _node_id(c: _Checker) -> str:
     """The node id: also the ZMQ routing id towards a coordinator without CURVE (at most 255
     bytes), and the NODE of the fleet's NODE/ENGINE names (so no '/')."""

@@ -31,7 +31,7 @@ from rollout_watchdog.common.limits import raise_nofile_limit
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.logs import dropped_log_lines
-from rollout_watchdog.watchdog import adoption, timers
+from rollout_watchdog.watchdog import adoption, launched, timers
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, probe_delegated_root
 from rollout_watchdog.watchdog.containment import (
     marker_prefix,
@@ -108,8 +108,6 @@ class Daemon:
         self.participants: list[Participant] = []
         self.shutdown_requested: str | None = None     # "stop" or "detach"
         self._shutdown_started = False
-        self.sweep_interval = min([config.probe.liveness_interval_s]
-                                  + [e.probe.liveness_interval_s for e in config.engines])
         self._next_sweep = self.clock.monotonic() + self.sweep_interval
         self._next_notify = 0.0
         self._last_summary = ""
@@ -119,6 +117,12 @@ class Daemon:
             [engine_log_path(self.state_dir, e.id) for e in config.engines],
             config.engine_log_max_bytes, config.engine_log_backups)
         self._child_exited = True  # SIGCHLD seen: orphans to reap
+
+    @property
+    def sweep_interval(self) -> float:
+        """The shortest liveness interval of the node and its engines (launched ones too)."""
+        return min([self.config.probe.liveness_interval_s]
+                   + [e.cfg.probe.liveness_interval_s for e in self.engines.values()])
 
     @property
     def boot_id(self) -> str:
@@ -148,7 +152,9 @@ class Daemon:
         return DETACH_EXIT_CODE if self.shutdown_requested == "detach" else 0
 
     def adopt_or_launch(self) -> None:
-        """Adopt what the state file records, launch the rest."""
+        """Adopt what the state file records, launch the rest (the `launch`ed engines
+        included)."""
+        launched.restore(self.supervisor.launched, self.config, self.engines)
         adoption.adopt_or_launch(self.supervisor, load_state(self.state_path))
 
     def setup(self) -> None:
@@ -342,6 +348,7 @@ class Daemon:
         if sup.take_in_escapees(table):
             sup.dirty = True
         sup.clean_cgroups()
+        self.log_rotator.paths = [engine_log_path(self.state_dir, e) for e in self.engines]
         self.log_rotator.check()
         self.metrics.set_log_lines_dropped(dropped_log_lines())
         self.metrics.set_event_log_write_errors(self.events.write_errors)
