@@ -69,7 +69,7 @@ def test_launch_refusals_origin_and_gpus(make_node: MakeNode, tmp_path: Path) ->
     assert answer["engine"] == "x1" and answer["status"]["origin"] == "launched"
     node.wait_state("x1", "healthy")
     assert seen_env(tmp_path / "x1.env") == "1,2"   # exactly its spec's GPUs
-    launch(node, sleeper("x2", tmp_path / "x2.env", stubborn=True))
+    launch(node, sleeper("x2", tmp_path / "x2.env", stubborn=True, restart={"grace_s": 8.0}))
     node.wait_state("x2", "healthy")
     assert seen_env(tmp_path / "x2.env") is None    # Ray's empty value never reaches it
 
@@ -203,3 +203,17 @@ def test_a_launched_engine_comes_back_after_a_clean_stop_until_the_config_takes_
              "the log line")
     kept = json.loads((node.state_dir / "launched.json").read_text())["engines"]
     assert sorted(kept) == ["x1"]
+
+
+def test_a_launched_engine_that_died_with_the_daemon_down_is_relaunched(
+        make_node: MakeNode, tmp_path: Path) -> None:
+    node = make_node([]).start()
+    launch(node, sleeper("x0", tmp_path / "x0.env", gpus=[5]))
+    first = node.wait_state("x0", "healthy")
+    node.kill_daemon()                       # right after the launch: the spec was kept
+    os.kill(first["pid"], signal.SIGKILL)    # and the engine dies while nobody watches
+    wait_for(lambda: pid_gone(first["pid"]), 10, "the engine to die")
+    node.start()
+    again = node.wait_state("x0", "healthy", incarnation=2)
+    assert (again["origin"], again["gpus"], again["url"]) == ("launched", [5], first["url"])
+    assert again["last_failure"]["cause"] == "exited"

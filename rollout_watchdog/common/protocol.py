@@ -48,7 +48,8 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
     heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
     command    client -> coordinator -> node: request_id (idempotency key: a repeated id gets
                the same reply), cmd (a control command name), args (object, default {}),
-               node? (one node; null = every reachable node), engine? (one engine of `node`;
+               node? (one node; null = every reachable node, except for `launch`, which a
+               coordinator refuses without one: BAD_ARGS), engine? (one engine of `node`;
                null = all; needs `node`), timeout_s? (> 0: how long to gather the replies).
     reply      answer to a command: request_id, status ("ok" | "error"), reason? (required
                for "error": for people), result? (any JSON value), code? (1.2; only with

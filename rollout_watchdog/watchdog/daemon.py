@@ -108,8 +108,6 @@ class Daemon:
         self.participants: list[Participant] = []
         self.shutdown_requested: str | None = None     # "stop" or "detach"
         self._shutdown_started = False
-        self.sweep_interval = min([config.probe.liveness_interval_s]
-                                  + [e.probe.liveness_interval_s for e in config.engines])
         self._next_sweep = self.clock.monotonic() + self.sweep_interval
         self._next_notify = 0.0
         self._last_summary = ""
@@ -120,6 +118,12 @@ class Daemon:
             [engine_log_path(self.state_dir, e.id) for e in config.engines],
             config.engine_log_max_bytes, config.engine_log_backups)
         self._child_exited = True  # SIGCHLD seen: orphans to reap
+
+    @property
+    def sweep_interval(self) -> float:
+        """The shortest liveness interval of the node and its engines (launched ones too)."""
+        return min([self.config.probe.liveness_interval_s]
+                   + [e.cfg.probe.liveness_interval_s for e in self.engines.values()])
 
     @property
     def boot_id(self) -> str:
