@@ -50,12 +50,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import rollout_watchdog.ray as rw_ray
 import torch
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group
 from torch import nn
 
+import rollout_watchdog.ray as rw_ray
 from rollout_watchdog import EngineLost, EngineSpec, EngineView, FleetClient, LeaseLost, NoMembers
 from rollout_watchdog.emulator import write_weight_spec
 
