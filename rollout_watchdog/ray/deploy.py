@@ -155,8 +155,6 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
     client = _client(ray.get(coordinator.info.remote(), timeout=timeout_s))
     try:
         remove_launched(client, timeout_s)
-    except RolloutWatchdogError as exc:   # the daemons stop their engines anyway
-        log.warning("cannot remove the launched engines: %s", exc)
     finally:
         client.close()
     for name in sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -179,7 +177,16 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
 
 def remove_launched(client: FleetClient, wait_s: float) -> None:
     """`fleet.remove` every engine launched at run time on a reachable node, each gone
-    within `wait_s`."""
-    for engine in client.engines():
+    within `wait_s`. One that cannot be (its node just died, say) is logged, and the others
+    are removed all the same: a daemon stops what is left when it stops."""
+    try:
+        engines = client.engines()
+    except RolloutWatchdogError as exc:
+        log.warning("cannot list the launched engines: %s", exc)
+        return
+    for engine in engines:
         if engine.origin == "launched" and engine.reachable:
-            client.remove(engine.name, wait_s=wait_s)
+            try:
+                client.remove(engine.name, wait_s=wait_s)
+            except RolloutWatchdogError as exc:
+                log.warning("cannot remove %s: %s", engine.name, exc)
