@@ -340,11 +340,23 @@ def test_a_raylet_crash_stops_its_daemon_and_engines(ray_fleet: RayFleet) -> Non
         ray_fleet.cluster.remove_node(joined, allow_graceful=False)
 
 
+@ray.remote(num_cpus=0)
+def _start_in(namespace: str, **kwargs: Any) -> str:
+    return rw_ray.start(namespace, **kwargs).address
+
+
 def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
+    """... of a fleet that three processes started at once: one coordinator, one daemon a
+    node."""
     namespace = "rw-shutdown"
-    fleet = rw_ray.start(namespace, state_dir=str(ray_fleet.tmp / "other"),
-                         log_dir=str(ray_fleet.tmp / "other-logs"), node_config=NODE_CONFIG,
-                         timeout_s=WAIT_S)
+    options = {"state_dir": str(ray_fleet.tmp / "other"), "node_config": NODE_CONFIG,
+               "log_dir": str(ray_fleet.tmp / "other-logs"), "timeout_s": WAIT_S}
+    racing = [_start_in.remote(namespace, **options) for _ in range(2)]
+    fleet = rw_ray.start(namespace, **options)
+    assert ray.get(racing, timeout=WAIT_S * 2) == [fleet.address] * 2
+    daemons = [p for p in psutil.process_iter(["cmdline"])
+               if str(ray_fleet.tmp / "other") in " ".join(p.info["cmdline"] or [])]
+    assert len(daemons) == 3, [p.info["cmdline"] for p in daemons]
     engine = fleet.launch(ray_fleet.cpu, emulator("gone"), wait_s=WAIT_S)
     infos = [ray.get(ray.get_actor(f"node-{n.node_id}", namespace=namespace).info.remote())
              for n in fleet.nodes()]
