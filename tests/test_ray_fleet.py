@@ -155,6 +155,23 @@ def test_the_coordinator_actor_killed_comes_back_on_its_port_with_its_nodes(
     assert rw_ray.fleet(NS).address == fleet.address   # the same port, the same keys
 
 
+def test_a_hostile_key_registration_is_refused_and_harms_nothing(ray_fleet: RayFleet) -> None:
+    coordinator = ray.get_actor("coordinator", namespace=NS)
+    with pytest.raises(ray.exceptions.RayTaskError, match="unreadable public key"):
+        ray.get(coordinator.authorize.remote("intruder", "not a key"), timeout=WAIT_S)
+    with pytest.raises(ray.exceptions.RayTaskError, match="node id"):
+        ray.get(coordinator.authorize.remote("../../etc", "x"), timeout=WAIT_S)
+    keys = Path(ray_fleet.tmp) / NS / "coordinator" / "keys" / "authorized"
+    assert [p.name for p in keys.iterdir() if p.name.startswith(("intruder", "."))
+            or p.suffix != ".key"] == []
+    joined = ray_fleet.cluster.add_node(num_cpus=1)   # the allowlist still loads: let in
+    try:
+        wait_until(lambda: any(n.node_id == joined.node_id and n.reachable
+                               for n in ray_fleet.fleet.nodes()), WAIT_S, what="a new node")
+    finally:
+        ray_fleet.cluster.remove_node(joined)
+
+
 def test_start_refuses_node_config_keys_it_owns(ray_fleet: RayFleet) -> None:
     with pytest.raises(ValueError, match="may not set control"):
         rw_ray.start("rw-refused", node_config={"control": "ipc:///tmp/x"})

@@ -128,9 +128,10 @@ class CoordinatorActor:
             return None
         if (problem := check_engine_id(node_id)) is not None:
             raise ValueError(f"node id: {problem}")
-        path = self.keys / "authorized" / f"{node_id}.key"
-        _write_atomic(path, public_key)
-        load_public(path)   # ValueError if it is not a key
+        received = self.dir / f"{node_id}.key.received"
+        _write_atomic(received, public_key)
+        load_public(received)   # ValueError if it is not a key: authorized/ stays readable
+        received.replace(self.keys / "authorized" / f"{node_id}.key")
         self.coordinator.reload_keys()
         return (self.keys / f"{COORDINATOR}.key").read_text()
 
