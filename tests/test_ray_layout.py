@@ -14,7 +14,7 @@ pytest.importorskip("ray")
 from rollout_watchdog.common.validate import MAX_IPC_PATH_BYTES  # noqa: E402
 from rollout_watchdog.config import ConfigError, parse_config  # noqa: E402
 from rollout_watchdog.ray.daemon_process import daemon_environment  # noqa: E402
-from rollout_watchdog.ray.layout import NodeLayout, node_config, to_toml  # noqa: E402
+from rollout_watchdog.ray.layout import NodeLayout, check_extra, node_config, to_toml  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,6 +55,12 @@ def test_node_config_refuses_the_keys_the_deployment_owns(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="control, node_id"):
         node_config(layout, coordinator="tcp://h:1", metrics_host="h", metrics_port=1,
                     lifeline_pid=1, extra={"node_id": "x", "control": "ipc:///x"})
+
+
+def test_node_config_values_are_checked_before_any_actor_starts() -> None:
+    with pytest.raises(ConfigError, match=r"\[probe\]: key 'health_interval_s' must be > 0"):
+        check_extra({"probe": {"health_interval_s": -1}})
+    check_extra({"gpu_check": "none", "restart": {"max_restarts": 2}})
 
 
 def test_lifeline_pid_is_checked_like_every_key() -> None:

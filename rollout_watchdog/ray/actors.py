@@ -76,6 +76,13 @@ def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     tmp.replace(path)
 
 
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+
+
 class CoordinatorActor:
     """The fleet's coordinator as a detached named actor (see the module docstring)."""
 
@@ -239,8 +246,8 @@ class NodeWatchdog:
             deadline = time.monotonic() + timeout
             while not daemon_process.ping(layout.control, self.node_id, 1.0):
                 if not is_alive(started) or time.monotonic() > deadline:
-                    raise RuntimeError(f"the node daemon did not come up; see "
-                                       f"{layout.daemon_log}")
+                    raise RuntimeError(f"the node daemon did not come up ({layout.daemon_log}"
+                                       f" ends with):\n{_tail(layout.daemon_log)}")
                 time.sleep(0.1)
             log.info("node daemon %d started on node %s", started.pid, self.node_id)
             self.daemon = started

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_watchdog.common.validate import bracket_host
+from rollout_watchdog.config import parse_config
 
 # The node config keys `start(node_config=...)` may not set: the deployment owns them.
 OWNED_KEYS = frozenset({"node_id", "coordinator", "key", "coordinator_key", "control",
@@ -90,10 +91,12 @@ def node_config(layout: NodeLayout, *, coordinator: str, metrics_host: str, metr
 
 
 def check_extra(extra: Mapping[str, Any]) -> None:
-    """ValueError naming the keys of `start(node_config=...)` that the deployment owns."""
+    """ValueError naming the keys of `start(node_config=...)` that the deployment owns, and
+    ConfigError naming every bad value (checked by the config file's own code)."""
     if owned := sorted(OWNED_KEYS & set(extra)):
         raise ValueError(f"node_config may not set {', '.join(owned)}: the Ray deployment "
                          "sets them")
+    parse_config(dict(extra), check_commands=False)
 
 
 def to_toml(config: Mapping[str, Any]) -> str:
