@@ -420,15 +420,20 @@ class FleetClient:
 
     def prepare_for_generation(self, timeout_s: float | None = None) -> FleetResult:
         """Before a rollout phase (after the engines were woken up): deep probes resume on
-        every reachable node. Named as the RL frameworks name this hook."""
-        return self.resume(all=True, timeout_s=timeout_s)
+        every reachable node. Named as the RL frameworks name this hook. A node that does not
+        answer (one that died, before the coordinator's node timeout calls it unreachable) is
+        named in the result's `missing` and a warning, not raised: a rollout loop goes on
+        without it, as a refit does."""
+        return _sparing_silent_nodes(lambda: self.resume(all=True, timeout_s=timeout_s))
 
     def finish_generation(self, deadline_s: float | None = None,
                           timeout_s: float = FINISH_TIMEOUT_S) -> FleetResult:
         """After a rollout phase (before offload or refit): deep probes pause fleet-wide, once
         in-flight probes ended (a probe may take its whole 30 s timeout), so none runs against
-        released memory. They stay paused through refits until prepare_for_generation()."""
-        return self.pause(all=True, deadline_s=deadline_s, timeout_s=timeout_s)
+        released memory. They stay paused through refits until prepare_for_generation().
+        A node that does not answer is named in `missing`, as for prepare_for_generation()."""
+        return _sparing_silent_nodes(
+            lambda: self.pause(all=True, deadline_s=deadline_s, timeout_s=timeout_s))
 
     # ------------------------------------------------------------------ events
 
@@ -472,3 +477,14 @@ class FleetClient:
             f"it lists {router.get('listed')}, the view routes {sorted(want)}, last error "
             f"{router.get('last_error')!r}")
         raise TimeoutError(f"the router was not in sync within {timeout_s:g} s ({seen})")
+
+
+def _sparing_silent_nodes(fan_out: Callable[[], FleetResult]) -> FleetResult:
+    try:
+        return fan_out()
+    except CommandRefused as exc:
+        result = FleetResult.of_silent_nodes(exc)
+        if result is None:
+            raise
+        log.warning("%s (left out of this phase)", exc.reason)
+        return result

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_watchdog.common.errors import RolloutWatchdogError
+from rollout_watchdog.common.errors import CommandRefused, RolloutWatchdogError
+from rollout_watchdog.common.protocol import NODE_ERRORS
 
 # The coordinator's own events about a node; they are not resume points of that node's stream.
 COORDINATOR_BOOT_PREFIX = "coordinator-"   # the boot id of the coordinator's own events
@@ -149,6 +150,15 @@ class FleetResult:
                                             r.get("result"))
                           for n, r in nodes.items() if isinstance(r, dict)},
                    missing=[str(n) for n in missing] if isinstance(missing, list) else [])
+
+    @classmethod
+    def of_silent_nodes(cls, exc: CommandRefused) -> FleetResult | None:
+        """The result of a fan-out refused only because some nodes did not answer (each
+        that did answered "ok"), `missing` naming them; None for any other refusal."""
+        if exc.code != NODE_ERRORS or not exc.missing or any(
+                isinstance(r, dict) and r.get("status") != "ok" for r in exc.replies.values()):
+            return None
+        return cls.from_json("", {"nodes": exc.replies, "missing": exc.missing})
 
 
 @dataclass(frozen=True)
