@@ -22,6 +22,28 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     own_cgroup,
 )
 
+# Run alone (scripts/test.sh: `-m serial` after the `-n 2` pass of the rest): tests that load
+# the whole machine (a Ray cluster, the demos, a flood of connections or descriptors) or that
+# measure a bound another worker's load would blur (a probe in flight, trickling engines).
+SERIAL_MODULES = frozenset({
+    "test_ray_fleet", "test_demo", "test_demo_fleet", "test_examples", "test_bench_smoke",
+    "test_hostile_run", "test_coordinator_hostile", "test_control_hardening",
+    "test_node_link_robust", "test_refit_scale", "test_probe"})
+SERIAL_TESTS = frozenset({
+    "test_fleet_pause_waits_for_the_inflight_probe",
+    "test_pause_is_acknowledged_only_after_the_inflight_probe"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "serial: run alone, not beside another xdist worker")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        if module in SERIAL_MODULES or item.name.split("[")[0] in SERIAL_TESTS:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture
 def coordinator() -> Iterator[Coordinator]:
