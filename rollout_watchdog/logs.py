@@ -28,8 +28,11 @@ _RECORD_ATTRS = frozenset(
 
 
 def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
-    """The ``extra=`` fields of a record, in the order they were given."""
-    return {k: v for k, v in record.__dict__.items() if k not in _RECORD_ATTRS}
+    """The ``extra=`` fields of a record, in the order they were given. Private attributes
+    (a leading underscore) are left out: libraries add their own to every record (Ray's log
+    record factory adds ``_ray_timestamp_ns`` in any process that imported ray)."""
+    return {k: v for k, v in record.__dict__.items()
+            if k not in _RECORD_ATTRS and not k.startswith("_")}
 
 
 class JsonFormatter(logging.Formatter):

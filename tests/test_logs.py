@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,3 +231,26 @@ def test_queued_lines_are_written_before_exit(tmp_path: Path) -> None:
     assert (proc.returncode, proc.stdout) == (0, "0\n")
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert [json.loads(line)["msg"] for line in lines] == [f"line {i}" for i in range(5000)]
+
+
+def test_a_library_s_private_record_attributes_stay_out(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ray's record factory adds `_ray_timestamp_ns` to every record in a process that
+    imported ray (the coordinator actor): not a field of ours, in either format."""
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        record._ray_timestamp_ns = 1   # type: ignore[attr-defined]
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        setup_logging("info", "json")
+        logging.getLogger(LOGGER).info("json", extra={"engine": "e0"})
+        assert json.loads(_lines(capsys)[0]).keys() == {"ts", "level", "logger", "msg", "engine"}
+        setup_logging("info", "text")
+        logging.getLogger(LOGGER).info("text", extra={"engine": "e0"})
+        assert _lines(capsys)[0].endswith(" text engine=e0")
+    finally:
+        logging.setLogRecordFactory(previous)
