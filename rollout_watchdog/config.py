@@ -140,6 +140,9 @@ class NodeConfig:
     engine_log_max_bytes: int = DEFAULT_ENGINE_LOG_MAX_BYTES
     engine_log_backups: int = DEFAULT_ENGINE_LOG_BACKUPS
     containment: str = "auto"
+    # The pid of a process whose end means "stop every engine and exit" (under Ray: the
+    # node's raylet, so that nothing outlives its Ray node). None: no such process.
+    lifeline_pid: int | None = None
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
 
@@ -395,6 +398,18 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
                         restart=engine_restart)
 
 
+def read_engine(table: object, probe: ProbeConfig, restart: RestartConfig, *,
+                check_commands: bool = True) -> EngineConfig:
+    """One `[[engine]]` table (an engine launched at run time), validated by the config
+    file's own rules and merged with the node's `probe`/`restart` defaults; ConfigError with
+    every problem, each naming the field as check-config does."""
+    problems: list[str] = []
+    engine = _read_engine(problems, 0, table, probe, restart, check_commands)
+    if problems or engine is None:
+        raise ConfigError(problems or ["engine #1: unusable"])
+    return engine
+
+
 def _node_id(c: _Checker) -> str:
     """The node id: also the ZMQ routing id towards a coordinator without CURVE (at most 255
     bytes), and the NODE of the fleet's NODE/ENGINE names (so no '/')."""
@@ -445,7 +460,7 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
     c.unknown({"node_id", "coordinator", "key", "coordinator_key", "control", "state_dir",
                "metrics_port", "metrics_host",
                "gpu_check", "engine_log", "engine_log_max_bytes", "engine_log_backups",
-               "containment", "probe", "restart", "engine"})
+               "containment", "lifeline_pid", "probe", "restart", "engine"})
     node_id = _node_id(c)
     coordinator = c.string("coordinator", None)
     if coordinator is not None and (problem := endpoint_problem(coordinator)):
@@ -464,6 +479,7 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
     metrics_host = c.string("metrics_host", "127.0.0.1") or "127.0.0.1"
     gpu_check = c.string("gpu_check", "auto", choices=GPU_CHECKS) or "auto"
     containment = c.string("containment", "auto", choices=CONTAINMENTS) or "auto"
+    lifeline_pid = c.integer("lifeline_pid", None, minimum=1)
     probe = _read_probe(problems, "[probe]: ", data.get("probe", {}), ProbeConfig())
     restart = _read_restart(problems, "[restart]: ", data.get("restart", {}), RestartConfig())
 
@@ -504,7 +520,7 @@ def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeCo
                       metrics_host=metrics_host, gpu_check=gpu_check, engine_log=engine_log,
                       engine_log_max_bytes=engine_log_max_bytes,
                       engine_log_backups=engine_log_backups, containment=containment,
-                      probe=probe, restart=restart)
+                      lifeline_pid=lifeline_pid, probe=probe, restart=restart)
 
 
 def load_config(path: str | Path, *, check_commands: bool = True) -> NodeConfig:

@@ -36,7 +36,8 @@ def fleet_link(daemon: Daemon) -> NodeLink:
                     snapshot=lambda: list(daemon.status()["engines"]),
                     dispatch=dispatcher(supervisor), clock=daemon.clock,
                     engine_status=engine_status, key=config.key,
-                    coordinator_key=config.coordinator_key, metrics=daemon.metrics)
+                    coordinator_key=config.coordinator_key, metrics=daemon.metrics,
+                    metrics_port=config.metrics_port)
     daemon.publisher.subscribe(link.on_event)
     supervisor.status_parts["link"] = link.status
     return link

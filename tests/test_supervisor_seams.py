@@ -174,7 +174,7 @@ def test_a_full_disk_gives_up_the_reserve_for_the_state_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "state.json"
     assert statefile.make_reserve(path)
-    real, calls = statefile._write, []
+    real, calls = statefile.write_json, []
 
     def full_once(target: Path, data: dict[str, Any]) -> None:
         calls.append(target)
@@ -182,10 +182,10 @@ def test_a_full_disk_gives_up_the_reserve_for_the_state_file(
             raise OSError(errno.ENOSPC, "No space left on device")
         real(target, data)
 
-    monkeypatch.setattr(statefile, "_write", full_once)
+    monkeypatch.setattr(statefile, "write_json", full_once)
     assert save_state(path, "n", {"e0": every_field_set()})
     assert not statefile.reserve_path(path).exists() and len(calls) == 2
-    monkeypatch.setattr(statefile, "_write", lambda *_: (_ for _ in ()).throw(
+    monkeypatch.setattr(statefile, "write_json", lambda *_: (_ for _ in ()).throw(
         OSError(errno.ENOSPC, "No space left on device")))
     assert not save_state(path, "n", {})  # no reserve left: reported, not raised
 

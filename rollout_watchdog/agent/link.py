@@ -82,8 +82,9 @@ class NodeLink:
                  heartbeat_s: float = HEARTBEAT_S,
                  heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  silent_redial_s: float = SILENT_REDIAL_S, outbox_limit: int = OUTBOX_LIMIT,
-                 metrics: LinkMetrics | None = None) -> None:
+                 metrics: LinkMetrics | None = None, metrics_port: int | None = None) -> None:
         self.endpoint, self.node_id, self.boot = endpoint, node_id, boot
+        self.metrics_port = metrics_port   # told in every HELLO, for the fleet view
         self._snapshot, self._dispatch, self._clock = snapshot, dispatch, clock
         self._engine_status = engine_status
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
@@ -338,7 +339,8 @@ class NodeLink:
 
     def _hello(self) -> None:
         """The snapshot first, then every event not acknowledged (in order, once)."""
-        self._to_send = [protocol.Hello(self.node_id, self.boot, self._snapshot(), self.seq),
+        self._to_send = [protocol.Hello(self.node_id, self.boot, self._snapshot(), self.seq,
+                                        self.metrics_port),
                          *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
         self._sent_seq = 0
         self._batches = False   # until this connection's coordinator says it takes them

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_watchdog import __version__
-from rollout_watchdog.cli import fleet
+from rollout_watchdog.cli import fleet, runtime
 from rollout_watchdog.cli.client import ControlClient, ControlError
 from rollout_watchdog.cli.render import event_line, result_line, status_table
 from rollout_watchdog.config import ConfigError, load_config
@@ -188,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def control_command(name: str, help_text: str, func: Callable[[argparse.Namespace], int]
-                        ) -> argparse.ArgumentParser:
+    def control_command(name: str, help_text: str, func: Callable[[argparse.Namespace], int],
+                        remote: fleet.FleetCommand | None = None) -> argparse.ArgumentParser:
         # The summary is the docstring's whole first paragraph, which may wrap over lines.
         summary = " ".join(help_text.split("\n\n")[0].split())
         p = sub.add_parser(name, help=summary, description=help_text,
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "$ROLLOUT_WATCHDOG_CONTROL or ipc:///run/rollout-watchdog/control)")
         if name in fleet.FLEET_COMMANDS:  # also on the fleet, through a coordinator
             fleet.add_options(p, where)
-            func = fleet.either(name, func)
+            func = fleet.either(name, func, remote)
         p.add_argument("--timeout", type=_seconds, default=5.0,
                        help="seconds to wait for the answer (default 5)")
         p.set_defaults(func=func)
@@ -251,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", type=int, required=True,
                    help="the engine's main process (its tree is watched and killed)")
 
+    p = control_command("launch", _doc("launch"), runtime.cmd_launch, runtime.fleet_launch)
+    runtime.add_launch_options(p, _seconds)
+    p = control_command("remove", _doc("remove"), runtime.cmd_remove, runtime.fleet_remove)
+    runtime.add_remove_options(p, _seconds)
+
     fleet.add_coordinator_parser(sub, _seconds)
 
     p = sub.add_parser("keygen", help="write a CURVE keypair for the fleet link", description=(
@@ -282,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "emulator":
         args.emulator_argv = rest
-    elif rest:
+    elif args.command == "launch" and (problem := runtime.take_command(args, rest)):
+        parser.error(problem)
+    elif rest and args.command != "launch":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args.func(args))

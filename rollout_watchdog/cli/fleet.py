@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 Command = Callable[[argparse.Namespace], int]
 FleetCommand = Callable[["FleetClient", argparse.Namespace], int]
 EXIT_OK, EXIT_ERROR = 0, 1
-FLEET_COMMANDS = ("status", "events", "pause", "resume", "restart", "stop", "reset")
+FLEET_COMMANDS = ("status", "events", "pause", "resume", "restart", "stop", "reset", "launch",
+                  "remove")
 
 
 def add_options(parser: argparse.ArgumentParser, exclusive: argparse._ActionsContainer) -> None:
@@ -35,11 +36,12 @@ def add_options(parser: argparse.ArgumentParser, exclusive: argparse._ActionsCon
     parser.add_argument("--node", help="with --coordinator: only this node's engines")
 
 
-def either(name: str, local: Command) -> Command:
-    """The command `name`: on the fleet with --coordinator, else `local` (the node daemon)."""
+def either(name: str, local: Command, remote: FleetCommand | None = None) -> Command:
+    """The command `name`: on the fleet with --coordinator (`remote`, default this module's),
+    else `local` (the node daemon)."""
     def run(args: argparse.Namespace) -> int:
         if args.coordinator:
-            return _fleet_call(_FLEET[name], args)
+            return _fleet_call(remote or _FLEET[name], args)
         strays = [o for o, v in (("--node", args.node), ("--key", args.key),
                                  ("--coordinator-key", args.coordinator_key)) if v]
         if strays:

@@ -34,7 +34,8 @@ def status_table(status: dict[str, Any], now: float | None = None) -> str:
         failure_text = (f"{failure['cause']}: {failure['detail']} ({_ago(failure['ts'], now)})"
                         if failure else "-")
         probes = "paused" if e["paused"] else "active" if e["pid"] else "-"
-        name = e["id"] + (" (ext)" if e.get("external") else "")
+        name = e["id"] + (" (ext)" if e.get("external") else "") + (
+            " (launched)" if e.get("origin") == "launched" else "")
         rows.append((name, state, probes,
                      str(e["pid"] or "-"), str(e["incarnation"]), str(e["restarts"]),
                      _ago(e.get("since"), now), *((_weights(e),) if fleet else ()),

@@ -21,7 +21,8 @@ Sequence numbers count from 1 within one boot of a node daemon; 0 means "none ye
 Kinds (direction; fields, "?" = optional, may be null or absent):
     hello      node -> coordinator, on every (re)connect: node_id, boot (the node daemon's boot
                id), engines (the list `status --json` prints, each an object with a string
-               "id"), last_seq (the highest seq issued in this boot, >= 0).
+               "id"), last_seq (the highest seq issued in this boot, >= 0), metrics_port?
+               (the port the node serves its Prometheus metrics on; shown in the fleet view).
     event      node -> coordinator -> client: node_id, boot, seq (>= 1), event (the object
                `events --json` prints), engine_status? (the engine's object of `status --json`
                right after the event, so the fleet view needs no snapshot to stay exact). A
@@ -211,9 +212,12 @@ class Hello(_Message):
     boot: str
     engines: list[dict[str, Any]]
     last_seq: int
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_str(self.KIND, "node_id", self.node_id)
+        if self.metrics_port is not None:
+            _check_int(self.KIND, "metrics_port", self.metrics_port, 1)
         _check_str(self.KIND, "boot", self.boot)
         if not isinstance(self.engines, list):
             raise _fail(self.KIND, "engines", "a list", self.engines)

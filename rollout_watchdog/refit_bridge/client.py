@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable
 from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.common.lograte import DropCount
+from rollout_watchdog.common.spec import EngineSpec
 from rollout_watchdog.refit_bridge.stream import SILENCE_S, EventStream
 from rollout_watchdog.refit_bridge.views import (
     EngineView,
@@ -386,6 +387,25 @@ class FleetClient:
               timeout_s: float | None = None) -> FleetResult:
         """Clear the engine's restart budget; a failed engine is relaunched."""
         return self.command("reset", target, node=node, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ engines at run time
+
+    def launch(self, node_id: str, spec: EngineSpec | Mapping[str, Any],
+               wait_s: float | None = None, timeout_s: float | None = None) -> EngineView:
+        """Launch an engine on node `node_id` (its daemon supervises it like a configured one,
+        and keeps it across its own restarts until `remove`); its view. With `wait_s`, returns
+        once it is healthy, else TimeoutError. A refusal (a spec error naming the field, an
+        id, port or GPU another engine of the node holds) raises CommandRefused."""
+        from rollout_watchdog.refit_bridge.launching import launch_engine
+        return launch_engine(self, node_id, spec, wait_s, timeout_s)
+
+    def remove(self, target: str, *, node: str | None = None, wait_s: float | None = None,
+               timeout_s: float | None = None) -> FleetResult:
+        """Stop a launched engine, NODE/ENGINE (its whole tree), and forget it. With `wait_s`,
+        returns once it is gone (CommandRefused if it is not within `wait_s`). A configured
+        or registered engine is refused (CommandRefused)."""
+        from rollout_watchdog.refit_bridge.launching import remove_engine
+        return remove_engine(self, target, node, wait_s, timeout_s)
 
     # ------------------------------------------------------------------ refits
 

@@ -36,6 +36,8 @@ from rollout_watchdog.refit_bridge.router_sync import VERIFY_S, RouterSync
 from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 
 log = logging.getLogger(__name__)
+# Node commands that name one node: never fanned out to every node (an engine launched on all).
+ONE_NODE = ("launch",)
 
 
 class Coordinator:
@@ -184,6 +186,10 @@ class Coordinator:
             last = time.strftime("%H:%M:%S", time.localtime(self.view.nodes[cmd.node].last_seen))
             self.reply(client, queries.error(cmd, f"node {cmd.node!r} is unreachable (last seen "
                                             f"{last})", protocol.NODE_UNREACHABLE))
+            return
+        if cmd.node is None and cmd.cmd in ONE_NODE:
+            self.reply(client, queries.error(cmd, f"{cmd.cmd} goes to one node: name it "
+                                             "('node')", protocol.BAD_ARGS))
             return
         targets = [cmd.node] if cmd.node is not None else self.view.reachable()
         self.gather(client, _with_wait(cmd), targets, now)

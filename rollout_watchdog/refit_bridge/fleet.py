@@ -37,6 +37,7 @@ class NodeRecord:
     reachable: bool = True
     received_seq: int = 0             # highest event seq of `boot` received
     snapshot_seq: int = 0             # the HELLO's last_seq: older events are in its snapshot
+    metrics_port: int | None = None   # the HELLO's: where the node serves its metrics
     old_boots: deque[str] = field(default_factory=lambda: deque(maxlen=OLD_BOOTS_KEPT))
 
 
@@ -74,7 +75,8 @@ class FleetView:
             boot, seq = self.journaled.pop(msg.node_id, (msg.boot, 0))
             self.nodes[msg.node_id] = NodeRecord(msg.node_id, msg.boot, engines, now, wall,
                                                  received_seq=seq if boot == msg.boot else 0,
-                                                 snapshot_seq=msg.last_seq)
+                                                 snapshot_seq=msg.last_seq,
+                                                 metrics_port=msg.metrics_port)
             return [node_event(msg.node_id, "node_reachable", f"hello, boot {msg.boot}", wall)]
         if msg.boot in record.old_boots:
             # Two daemons claim one node id (or someone posed as it without CURVE). The
@@ -89,6 +91,7 @@ class FleetView:
             record.boot, record.received_seq = msg.boot, 0
         record.engines = engines
         record.snapshot_seq = msg.last_seq
+        record.metrics_port = msg.metrics_port
         return self._heard(record, now, wall, f"hello, boot {msg.boot}")
 
     def event(self, msg: protocol.Event, peer: str, now: float, wall: float
@@ -185,6 +188,7 @@ class FleetView:
         for record in records:
             entry = {"node_id": record.node_id, "reachable": record.reachable,
                      "last_seen": record.last_seen, "boot": record.boot,
+                     "metrics_port": record.metrics_port,
                      "engines": [engine_view(e, record.reachable)
                                  for e in record.engines.values()]}
             size += len(json.dumps(entry, separators=(",", ":")))

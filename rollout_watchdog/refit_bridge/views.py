@@ -57,6 +57,10 @@ class EngineView:
     group: str | None
     """The multi-node engine it is a part of (its config's `group`), whose parts are restarted
     together; None for an engine of one node."""
+    origin: str = "config"
+    """Where it came from: `"config"` (the node's config file), `"launched"` (`launch`, at
+    run time) or `"registered"` (someone else's process, `register`). A node that predates
+    the field is read as "config" ("registered" for its external engines)."""
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     """The JSON object this view was made from (fields a newer coordinator adds are kept)."""
 
@@ -76,7 +80,9 @@ class EngineView:
                    reachable=bool(obj.get("reachable", reachable)),
                    restarts=_opt_int(obj.get("restarts")) or 0,
                    last_failure=failure if isinstance(failure, dict) else None,
-                   group=_opt_str(obj.get("group")), raw=obj)
+                   group=_opt_str(obj.get("group")),
+                   origin=_opt_str(obj.get("origin"))
+                   or ("registered" if obj.get("external") is True else "config"), raw=obj)
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class NodeView:
     last_seen: float | None
     boot: str | None
     engines: list[EngineView]
+    metrics_port: int | None = None   # where the node serves its Prometheus metrics
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> NodeView:
@@ -99,7 +106,9 @@ class NodeView:
                    boot=_opt_str(obj.get("boot")),
                    engines=[EngineView.from_json(node_id, reachable, e)
                             for e in (engines if isinstance(engines, list) else [])
-                            if isinstance(e, dict)])
+                            if isinstance(e, dict)],
+                   metrics_port=port if isinstance(port := obj.get("metrics_port"), int)
+                   and not isinstance(port, bool) else None)
 
 
 def nodes_of(status: object) -> list[NodeView]:

@@ -32,8 +32,9 @@ from rollout_watchdog.common.events import EventLog
 from rollout_watchdog.common.replies import CommandError, Deferred
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.common.validate import check_engine_id, shown
-from rollout_watchdog.config import EngineConfig, url_port
+from rollout_watchdog.config import EngineConfig, NodeConfig, url_port
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
+from rollout_watchdog.watchdog.launched import LaunchedSpecs
 from rollout_watchdog.watchdog.process import ProcessOps
 from rollout_watchdog.watchdog.timers import PROBE_SLACK_S
 
@@ -42,7 +43,7 @@ MAX_EVENTS_WAIT_S = 30.0
 DEFAULT_PAUSE_S = 600.0
 MAX_PAUSE_S = 86400.0
 # Commands that would bring an engine (back) up: refused while the daemon is stopping.
-REFUSED_WHILE_STOPPING = frozenset({"restart", "reset", "register"})
+REFUSED_WHILE_STOPPING = frozenset({"restart", "reset", "register", "launch", "remove"})
 
 
 class Node(Protocol):
@@ -56,8 +57,12 @@ class Node(Protocol):
     dirty: bool
     clock: Clock
     ops: ProcessOps
+    config: NodeConfig
+    launched: LaunchedSpecs
 
     def status(self) -> dict[str, Any]: ...
+    def engine_status(self, engine: EngineRuntime) -> dict[str, Any]: ...
+    def launch_when_released(self, engine: EngineRuntime, cause: Cause, detail: str) -> None: ...
     def emit(self, engine: EngineRuntime | None, kind: str, **fields: Any) -> None: ...
     def transition(self, engine: EngineRuntime, new: EngineState, cause: Cause,
                    detail: str, **extra: Any) -> None: ...
@@ -434,3 +439,7 @@ def unregister(node: Node, args: dict[str, Any]) -> dict[str, Any]:
 def ping(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Check that the daemon answers. args: {}. result: {"node_id", "boot_id"}"""
     return {"node_id": node.node_id, "boot_id": node.boot_id}
+
+
+# `launch` and `remove` (engines added at run time) live in their own module, in this table.
+from rollout_watchdog.watchdog import runtime_engines  # noqa: E402,F401

@@ -31,7 +31,7 @@ from rollout_watchdog.common.limits import raise_nofile_limit
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.logs import dropped_log_lines
-from rollout_watchdog.watchdog import adoption, timers
+from rollout_watchdog.watchdog import adoption, launched, timers
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, probe_delegated_root
 from rollout_watchdog.watchdog.containment import (
     marker_prefix,
@@ -43,7 +43,7 @@ from rollout_watchdog.watchdog.enginelog import LogRotator, engine_log_path
 from rollout_watchdog.watchdog.gpu import GpuInspector, make_inspector
 from rollout_watchdog.watchdog.metrics import Metrics
 from rollout_watchdog.watchdog.probe import ProbeRunner
-from rollout_watchdog.watchdog.process import ProcessOps
+from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, is_alive, proc_key
 from rollout_watchdog.watchdog.publish import Publisher, log_event, metrics_subscriber
 from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
 from rollout_watchdog.watchdog.statefile import load_state, make_reserve, save_state
@@ -115,6 +115,7 @@ class Daemon:
         self._last_summary = ""
         self._sig_r, self._sig_w = os.pipe()
         self._lock_fd: int | None = None
+        self._lifeline: ProcKey | None = None   # config.lifeline_pid, pinned by its start time
         self.log_rotator = LogRotator(
             [engine_log_path(self.state_dir, e.id) for e in config.engines],
             config.engine_log_max_bytes, config.engine_log_backups)
@@ -148,12 +149,17 @@ class Daemon:
         return DETACH_EXIT_CODE if self.shutdown_requested == "detach" else 0
 
     def adopt_or_launch(self) -> None:
-        """Adopt what the state file records, launch the rest."""
+        """Adopt what the state file records, launch the rest (the `launch`ed engines
+        included)."""
+        launched.restore(self.supervisor.launched, self.config, self.engines)
         adoption.adopt_or_launch(self.supervisor, load_state(self.state_path))
 
     def setup(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock_state_dir()
+        if self.config.lifeline_pid is not None:
+            self._lifeline = proc_key(self.config.lifeline_pid)
+            self._check_lifeline()
         self._contain()
         if not make_reserve(self.state_path):
             log.warning("cannot set disk aside for the state file in %s", self.state_dir)
@@ -336,15 +342,27 @@ class Daemon:
         """One scan of the process table serves every engine: trees refreshed, escaped
         processes taken back or killed, leftover cgroups cleaned."""
         sup = self.supervisor
+        self._check_lifeline()
         table = self.ops.process_table()
         if self.tracker.sweep([e for e in self.engines.values() if e.state.running], table):
             sup.dirty = True
         if sup.take_in_escapees(table):
             sup.dirty = True
         sup.clean_cgroups()
+        self.log_rotator.paths = [engine_log_path(self.state_dir, e) for e in self.engines]
         self.log_rotator.check()
         self.metrics.set_log_lines_dropped(dropped_log_lines())
         self.metrics.set_event_log_write_errors(self.events.write_errors)
+
+    def _check_lifeline(self) -> None:
+        """`lifeline_pid` gone (a zombie counts as gone, as a reused pid does): stop every
+        engine and exit, as on SIGTERM. Under Ray it is the raylet: nothing outlives its node."""
+        if self.config.lifeline_pid is None or self.shutdown_requested:
+            return
+        if self._lifeline is None or not is_alive(self._lifeline):
+            log.warning("lifeline process %d is gone: stopping every engine",
+                        self.config.lifeline_pid)
+            self.shutdown_requested = "stop"
 
     def _reap(self) -> None:
         """Reap the orphans that re-parented to the daemon (its subreaper duty), but not the

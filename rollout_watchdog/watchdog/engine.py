@@ -66,6 +66,7 @@ class Failure:
 class EngineRuntime:
     cfg: EngineConfig
     external: bool = False
+    launched: bool = False      # by the `launch` command (its spec kept in launched.json)
     state: EngineState = EngineState.STOPPED
     state_since: float = field(default_factory=time.time)
     incarnation: int = 0
@@ -105,6 +106,12 @@ class EngineRuntime:
     @property
     def id(self) -> str:
         return self.cfg.id
+
+    @property
+    def origin(self) -> str:
+        """Where the engine came from: "config", "launched" (at run time) or "registered"
+        (someone else's process)."""
+        return "registered" if self.external else "launched" if self.launched else "config"
 
     @property
     def probing(self) -> bool:

@@ -200,7 +200,7 @@ def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
             "engines": {i: r.to_json() for i, r in engines.items()},
             "incarnations": dict(incarnations or {})}
     try:
-        _write(path, data)
+        write_json(path, data)
         return True
     except OSError as exc:
         error = exc
@@ -210,7 +210,7 @@ def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
         log.error("the disk under %s is full: the state file takes the reserved space; free "
                   "some disk", path.parent)
         try:
-            _write(path, data)
+            write_json(path, data)
             return True
         except OSError as exc:
             error = exc
@@ -219,7 +219,8 @@ def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
     return False
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON to `path` atomically (a temp file, then rename), mode 0600."""
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

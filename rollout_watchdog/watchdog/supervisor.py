@@ -27,9 +27,11 @@ from rollout_watchdog.watchdog import kill, policy
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, mode_of
 from rollout_watchdog.watchdog.containment import marker_value, parse_marker, with_marker
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
+from rollout_watchdog.watchdog.engine_env import engine_environment
 from rollout_watchdog.watchdog.enginelog import open_engine_output
 from rollout_watchdog.watchdog.gpu import GpuInspector
 from rollout_watchdog.watchdog.incarnations import Incarnations
+from rollout_watchdog.watchdog.launched import LAUNCHED_FILE, LaunchedSpecs
 from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, describe_exit
@@ -40,8 +42,6 @@ from rollout_watchdog.watchdog.tracker import ProcessTracker
 
 log = logging.getLogger("rollout_watchdog.watchdog")
 S = EngineState
-# The daemon's own systemd handshake; an engine that inherited it could pose as the daemon.
-SYSTEMD_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # Timers one engine may fire in one tick; each firing changes what is due, so this is a bound
 # against a bug, never reached in practice.
 MAX_TIMERS_PER_TICK = 16
@@ -76,6 +76,7 @@ class Supervisor:
         self.status_parts: dict[str, Callable[[], Any]] = {}
         # The incarnations handed out per engine id, kept in the state file, never forgotten
         self.incarnations = Incarnations()
+        self.launched = LaunchedSpecs(self.state_dir / LAUNCHED_FILE)   # `launch`ed engines
         self.kernel_boot = kernel_boot_id()[:8]
         self._probe_ids = 0
         self._escapees_killed: set[ProcKey] = set()
@@ -185,10 +186,7 @@ class Supervisor:
     def _start_process(self, engine: EngineRuntime) -> subprocess.Popen[bytes]:
         """The engine's process: its environment carries the incarnation's marker, it starts
         in its own cgroup where one is delegated, and its output goes to the engine log."""
-        env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ONLY_ENV}
-        if engine.cfg.gpus and "CUDA_VISIBLE_DEVICES" not in engine.cfg.env:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.cfg.gpus)
-        env.update(engine.cfg.env)
+        env = engine_environment(os.environ, engine.cfg)
         engine.marker = marker_value(self.marker_node, engine.id, engine.incarnation,
                                      self.boot_id[:12])
         env = with_marker(env, engine.marker)
@@ -451,7 +449,8 @@ class Supervisor:
                 self.transition(engine, S.STOPPED, job.cause,
                                 f"{job.detail}; {describe_exit(engine.returncode)}")
             if not engine.cfg.command and not engine.external:  # removed from the config
-                self.forget(engine, "removed", "stopped, and no longer in the config")
+                self.forget(engine, "removed", "stopped, and " + (
+                    "forgotten" if engine.launched else "no longer in the config"))
         elif job.after == AfterKill.RESTART:
             self.launch(engine, job.cause)
         elif engine.external:
@@ -535,7 +534,7 @@ class Supervisor:
             "next_launch": next_launch,
             "pause_deadline": e.paused.deadline if e.paused else None,
             "gpus": list(e.cfg.gpus), "ports": list(e.cfg.ports),
-            "group": e.cfg.group, "tp_size": e.cfg.tp_size,
+            "group": e.cfg.group, "tp_size": e.cfg.tp_size, "origin": e.origin,
             "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
             if e.kill else None,
         }

@@ -1,0 +1,279 @@
+"""The two Ray actors of a fleet: the coordinator, and one node watchdog per Ray node.
+
+`CoordinatorActor` embeds the `Coordinator` (a thread of its own in the actor) and keeps a
+watchdog actor on every alive Ray node: at `start`, then every `watch_s` from a thread, so a
+node that joins later gets its own within seconds. With CURVE it holds the keys: its own
+keypair, the clients' keypair (handed out with `info`), and `authorized/`, where each node
+watchdog registers its node's public key.
+
+`NodeWatchdog` runs its node's daemon (`rollout-watchdog run`) as a process apart
+(`daemon_process`): the actor is not the engines' lifeline. A restarted actor keeps the running
+daemon, and replaces one that died (the new one adopts the engines from the state dir).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rollout_watchdog.common.keys import keygen, load_keypair, load_public
+from rollout_watchdog.common.validate import check_engine_id
+from rollout_watchdog.ray import daemon_process
+from rollout_watchdog.ray.layout import NodeLayout, free_port, node_config, tcp_endpoint, to_toml
+from rollout_watchdog.ray.runtime import alive_nodes, node_ip, ray_dirs, remote
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
+from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key, read_stat
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+COORDINATOR = "coordinator"
+NODE_PREFIX = "node-"
+CLIENT_KEY = "ray-client"
+COORDINATOR_PUBLIC = "coordinator.key"
+
+
+def node_actor_name(node_id: str) -> str:
+    return f"{NODE_PREFIX}{node_id}"
+
+
+def _roots(settings: dict[str, Any]) -> tuple[Path, Path]:
+    """(state root, log root) of this node: `start`'s, else the Ray session's."""
+    session, logs = ray_dirs()
+    state = Path(settings["state_dir"]) if settings["state_dir"] else session / "rollout_watchdog"
+    return state, Path(settings["log_dir"]) if settings["log_dir"] else logs
+
+
+@contextlib.contextmanager
+def _flocked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    tmp.replace(path)
+
+
+class CoordinatorActor:
+    """The fleet's coordinator as a detached named actor (see the module docstring)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.namespace: str = settings["namespace"]
+        state_root, _ = _roots(settings)
+        self.dir = state_root / self.namespace / "coordinator"
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.host = node_ip()
+        port_file = self.dir / "port"   # a restarted actor binds the same port: nodes redial it
+        port = int(port_file.read_text()) if port_file.exists() else free_port(self.host)
+        self.keys = self._keys() if settings["curve"] else None
+        self.coordinator = Coordinator(
+            bind=tcp_endpoint(self.host, port), keys=str(self.keys) if self.keys else None,
+            insecure=self.keys is None, router_url=settings["router_url"],
+            state_dir=str(self.dir / "state"), **settings["coordinator_options"])
+        self.coordinator.start()
+        _write_atomic(port_file, str(port))
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="rw-ray-nodes", daemon=True)
+        self._watcher.start()
+
+    def _keys(self) -> Path:
+        """The keys dir: the coordinator's and the clients' keypairs, `authorized/`."""
+        keys = Path(self.settings["keys"]) if self.settings["keys"] else self.dir / "keys"
+        for name in (COORDINATOR, CLIENT_KEY):
+            if not (keys / f"{name}.key_secret").exists():
+                keygen(keys, name)
+        authorized = keys / "authorized"
+        authorized.mkdir(mode=0o700, exist_ok=True)
+        _write_atomic(authorized / f"{CLIENT_KEY}.key", (keys / f"{CLIENT_KEY}.key").read_text())
+        return keys
+
+    def info(self) -> dict[str, Any]:
+        """What a client needs: the endpoint, and with CURVE the keys (z85 text)."""
+        keys = None
+        if self.keys is not None:
+            public, secret = load_keypair(self.keys / f"{CLIENT_KEY}.key_secret")
+            server = load_public(self.keys / f"{COORDINATOR}.key")
+            keys = [public.decode(), secret.decode(), server.decode()]
+        return {"endpoint": self.coordinator.endpoint, "keys": keys,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def authorize(self, node_id: str, public_key: str) -> str | None:
+        """Let node `node_id` in with this public key (a NAME.key file's text); the
+        coordinator's public key file text for its config (None without CURVE)."""
+        if self.keys is None:
+            return None
+        if (problem := check_engine_id(node_id)) is not None:
+            raise ValueError(f"node id: {problem}")
+        path = self.keys / "authorized" / f"{node_id}.key"
+        _write_atomic(path, public_key)
+        load_public(path)   # ValueError if it is not a key
+        self.coordinator.reload_keys()
+        return (self.keys / f"{COORDINATOR}.key").read_text()
+
+    def ensure_nodes(self) -> list[str]:
+        """A watchdog actor on every alive Ray node (get it by name, else create it: Ray's
+        `get_if_exists` settles a race of two creators); the names of those actors."""
+        names = []
+        node_settings = {**self.settings, "coordinator": self.coordinator.endpoint}
+        for node in alive_nodes():
+            name = node_actor_name(node["NodeID"])
+            names.append(name)
+            with contextlib.suppress(ValueError):   # alive here, gone a moment later
+                remote(NodeWatchdog).options(
+                    name=name, namespace=self.namespace, get_if_exists=True,
+                    lifetime="detached", num_cpus=0, num_gpus=0, max_restarts=-1,
+                    max_concurrency=4,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"],
+                                                                       soft=False),
+                ).remote(node_settings)
+        return names
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.settings["watch_s"]):
+            try:
+                self.ensure_nodes()
+            except Exception:   # the GCS unreachable for a moment: the next round retries
+                log.exception("cannot list the Ray nodes")
+
+    def stop_watching(self) -> None:
+        """No more watchdogs (`shutdown`, before it stops them)."""
+        self._stop.set()
+        self._watcher.join(timeout=self.settings["watch_s"] + 30)
+
+    def stop(self) -> None:
+        self.stop_watching()
+        self.coordinator.stop()
+
+
+class NodeWatchdog:
+    """One Ray node's watchdog actor (see the module docstring)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.settings = settings
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.host = node_ip()
+        state_root, log_root = _roots(settings)
+        self.layout = NodeLayout.of(self.node_id, state_root, log_root, settings["namespace"])
+        self.layout.prepare()
+        # The worker's parent is its raylet (measured, docs/ray.md): the daemon's lifeline.
+        self.raylet = os.getppid()
+        stat = read_stat(self.raylet)
+        if stat is None or stat.comm != "raylet":
+            log.warning("the parent %d of this Ray worker is %r, not the raylet: the node "
+                        "daemon will stop when it ends", self.raylet, stat and stat.comm)
+        self.daemon: ProcKey | None = None
+        self.metrics_port: int | None = None
+        self.kept = False           # the daemon was running already when this actor began
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.ensure_daemon()
+        self._watcher = threading.Thread(target=self._watch, name="rw-ray-daemon", daemon=True)
+        self._watcher.start()
+
+    def _curve(self) -> tuple[str | None, str | None]:
+        """This node's keypair (made once) registered with the coordinator; the key paths
+        for the node config, or (None, None) without CURVE."""
+        if not self.settings["curve"]:
+            return None, None
+        keys = self.layout.keys_dir
+        secret = keys / f"{self.node_id}.key_secret"
+        if not secret.exists():
+            keygen(keys, self.node_id)
+        coordinator = ray.get_actor(COORDINATOR, namespace=self.settings["namespace"])
+        server = ray.get(coordinator.authorize.remote(
+            self.node_id, (keys / f"{self.node_id}.key").read_text()),
+            timeout=self.settings["timeout_s"])
+        _write_atomic(keys / COORDINATOR_PUBLIC, server)
+        return str(secret), str(keys / COORDINATOR_PUBLIC)
+
+    def ensure_daemon(self) -> None:
+        """Keep the node's running daemon, else start one; never two (the spawn lock, and
+        the daemon's own lock on its state dir)."""
+        layout, timeout = self.layout, self.settings["timeout_s"]
+        with self._lock, _flocked(layout.spawn_lock):
+            key, coordinator_key = self._curve()
+            if (running := self._running(timeout)) is not None:
+                self.daemon, self.kept = running, self.daemon is None
+                config = tomllib.loads(layout.config_path.read_text())
+                self.metrics_port = config.get("metrics_port")
+                return
+            self.metrics_port = free_port(self.host)
+            config = node_config(layout, coordinator=self.settings["coordinator"],
+                                 metrics_host=self.host, metrics_port=self.metrics_port,
+                                 lifeline_pid=self.raylet, key=key,
+                                 coordinator_key=coordinator_key,
+                                 extra=self.settings["node_config"])
+            _write_atomic(layout.config_path, to_toml(config), 0o600)
+            started = daemon_process.spawn_detached(
+                daemon_process.daemon_argv(layout.config_path),
+                daemon_process.daemon_environment(os.environ), layout.daemon_log)
+            deadline = time.monotonic() + timeout
+            while not daemon_process.ping(layout.control, self.node_id, 1.0):
+                if not is_alive(started) or time.monotonic() > deadline:
+                    raise RuntimeError(f"the node daemon did not come up; see "
+                                       f"{layout.daemon_log}")
+                time.sleep(0.1)
+            log.info("node daemon %d started on node %s", started.pid, self.node_id)
+            self.daemon = started
+
+    def _running(self, timeout_s: float) -> ProcKey | None:
+        """The node's daemon if one runs: it holds its state dir's lock, and answers (a
+        daemon still starting is waited for)."""
+        deadline = time.monotonic() + timeout_s
+        lock = self.layout.state_dir / "daemon.lock"
+        while (pid := daemon_process.held_lock_pid(lock)) is not None:
+            if pid and daemon_process.ping(self.layout.control, self.node_id, 1.0):
+                return proc_key(pid)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node daemon {pid} holds {self.layout.state_dir} but "
+                                   f"does not answer on {self.layout.control}")
+            time.sleep(0.1)
+        return None
+
+    def _watch(self) -> None:
+        """Replace a daemon that died (it adopts the engines)."""
+        while not self._stop.wait(self.settings["daemon_check_s"]):
+            if self.daemon is None or is_alive(self.daemon):
+                continue
+            log.warning("node daemon %d is gone: starting another", self.daemon.pid)
+            try:
+                self.ensure_daemon()
+            except Exception:
+                log.exception("cannot start the node daemon; trying again")
+
+    def info(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "daemon_pid": self.daemon.pid if self.daemon else None,
+                "kept": self.kept, "metrics_port": self.metrics_port,
+                "control": self.layout.control, "state_dir": str(self.layout.state_dir),
+                "log_dir": str(self.layout.log_dir), "raylet_pid": self.raylet,
+                "actor_pid": os.getpid()}
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop the daemon (its engines first) and watch no more; whether it ended in time."""
+        self._stop.set()
+        self._watcher.join(timeout=self.settings["daemon_check_s"] + timeout_s)
+        with self._lock:
+            daemon, self.daemon = self.daemon, None
+        return daemon is None or daemon_process.stop(daemon, timeout_s)

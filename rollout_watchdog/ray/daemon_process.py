@@ -1,0 +1,129 @@
+"""The node daemon as a process apart from its Ray actor (no ray import).
+
+Ray kills the direct children of a worker that ends (`ray.kill`, a crash), even ones in a
+session of their own (docs/ray.md, measured). So the daemon is double-forked: a launcher in a
+new session forks the daemon and exits at once, and the daemon, reparented away from the
+actor, outlives it. The actor keeps the daemon's identity (pid and start time) and finds a
+running one again through its state dir's lock and its control socket.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rollout_watchdog.cli.client import ControlClient, ControlError
+from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key
+
+log = logging.getLogger(__name__)
+# What Ray sets for a worker that holds no accelerator ("" for CUDA: vllm#3198). The daemon
+# holds none either: an engine gets exactly the GPUs of its spec, never these.
+RAY_VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                       "NEURON_RT_VISIBLE_CORES", "TPU_VISIBLE_CHIPS",
+                       "ASCEND_RT_VISIBLE_DEVICES")
+LAUNCH_TIMEOUT_S = 30.0
+POLL_S = 0.05
+
+# The launcher: forks the daemon with its output on the log file, prints its pid, and exits,
+# so that the daemon is nobody's child in the actor's tree.
+_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid:
+    sys.stdout.write(str(pid))
+    sys.stdout.flush()
+    os._exit(0)
+log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+os.dup2(log, 1)
+os.dup2(log, 2)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def daemon_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The daemon's environment: the worker's, without Ray's accelerator visibility."""
+    return {k: v for k, v in environ.items() if k not in RAY_VISIBILITY_VARS}
+
+
+def daemon_argv(config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "rollout_watchdog", "run", "--config", str(config_path)]
+
+
+def spawn_detached(argv: Sequence[str], env: Mapping[str, str], log_path: Path,
+                   timeout_s: float = LAUNCH_TIMEOUT_S) -> ProcKey:
+    """Start `argv` double-forked in a new session, its output appended to `log_path`; its
+    identity. RuntimeError naming the cause if it could not be started."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _LAUNCHER, str(log_path), *argv],
+                              env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                              start_new_session=True, check=True,
+                              timeout=timeout_s)
+        pid = int(done.stdout)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"cannot start {argv[0]}: {exc}") from exc
+    key = proc_key(pid)
+    if key is None:
+        raise RuntimeError(f"{' '.join(argv)} exited at once: see {log_path}")
+    return key
+
+
+def held_lock_pid(lock_path: Path) -> int | None:
+    """The pid written in a daemon's state-dir lock while a daemon holds it, else None."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else 0
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def ping(control: str, node_id: str, timeout_s: float) -> bool:
+    """The daemon of `node_id` answers on `control`."""
+    try:
+        answer = ControlClient(control, timeout_s).call("ping")
+    except ControlError:
+        return False
+    return isinstance(answer, dict) and answer.get("node_id") == node_id
+
+
+def wait_gone(key: ProcKey, timeout_s: float) -> bool:
+    """Whether the process ended (a zombie counts) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while is_alive(key):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def stop(key: ProcKey, timeout_s: float) -> bool:
+    """SIGTERM the daemon (it stops its engines, whole trees, and exits); whether it ended in
+    time. SIGKILL after the bound: the caller names what may be left."""
+    try:
+        os.kill(key.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    if wait_gone(key, timeout_s):
+        return True
+    log.error("node daemon %d did not stop within %.0f s: killed (its engines may be left)",
+              key.pid, timeout_s)
+    if is_alive(key):
+        os.kill(key.pid, signal.SIGKILL)
+    return False
