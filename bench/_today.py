@@ -37,6 +37,7 @@ from typing import Any
 import ray
 import torch.distributed as dist
 from hang_detection import SequentialMonitor
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_grpo import Learner, free_port, generate_one
 
@@ -179,6 +180,7 @@ class EnginePool:
             if slot.actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(slot.actor)
+        remove_placement_group(self.pg)
 
 
 class RayMonitor(SequentialMonitor):

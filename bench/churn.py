@@ -41,7 +41,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import MARKER_ENV, REPO, bench_main, goal, kill_marked, parse_args, summary
+from _common import (
+    MARKER_ENV,
+    REPO,
+    bench_main,
+    goal,
+    kill_marked,
+    marked,
+    parse_args,
+    summary,
+)
 
 sys.path.insert(0, str(REPO / "examples"))
 # Ray's workers import this benchmark's modules by name (the actor classes pickled by value
@@ -123,19 +132,27 @@ class Side:
     clean_s: float = 0.0
     churn_s: float = 0.0
     deaths: list[tuple[float, str]] = field(default_factory=list)
+    skipped: int = 0   # steps not run: --side-limit reached
+    orphans: int | None = None   # engine processes left running by dead engines
     after: list[tuple[int, float, int]] = field(default_factory=list)
 
     def recoveries(self) -> list[tuple[int, float] | None]:
         """For each death: (steps, seconds) until every engine served the current weights
-        again, counted from the step it happened in (1: the next step was full); None: never."""
+        again, in refits after the step it happened in (0: that step's own refit had it back,
+        1: the next step's); None: never. A death in the last step is not counted when it
+        was not back at its end (nothing came after to show it)."""
         out: list[tuple[int, float] | None] = []
+        last = self.after[-1][0] if self.after else None
         for at, _name in self.deaths:
             during = next((s for s, end, _ in self.after if end >= at), None)
             if during is None:
                 continue   # after the last step
             back = next(((s, end) for s, end, n in self.after
                          if s >= during and end >= at and n == self.engines), None)
-            out.append(None if back is None else (back[0] - during + 1, back[1] - at))
+            if back is not None:
+                out.append((back[0] - during, back[1] - at))
+            elif during != last:
+                out.append(None)
         return out
 
 
@@ -180,16 +197,22 @@ def run_today(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
                                current(list(pool.urls().values()), str(step))))
 
         def run(steps: range, tally: Tally) -> None:
+            deadline = time.monotonic() + args.side_limit
             for step in steps:
+                if time.monotonic() > deadline:
+                    say(f"today's: --side-limit {args.side_limit:g} s reached; steps "
+                        f"{step}-{steps.stop - 1} not run")
+                    side.skipped += steps.stop - step
+                    return
                 today_step(step, pool, monitor, trainer, lock, tally)
                 after(step)
         phases(side, args, pool.pids, run)
     finally:
         monitor.stop_event.set()
+        live = set(pool.pids().values())
+        side.orphans = sum(p.pid not in live and p.ppid() not in live for p in marked(token))
         pool.shutdown()
-        left = kill_marked(token)
-        if left:
-            say(f"today's: {left} engine process(es) left behind by the kills through Ray")
+        kill_marked(token)
     return side
 
 
@@ -218,7 +241,7 @@ def today_step(step: int, pool: EnginePool, monitor: RayMonitor, trainer: Any, l
     except Exception as exc:   # noqa: BLE001 - a failed step is counted, and the run goes on
         tally.failed_steps += 1
         say(f"today's step {step} FAILED after {time.monotonic() - started:.1f} s: "
-            f"{str(exc)[:300]}")
+            f"{str(exc).strip().splitlines()[-1][:400]}")
         return
     tally.steps += 1
     tally.rollouts += len(rollouts)
@@ -275,15 +298,20 @@ def report(side: Side) -> bool:
                     if clean.step_s and churned.step_s else float("inf"))
     print(f"  goodput: {base:.2f} s a completed step fault-free, {mean:.2f} s under churn "
           f"({ratio:.2f}x; medians {median_ratio:.2f}x)")
+    if side.skipped:
+        print(f"  {side.skipped} step(s) not run: --side-limit reached")
     print(f"  failed steps: {clean.failed_steps + churned.failed_steps}; stale-weight "
           f"responses: {clean.stale + churned.stale} of {clean.rollouts + churned.rollouts}")
     back = side.recoveries()
     done = [b for b in back if b is not None]
-    summary("back to full, steps after each death", [float(s) for s, _ in done], "steps",
+    summary("back to full, refits after each death's step", [float(s) for s, _ in done], "steps",
             digits=0)
     summary("back to full, seconds after each death", [t for _, t in done], "s", digits=1)
     if len(done) < len(back):
         print(f"  never back to full: {len(back) - len(done)} death(s)")
+    if side.orphans is not None:
+        print(f"  engine processes left running by the engines killed (orphaned schedulers "
+              f"of servers SIGKILLed or killed through Ray): {side.orphans}")
     ok = goal(f"step time <= {STEP_GOAL}x the fault-free run ({ratio:.2f}x)",
               ratio <= STEP_GOAL)
     ok &= goal("0 failed steps", clean.failed_steps + churned.failed_steps == 0)
@@ -299,7 +327,8 @@ def engine_options(args: argparse.Namespace) -> tuple[str, ...]:
 
 def main(args: argparse.Namespace) -> int:
     if args.quick:
-        args.clean_steps, args.steps, args.period = 2, 5, min(args.period, 8.0)
+        args.clean_steps, args.steps, args.period = 2, 6, min(args.period, 12.0)
+        args.side_limit = min(args.side_limit, 120.0)
     args.engines = args.nodes * args.gpus_per_node
     print(f"setup: {args.nodes} Ray nodes x {args.gpus_per_node} GPUs (declared) = "
           f"{args.engines} engines; {args.clean_steps} fault-free steps, then {args.steps} with "
@@ -337,15 +366,17 @@ def extra_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=4, help="Ray nodes (default 4)")
     parser.add_argument("--gpus-per-node", type=int, default=2,
                         help="GPUs each node declares: engines per node (default 2)")
-    parser.add_argument("--clean-steps", type=int, default=8,
-                        help="fault-free steps first (default 8)")
-    parser.add_argument("--steps", type=int, default=30,
-                        help="steps with the injector on (default 30)")
+    parser.add_argument("--clean-steps", type=int, default=6,
+                        help="fault-free steps first (default 6)")
+    parser.add_argument("--steps", type=int, default=24,
+                        help="steps with the injector on (default 24)")
     parser.add_argument("--period", type=float, default=30.0,
                         help="seconds between engine SIGKILLs (default 30)")
     parser.add_argument("--token-latency-ms", type=float, default=20.0,
                         help="the emulators' time per decode step: the generation's length "
                              "(default 20 ms: ~4 s of a step)")
+    parser.add_argument("--side-limit", type=float, default=900.0,
+                        help="stop a side's churn steps after this many seconds (default 900)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the victims' draw")
     parser.add_argument("--only-today", action="store_true",
                         help="run today's approach alone")
