@@ -210,7 +210,8 @@ def run_today(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
     finally:
         monitor.stop_event.set()
         live = set(pool.pids().values())
-        side.orphans = sum(p.pid not in live and p.ppid() not in live for p in marked(token))
+        side.orphans = len([p for p in marked(token) if p.pid not in live
+                            and (p.ppid() if p.is_running() else None) not in live])
         pool.shutdown()
         kill_marked(token)
     return side
