@@ -369,8 +369,8 @@ def extra_args(parser: argparse.ArgumentParser) -> None:
                         help="GPUs each node declares: engines per node (default 2)")
     parser.add_argument("--clean-steps", type=int, default=6,
                         help="fault-free steps first (default 6)")
-    parser.add_argument("--steps", type=int, default=24,
-                        help="steps with the injector on (default 24)")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="steps with the injector on (default 40)")
     parser.add_argument("--period", type=float, default=30.0,
                         help="seconds between engine SIGKILLs (default 30)")
     parser.add_argument("--token-latency-ms", type=float, default=20.0,
