@@ -70,24 +70,26 @@ class EngineActor:
         self.command, self.env, self.log_path = command, env, log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def launch(self) -> tuple[str, int]:
-        """Start the server, wait until `/health_generate` answers; (url, pid)."""
-        host, port = ray.util.get_node_ip_address(), free_port()
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                [*self.command, "--host", host, "--port", str(port)],
-                env={**os.environ, **self.env}, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=out)
-        url = f"http://{host}:{port}"
+    def launch(self, attempts: int = 3) -> tuple[str, int]:
+        """Start the server, wait until `/health_generate` answers; (url, pid). A server that
+        exits while booting is started again on other ports (a port picked free may be taken
+        before the server binds it: a race of this one-host benchmark, not of the approach)."""
+        host = ray.util.get_node_ip_address()
         deadline = time.monotonic() + BOOT_TIMEOUT_S
-        while True:
-            try:
-                engine_calls.get(url, "/health_generate", MONITOR_TIMEOUT_S)
-                return url, self.proc.pid
-            except engine_calls.EngineCallError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"engine at {url} did not boot") from None
+        for _ in range(attempts):
+            port = free_port()
+            with open(self.log_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    [*self.command, "--host", host, "--port", str(port)],
+                    env={**os.environ, **self.env}, stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=out)
+            url = f"http://{host}:{port}"
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(engine_calls.EngineCallError):
+                    engine_calls.get(url, "/health_generate", MONITOR_TIMEOUT_S)
+                    return url, self.proc.pid
                 time.sleep(0.2)
+        raise RuntimeError(f"engine {self.log_path} did not boot (its log says why)")
 
 
 @ray.remote(num_cpus=0)

@@ -49,6 +49,7 @@ from _common import (
     kill_marked,
     marked,
     parse_args,
+    raise_interrupt,
     summary,
 )
 
@@ -346,6 +347,7 @@ def main(args: argparse.Namespace) -> int:
             cluster.add_node(num_cpus=2, num_gpus=args.gpus_per_node)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+        signal.signal(signal.SIGTERM, raise_interrupt)   # ray.init() put its own in place
         spec_file = workdir / "policy-spec.json"
         write_weight_spec(str(spec_file), Policy().named_parameters())
         sides = [run_today(args, spec_file, workdir)]

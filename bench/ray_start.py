@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from _common import REPO, bench_main, goal, parse_args, summary, wait_for
+from _common import REPO, bench_main, goal, parse_args, raise_interrupt, summary, wait_for
 
 sys.path.insert(0, str(REPO / "examples"))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
@@ -103,6 +103,7 @@ def one_size(nodes: int, repeat: int, kill_count: int) -> tuple[list[float], lis
             cluster.add_node(num_cpus=1, num_gpus=1)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+        signal.signal(signal.SIGTERM, raise_interrupt)   # ray.init() put its own in place
         ray_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         for rep in range(repeat):
             started = time.monotonic()
