@@ -278,7 +278,15 @@ def run_ours(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
                 side.after.append((step, time.monotonic(), current(urls, str(step))))
 
             def run(steps: range, tally: Tally) -> None:
-                ray_grpo.run_steps(fleet, trainer, router_url, steps, {}, tally, after)
+                deadline = time.monotonic() + args.side_limit
+                for step in steps:
+                    if time.monotonic() > deadline:
+                        say(f"ours: --side-limit {args.side_limit:g} s reached; steps "
+                            f"{step}-{steps.stop - 1} not run")
+                        side.skipped += steps.stop - step
+                        return
+                    ray_grpo.run_steps(fleet, trainer, router_url, range(step, step + 1), {},
+                                       tally, after)
             phases(side, args, victims, run)
         finally:
             rw_ray.shutdown(namespace=NAMESPACE)
@@ -350,11 +358,12 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, raise_interrupt)   # ray.init() put its own in place
         spec_file = workdir / "policy-spec.json"
         write_weight_spec(str(spec_file), Policy().named_parameters())
-        sides = [run_today(args, spec_file, workdir)]
-        if not args.only_today:
-            sides.append(run_ours(args, spec_file, workdir))
-        ok = [report(side) for side in sides]
-        return 0 if ok[-1] else 2
+        ok = True
+        if args.side in ("both", "today"):
+            report(run_today(args, spec_file, workdir))   # printed now: ours may not finish
+        if args.side in ("both", "ours"):
+            ok = report(run_ours(args, spec_file, workdir))
+        return 0 if ok else 2
     finally:
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -379,10 +388,10 @@ def extra_args(parser: argparse.ArgumentParser) -> None:
                         help="the emulators' time per decode step: the generation's length "
                              "(default 20 ms: ~4 s of a step)")
     parser.add_argument("--side-limit", type=float, default=900.0,
-                        help="stop a side's churn steps after this many seconds (default 900)")
+                        help="stop a side's steps after this many seconds of a phase (default 900)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the victims' draw")
-    parser.add_argument("--only-today", action="store_true",
-                        help="run today's approach alone")
+    parser.add_argument("--side", choices=("both", "today", "ours"), default="both",
+                        help="run both approaches (default), or one")
 
 
 if __name__ == "__main__":
