@@ -36,6 +36,8 @@ from rollout_watchdog import EngineSpec, FleetClient, FleetEvent  # noqa: E402
 
 NAMESPACE = "rw-start"
 KILL_GOAL_MS = 50.0
+# Every engine is killed several times in a few minutes: a budget that lasts, a short backoff.
+NODE_CONFIG = {"restart": {"max_restarts": 1000, "window_s": 600.0, "backoff_initial_s": 0.2}}
 
 
 class Follower(threading.Thread):
@@ -107,7 +109,7 @@ def one_size(nodes: int, repeat: int, kill_count: int) -> tuple[list[float], lis
         ray_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         for rep in range(repeat):
             started = time.monotonic()
-            fleet = rw_ray.start(namespace=NAMESPACE)
+            fleet = rw_ray.start(namespace=NAMESPACE, node_config=NODE_CONFIG)
             starts.append(time.monotonic() - started)
             missing = ray_nodes - reachable_nodes(fleet)
             if missing:
