@@ -80,7 +80,7 @@ def parse_args(doc: str, *, repeat: int, quick_repeat: int, time_limit: float,
     return args
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+def raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
@@ -112,7 +112,7 @@ def bench_main(main: Callable[[argparse.Namespace], int], args: argparse.Namespa
     print(f"cwd: {os.getcwd()}   host: {os.uname().nodename}   cpus: {os.cpu_count()}   "
           f"load: {load}   started: {time.strftime('%Y-%m-%d %H:%M:%S')}   "
           f"code: {code_version()}", flush=True)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, raise_interrupt)
     signal.signal(signal.SIGALRM, _raise_time_limit)
     signal.alarm(max(1, int(args.time_limit)))
     started = time.monotonic()

@@ -85,12 +85,10 @@ class Policy(nn.Module):
 
 # ---------------------------------------------------------------------------------- trainer
 
-@ray.remote(num_cpus=0)
-class Trainer:
-    """The policy's Ray actor: trains, then refits every engine through the pickled client."""
+class Learner:
+    """The policy and its optimizer (bench/churn.py's trainer of today's approach shares it)."""
 
-    def __init__(self, fleet: FleetClient) -> None:
-        self.fleet = fleet
+    def __init__(self) -> None:
         self.model = Policy()
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
@@ -103,6 +101,15 @@ class Trainer:
         loss.backward()
         self.optimizer.step()
         return float(loss.detach())
+
+
+@ray.remote(num_cpus=0)
+class Trainer(Learner):
+    """The policy's Ray actor: trains, then refits every engine through the pickled client."""
+
+    def __init__(self, fleet: FleetClient) -> None:
+        super().__init__()
+        self.fleet = fleet
 
     def refit(self, version: str, attempts: int = 4) -> int:
         """Broadcast the weights as `version`; returns the attempts it took. A member lost
@@ -139,12 +146,14 @@ def generate_one(router_url: str, prompt: str, attempts: int = 20) -> dict[str, 
     raise RuntimeError(f"rollout {prompt!r} failed {attempts} times")
 
 
-def generate(router_url: str, step: int, during: Callable[[], None] | None
+def generate(router_url: str, step: int, during: Callable[[], None] | None,
+             one: Callable[[str, str], dict[str, Any]] = generate_one
              ) -> list[dict[str, Any]]:
+    """The step's rollouts, 4 at a time, each by `one(router_url, prompt)`."""
     prompts = [f"step {step}, question {i}: what is {i} + {step}?"
                for i in range(PROMPTS_PER_STEP)]
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(generate_one, router_url, p) for p in prompts]
+        futures = [pool.submit(one, router_url, p) for p in prompts]
         if during is not None:
             during()
         return [f.result() for f in futures]
@@ -203,8 +212,10 @@ class Tally:
 
 
 def run_steps(fleet: FleetClient, trainer: Any, router_url: str, steps: range,
-              faults: dict[int, Callable[[], None]], tally: Tally) -> None:
-    """Generate with the weights of the last step (version str(step - 1)), train, refit."""
+              faults: dict[int, Callable[[], None]], tally: Tally,
+              after_step: Callable[[int], None] | None = None) -> None:
+    """Generate with the weights of the last step (version str(step - 1)), train, refit;
+    `after_step(step)` after each step, failed or not (bench/churn.py counts engines there)."""
     for step in steps:
         started = time.monotonic()
         version = str(step - 1)
@@ -220,15 +231,17 @@ def run_steps(fleet: FleetClient, trainer: Any, router_url: str, steps: range,
         except Exception as exc:   # noqa: BLE001 - a failed step is counted, and the run goes on
             tally.failed_steps += 1
             say(f"step {step} FAILED: {exc!r}")
-            continue
-        tally.steps += 1
-        tally.rollouts += len(rollouts)
-        tally.stale += len(stale)
-        tally.step_s.append(time.monotonic() - started)
-        say(f"step {step}: {len(rollouts)} rollouts at v{version}"
-            f"{f', {len(stale)} STALE: {stale}' if stale else ''}, loss {loss:.3f}, "
-            f"refit v{step} committed ({attempts} attempt(s)), "
-            f"{tally.step_s[-1]:.2f} s; {describe(fleet.engines())}")
+        else:
+            tally.steps += 1
+            tally.rollouts += len(rollouts)
+            tally.stale += len(stale)
+            tally.step_s.append(time.monotonic() - started)
+            say(f"step {step}: {len(rollouts)} rollouts at v{version}"
+                f"{f', {len(stale)} STALE: {stale}' if stale else ''}, loss {loss:.3f}, "
+                f"refit v{step} committed ({attempts} attempt(s)), "
+                f"{tally.step_s[-1]:.2f} s; {describe(fleet.engines())}")
+        if after_step is not None:
+            after_step(step)
 
 
 def describe(view: list[EngineView]) -> str:
@@ -275,18 +288,25 @@ def router(workdir: Path) -> Iterator[str]:
         proc.wait(10)
 
 
-def launch_engines(fleet: FleetClient, spec_file: Path) -> list[EngineView]:
-    """The trainer's placement group, one GPU a bundle; an engine launched on each bundle's
-    node with the bundle's GPU (what NeMo-RL's `_start_engines` does, as one call)."""
-    pg = placement_group([{"GPU": 1, "CPU": 0.01}] * (NODES * GPUS_PER_NODE), strategy="PACK")
+def engine_bundles(count: int) -> Any:
+    """The trainer's placement group for `count` engines, one GPU a bundle, once ready."""
+    pg = placement_group([{"GPU": 1, "CPU": 0.01}] * count, strategy="PACK")
     ray.get(pg.ready(), timeout=120)
+    return pg
+
+
+def launch_engines(fleet: FleetClient, spec_file: Path, count: int = NODES * GPUS_PER_NODE,
+                   options: tuple[str, ...] = ()) -> list[EngineView]:
+    """An engine launched on each bundle's node with the bundle's GPU (what NeMo-RL's
+    `_start_engines` does, as one call); `options` go to every emulator."""
+    pg = engine_bundles(count)
 
     def make_spec(index: int, node_id: str, gpu_ids: list[int], host: str) -> EngineSpec:
         port = free_port()   # this example's nodes share one host; a real cluster uses a band
         return EngineSpec(
             id=f"e{index}", url=f"http://{host}:{port}", gpus=gpu_ids,
             command=[sys.executable, "-m", "rollout_watchdog.emulator", "--host", host,
-                     "--port", str(port), "--weight-spec", str(spec_file)])
+                     "--port", str(port), "--weight-spec", str(spec_file), *options])
 
     views = rw_ray.launch_in_placement_group(fleet, pg, make_spec, wait_s=180)
     for v in views:

@@ -37,3 +37,16 @@ def test_follower_detection_quick_runs() -> None:
     out = run.stdout + run.stderr
     assert run.returncode in (0, 2), out
     assert "noticed by: disconnect x2;" in out and " 0 doubled" in out, out
+
+
+def test_ray_start_quick_runs() -> None:
+    """The fleet starts on a 3-node Ray cluster, every watchdog reachable, and engine kills
+    reach the client; the latency goal is not asserted (a loaded machine's figure)."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "ray_start.py"), "--quick", "--time-limit",
+         "150"], capture_output=True, text=True, timeout=200,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = run.stdout + run.stderr
+    assert run.returncode in (0, 2), out
+    assert "start() -> every watchdog reachable, 3 nodes" in out, out
+    assert "engine SIGKILL -> client event, 3 nodes" in out and "(n=3)" in out, out
