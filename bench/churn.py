@@ -269,6 +269,7 @@ def run_ours(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
             ray_grpo.launch_engines(fleet, spec_file, args.engines, engine_options(args))
             trainer = ray_grpo.Trainer.remote(fleet)  # type: ignore[attr-defined]
             ray.get(trainer.refit.remote("0"))
+            weights = ray_grpo.Weights()
             say(f"ours: {args.engines} engines launched by the watchdogs, refit v0 committed")
 
             def victims() -> dict[str, int]:
@@ -277,7 +278,7 @@ def run_ours(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
 
             def after(step: int) -> None:
                 urls = [e.url for e in fleet.engines() if e.reachable and e.serving]
-                side.after.append((step, time.monotonic(), current(urls, str(step))))
+                side.after.append((step, time.monotonic(), current(urls, weights.committed)))
 
             def run(steps: range, tally: Tally) -> None:
                 deadline = time.monotonic() + args.side_limit
@@ -288,7 +289,7 @@ def run_ours(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
                         side.skipped += steps.stop - step
                         return
                     ray_grpo.run_steps(fleet, trainer, router_url, range(step, step + 1), {},
-                                       tally, after)
+                                       tally, weights, after)
             phases(side, args, victims, run)
         finally:
             rw_ray.shutdown(namespace=NAMESPACE)

@@ -178,7 +178,7 @@ class Churn:
         engines = [e for e in self.fleet.engines() if e.serving and e.pid and e.reachable]
         victim = self.rng.choice(engines)
         os.kill(victim.pid or 0, signal.SIGKILL)
-        say(f"churn: SIGKILL to engine {victim.name} (pid {victim.pid}) during generation")
+        say(f"churn: SIGKILL to engine {short(victim)} (pid {victim.pid}) during generation")
 
     def kill_watchdog(self) -> None:
         node_id = self.rng.choice(sorted({e.node_id for e in self.fleet.engines()}))
@@ -191,9 +191,9 @@ class Churn:
             self.cluster.worker_nodes, key=lambda n: n.unique_id)[-1]
         if not worker:
             return
-        self.removed.add(worker.unique_id)
+        self.removed.add(worker.node_id)
         self.cluster.remove_node(worker)
-        say(f"churn: Ray node {worker.unique_id[:8]} removed (its daemon stops its engines "
+        say(f"churn: Ray node {worker.node_id[:8]} removed (its daemon stops its engines "
             "and exits)")
 
     def expected_engines(self) -> int:
@@ -211,23 +211,36 @@ class Tally:
     step_s: list[float] = field(default_factory=list)
 
 
+@dataclass
+class Weights:
+    """The versions of the run: what the engines serve, and what the trainer holds (ahead of
+    it after a step whose refit failed)."""
+
+    committed: str = "0"
+    held: str = "0"
+
+
 def run_steps(fleet: FleetClient, trainer: Any, router_url: str, steps: range,
-              faults: dict[int, Callable[[], None]], tally: Tally,
+              faults: dict[int, Callable[[], None]], tally: Tally, weights: Weights,
               after_step: Callable[[int], None] | None = None) -> None:
-    """Generate with the weights of the last step (version str(step - 1)), train, refit;
-    `after_step(step)` after each step, failed or not (bench/churn.py counts engines there)."""
+    """Generate with the committed weights, train, refit as version str(step); a rollout not
+    at the committed version is stale. `after_step(step)` after each step, failed or not
+    (bench/churn.py counts engines there)."""
     for step in steps:
         started = time.monotonic()
-        version = str(step - 1)
         try:
+            catch_up(fleet, trainer, weights)
             fleet.prepare_for_generation()
             fleet.wait_router_synced(timeout_s=60)
             rollouts = generate(router_url, step, faults.get(step))
             fleet.finish_generation(deadline_s=600, timeout_s=40)
             stale = [r["meta_info"]["weight_version"] for r in rollouts
-                     if r["meta_info"]["weight_version"] != version]
+                     if r["meta_info"]["weight_version"] != weights.committed]
+            version = weights.committed
             loss = ray.get(trainer.train.remote([float(len(r["text"]) % 7) for r in rollouts]))
-            attempts = ray.get(trainer.refit.remote(str(step)))
+            weights.held = str(step)
+            attempts = ray.get(trainer.refit.remote(weights.held))
+            weights.committed = weights.held
         except Exception as exc:   # noqa: BLE001 - a failed step is counted, and the run goes on
             tally.failed_steps += 1
             say(f"step {step} FAILED: {exc!r}")
@@ -242,6 +255,23 @@ def run_steps(fleet: FleetClient, trainer: Any, router_url: str, steps: range,
                 f"{tally.step_s[-1]:.2f} s; {describe(fleet.engines())}")
         if after_step is not None:
             after_step(step)
+
+
+def catch_up(fleet: FleetClient, trainer: Any, weights: Weights) -> None:
+    """No engine serves (every one died since the last refit, or that refit failed): one
+    refit of the weights the trainer holds admits the relaunched engines to the router, so
+    the step can generate at all."""
+    if any(e.serving and e.reachable for e in fleet.engines()):
+        return
+    fleet.wait_until(lambda v: any(e.state == "healthy" and e.reachable for e in v), 300.0)
+    ray.get(trainer.refit.remote(weights.held))
+    weights.committed = weights.held
+    say(f"no engine was serving: catch-up refit v{weights.held} committed")
+
+
+def short(engine: EngineView) -> str:
+    """NODE/ENGINE with the first 8 digits of the Ray node id (56 hex digits in all)."""
+    return f"{engine.node_id[:8]}/{engine.id}"
 
 
 def describe(view: list[EngineView]) -> str:
@@ -310,7 +340,7 @@ def launch_engines(fleet: FleetClient, spec_file: Path, count: int = NODES * GPU
 
     views = rw_ray.launch_in_placement_group(fleet, pg, make_spec, wait_s=180)
     for v in views:
-        say(f"launched {v.name} on node {v.node_id[:8]}, GPUs of its bundle, url {v.url}")
+        say(f"launched {short(v)} on node {v.node_id[:8]}, GPUs of its bundle, url {v.url}")
     return views   # the group stays: its bundles keep Ray from placing other work on the GPUs
 
 
@@ -342,14 +372,16 @@ def main() -> int:
             trainer = Trainer.remote(fleet)        # the client travels pickled
             ray.get(trainer.refit.remote("0"))     # every engine at the trainer's weights
             say("refit v0 committed: the run begins")
-            tally, clean = Tally(), Tally()
-            run_steps(fleet, trainer, router_url, range(1, args.clean_steps + 1), {}, clean)
+            tally, clean, weights = Tally(), Tally(), Weights()
+            run_steps(fleet, trainer, router_url, range(1, args.clean_steps + 1), {}, clean,
+                      weights)
             churn = Churn(fleet, cluster)
             first = args.clean_steps + 1
             faults = {} if args.no_faults else {
                 first + i: churn.inject(kind) for i, kind in enumerate(FAULTS)}
             run_steps(fleet, trainer, router_url, range(first, first + args.steps), faults,
-                      tally)
+                      tally, weights)
+            settle(fleet, trainer, weights, churn.expected_engines())
             report(clean, tally, churn, fleet)
             rw_ray.shutdown(namespace=NAMESPACE)
             say("shutdown: engines removed, daemons and coordinator stopped")
@@ -359,6 +391,17 @@ def main() -> int:
             ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def settle(fleet: FleetClient, trainer: Any, weights: Weights, expected: int) -> None:
+    """Every engine of the live nodes healthy again; one that came back after the last refit
+    is admitted by one more refit of the same weights."""
+    view = fleet.wait_until(lambda v: sum(e.state == "healthy" for e in v if e.reachable)
+                            >= expected, 180.0)
+    if any(e.reachable and not e.serving for e in view):
+        ray.get(trainer.refit.remote(weights.held))
+        say(f"catch-up refit v{weights.held}: the engines relaunched since the last refit "
+            "got the current weights")
 
 
 def report(clean: Tally, churned: Tally, churn: Churn, fleet: FleetClient) -> None:

@@ -59,3 +59,23 @@ def test_the_example_training_loop_runs_to_its_end() -> None:
     # The relaunched incarnation got the last weights.
     assert re.search(rf"{killed[1]}#([2-9]|\d\d+) at 5\b", out), out
     assert "Failed to initialize NumPy" not in done.stderr   # numpy comes with the torch extras
+
+
+def test_the_ray_grpo_loop_runs_under_churn_with_no_stale_response() -> None:
+    """`bash scripts/demo.sh --ray`: a 3-node Ray cluster, 6 engines launched from a placement
+    group, the router, a trainer actor refitting through its pickled client; an engine
+    SIGKILLed, a watchdog actor ray.kill'ed, a Ray node removed, another engine SIGKILLed."""
+    pytest.importorskip("ray")
+    pytest.importorskip("sglang_router")
+    done = subprocess.run([sys.executable, str(EXAMPLES / "ray_grpo.py"), "--clean-steps", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = done.stdout
+    assert done.returncode == 0, (out[-3000:], done.stderr[-3000:])
+    assert len(re.findall(r"launched \w{8}/e\d on node", out)) == 6, out
+    for fault in (r"churn: SIGKILL to engine \w{8}/e\d", r"churn: ray\.kill of watchdog actor",
+                  r"churn: Ray node \w{8} removed"):
+        assert re.search(fault, out), (fault, out)
+    assert "steps completed: 8, failed steps: 0, rollouts served: 96, " \
+           "stale-weight responses: 0" in out, out
+    assert "engines serving at the end: 4 of the 4 on live nodes" in out, out
+    assert "shutdown: engines removed, daemons and coordinator stopped" in out
