@@ -20,7 +20,7 @@ subscriber resumed mid-batch, one without `batches`, the journal).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rollout_watchdog.common import frames, protocol
@@ -85,11 +85,12 @@ class Relayed:
         return self.encoded
 
 
-def batch_items(events: list[protocol.Event], frame: bytes) -> list[Relayed]:
-    """The items for a node's "events" frame (`frame`) all of whose `events` are relayed.
-    The coordinator checked that each event, encoded again alone, fits in a frame."""
-    batch = Batch(frame, len(events))
-    return [Relayed(e.node_id, e.boot, e.seq, None, batch, i) for i, e in enumerate(events)]
+def batch_items(node_id: str, boot: str, seqs: Sequence[int], frame: bytes) -> list[Relayed]:
+    """The items for a node's "events" frame (`frame`) all of whose events (of `node_id` and
+    `boot`, numbered `seqs`) are relayed. The coordinator checked that each event, encoded
+    again alone, fits in a frame."""
+    batch = Batch(frame, len(seqs))
+    return [Relayed(node_id, boot, seq, None, batch, i) for i, seq in enumerate(seqs)]
 
 
 @dataclass
