@@ -23,6 +23,11 @@ NODE_TIMEOUT_S = 5.0
 STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
 RUNNING_STATES = frozenset(state.value for state in EngineState if state.running)
+# Plain values for apply_event and batch, which see every event (tuples, not sets: a hostile
+# node's kind may be any JSON value, unhashable too)
+_STOPPING = EngineState.STOPPING.value
+_FORGETTING, _PAUSE_KINDS = protocol.FORGETTING_KINDS, protocol.PAUSE_KINDS
+_PAUSING = ("paused", "pause_extended")
 
 
 @dataclass
@@ -128,7 +133,7 @@ class FleetView:
         for item in batch.items:
             seq += 1
             if (item["seq"] != seq or item["boot"] != boot or item["node_id"] != peer
-                    or item["event"].get("to") == EngineState.STOPPING):
+                    or item["event"].get("to") == _STOPPING):
                 return None
         own = self._heard(record, now, wall, "event")
         record.received_seq = seq
@@ -237,19 +242,20 @@ def apply_event(engines: dict[str, dict[str, Any]], event: dict[str, Any],
     if status is not None:
         engines[status["id"]] = dict(status)
         return
-    engine = engines.get(str(event.get("engine")))
+    engine_id = str(event.get("engine"))
+    engine = engines.get(engine_id)
     if engine is None:
         return
     kind, incarnation = event.get("kind"), event.get("incarnation")
-    if kind in protocol.FORGETTING_KINDS and incarnation in (None, engine.get("incarnation")):
-        del engines[str(event.get("engine"))]   # gone from its node: from the view and router
+    if kind in _FORGETTING and incarnation in (None, engine.get("incarnation")):
+        del engines[engine_id]   # gone from its node: from the view and router
         return
     if incarnation is not None:
         engine["incarnation"] = incarnation
     if kind == "state" and isinstance(event.get("to"), str):
         engine["state"] = event["to"]
-    elif kind in protocol.PAUSE_KINDS:   # sent without a status: they say all they change
-        paused = kind in ("paused", "pause_extended")
+    elif kind in _PAUSE_KINDS:   # sent without a status: they say all they change
+        paused = kind in _PAUSING
         engine["paused"] = paused
         engine["pause_deadline"] = event.get("deadline") if paused else None
 
