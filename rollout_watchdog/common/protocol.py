@@ -46,6 +46,8 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                received; the node may drop them from its outbox. batches? (1.1; default
                false): the coordinator takes "events" from this node.
     heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
+               Any message keeps its sender reachable: a node sends one only after a
+               second in which it sent nothing else.
     command    client -> coordinator -> node: request_id (idempotency key: a repeated id gets
                the same reply), cmd (a control command name), args (object, default {}),
                node? (one node; null = every reachable node, except for `launch`, which a
