@@ -143,16 +143,18 @@ class Relay:
         self._trim()
 
     def add_all(self, items: list[Relayed]) -> None:
-        """add() each of them (a node's batch), the bounds kept once."""
+        """add() each of them (a node's batch: batch_items), the bounds kept once."""
         self.buffer.extend(items)
-        self.bytes += sum(item.size for item in items)
+        self.bytes += sum([item.size for item in items])
         self._trim()
 
     def _trim(self) -> None:
-        buffer = self.buffer   # (a full buffer drops as many as come: 8,000 a fleet pause)
-        while len(buffer) > 1 and (len(buffer) > self.capacity or self.bytes > self.max_bytes):
-            self.bytes -= buffer.popleft().size
-            self.first += 1
+        buffer, capacity, max_bytes = self.buffer, self.capacity, self.max_bytes
+        held, dropped = self.bytes, 0   # (a full buffer drops as many as come: 8,000 a pause)
+        while len(buffer) > 1 and (len(buffer) > capacity or held > max_bytes):
+            held -= buffer.popleft().size
+            dropped += 1
+        self.bytes, self.first = held, self.first + dropped
 
     def subscribe(self, client: bytes, msg: protocol.Subscribe, now: float) -> None:
         """(Re)subscribe: from now on, or from the buffer's start minus what it has."""
