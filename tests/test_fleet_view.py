@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rollout_watchdog.common.protocol import Event, Hello, ProtocolError
+from rollout_watchdog.common.protocol import Event, Hello, PlainEvents, ProtocolError
 from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
 
 T0 = 1000.0          # monotonic clock of the tests
@@ -322,6 +322,11 @@ def test_the_view_is_warm_once_every_journaled_node_is_back_or_a_timeout_passed(
 # ---------------------------------------------------------------------- batches
 
 
+def as_parsed(events: list[Event]) -> PlainEvents:
+    """A node's "events" frame as the coordinator's hub reads it."""
+    return PlainEvents([e.to_json() for e in events])
+
+
 def paused(node: str, seq: int, engine_id: str, boot: str = "b1") -> Event:
     body = {"ts": WALL0 + seq, "node_id": node, "engine": engine_id, "incarnation": 1,
             "kind": "paused", "from": None, "to": None, "cause": None, "detail": "",
@@ -340,7 +345,7 @@ def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one() -> None:
     view_tick = T0 + 2 * whole.node_timeout_s
     for view in (whole, alone):   # silent: the batch makes the node reachable again
         assert [e["kind"] for e in view.tick(view_tick, WALL0)] == ["node_unreachable"]
-    own = whole.batch(batch, "n1", view_tick, WALL0 + 9)
+    own = whole.batch(as_parsed(batch), "n1", view_tick, WALL0 + 9)
     expected: list[dict[str, Any]] = []
     for event in batch:
         fresh, more = alone.event(event, "n1", view_tick, WALL0 + 9)
@@ -367,5 +372,6 @@ def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str)
                           state_event("n1", 3, "e1", "healthy", "stopping", "exited")],
              "unknown_node": [paused("n9", 1, "e0")]}[case]
     before = json.dumps(view.status())
-    assert view.batch(batch, "n9" if case == "unknown_node" else "n1", T0 + 1, WALL0) is None
+    assert view.batch(as_parsed(batch), "n9" if case == "unknown_node" else "n1", T0 + 1,
+                      WALL0) is None
     assert json.dumps(view.status()) == before and view.nodes["n1"].received_seq == 1

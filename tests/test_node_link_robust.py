@@ -81,14 +81,16 @@ def ping_dispatch(name: str, args: dict[str, Any]) -> dict[str, Any] | Deferred:
 class Harness:
     """A NodeLink in this process, its turns taken as the daemon takes them, and a Router."""
 
-    def __init__(self, link_port: int, router_port: int | None = None, **link_args: Any) -> None:
+    def __init__(self, link_port: int, router_port: int | None = None,
+                 clock: Clock | None = None, **link_args: Any) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.router = Router(self.ctx, router_port or link_port)
         self.metrics = Metrics()
         self.link = NodeLink(self.ctx, endpoint=f"tcp://127.0.0.1:{link_port}",
                              node_id="test-node", boot="boot-1",
                              snapshot=lambda: [{"id": "e0", "state": "healthy"}],
-                             dispatch=ping_dispatch, clock=Clock(), metrics=self.metrics,
+                             dispatch=ping_dispatch, clock=clock or Clock(),
+                             metrics=self.metrics,
                              **link_args)
         self.poller = zmq.Poller()
         for pollable in self.link.pollables():
@@ -234,6 +236,35 @@ def test_a_silent_coordinator_on_an_open_connection_is_dialed_afresh() -> None:
         h.beats = False
         h.until("a HELLO on a fresh connection", lambda: len(h.router.got(protocol.Hello)) >= 2)
         assert h.link.bad_messages == 0
+    finally:
+        h.close()
+
+
+class SteppedClock(Clock):
+    """Monotonic time that moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_node_that_keeps_sending_sends_no_heartbeat_until_a_silent_interval() -> None:
+    """Any message says the node is alive: replies every 0.6 s leave no heartbeat due; one
+    goes after a heartbeat interval with nothing sent."""
+    clock = SteppedClock()
+    h = Harness(free_port(), clock=clock)
+    try:
+        h.hello()
+        beats = len(h.router.got(protocol.Heartbeat))
+        for i in range(10):
+            clock.now += 0.6
+            h.command(f"r{i}")
+        assert len(h.router.got(protocol.Heartbeat)) == beats
+        clock.now += h.link.heartbeat_s
+        h.until("a heartbeat after a silent interval",
+                lambda: len(h.router.got(protocol.Heartbeat)) > beats)
     finally:
         h.close()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rollout_watchdog.common import protocol
@@ -190,6 +190,52 @@ def test_an_event_in_a_batch_is_judged_as_it_would_be_alone(event: Event, versio
         assert str(exc) == alone
     else:
         assert batched.events == [alone]
+
+
+def decoded(data: bytes, decoder: Any = decode) -> Any:
+    """A decoder's answer: the message (the Events of a PlainEvents), or the refusal's text."""
+    try:
+        msg = decoder(data)
+    except ProtocolError as exc:
+        return str(exc)
+    return Events(msg.events()) if isinstance(msg, protocol.PlainEvents) else msg
+
+
+@FAST
+@given(messages, st.sampled_from(["", " ", "\n\t "]), st.sampled_from([None, ", ", ","]))
+def test_the_hub_s_plain_decode_agrees_with_decode(msg: Message, blank: str,
+                                                   separator: str | None) -> None:
+    """decode_plain (a plain batch taken without an object per event): the same message or
+    refusal as decode, with or without blanks around and within the frame."""
+    separators = None if separator is None else (separator, ":")
+    data = (blank + json.dumps(msg.to_json(), separators=separators) + blank).encode()
+    assert decoded(data, protocol.decode_plain) == decoded(data) == msg
+    plain = protocol.decode_plain(data)
+    assert isinstance(plain, protocol.PlainEvents) == isinstance(msg, Events)
+
+
+@FAST
+@given(st.lists(events, min_size=1, max_size=3), st.integers(0, 2), st.sampled_from(
+    ["v", "kind", "node_id", "boot", "seq", "event", "engine_status"]),
+    json_values | st.integers(-1, 2) | st.lists(st.one_of(
+        st.integers(-1, 3), st.booleans(), st.floats(0, 2)), max_size=3))
+@example([Event("n", "b", 1, {})], 0, "v", [1, 3.0])
+@example([Event("n", "b", 1, {})], 0, "v", [True, 3])
+@example([Event("n", "b", 1, {})], 0, "seq", 0)
+@example([Event("n", "b", 1, {})], 0, "seq", True)
+@example([Event("n", "b", 1, {})], 0, "node_id", "")
+@example([Event("n", "b", 1, {})], 0, "engine_status", {"id": ""})
+def test_a_mutated_event_in_a_batch_is_judged_alike_by_both_decoders(
+        batch: list[Event], at: int, name: str, value: Any) -> None:
+    """A non-plain batch is judged event by event as a lone event would be (both decoders)."""
+    data = json.dumps({**batch[0].to_json(), name: value}).encode()
+    alone = decoded(data)
+    items = [e.to_json() for e in batch]
+    items[min(at, len(items) - 1)][name] = value
+    data = json.dumps({"v": [MAJOR, 3], "kind": "events", "events": items}).encode()
+    assert decoded(data, protocol.decode_plain) == decoded(data)
+    if at == 0 and isinstance(alone, str):
+        assert decoded(data) == f"events[0]: {alone}"
 
 
 def test_an_empty_batch_is_refused() -> None:

@@ -204,7 +204,7 @@ def test_a_client_still_taking_events_is_not_expired_for_late_heartbeats() -> No
 def node_batch(node: str, seqs: range) -> list[Relayed]:
     """The items of one node "events" frame, as the coordinator relays it."""
     events = [protocol.Event(node, "b1", s, {"kind": "state", "n": s}) for s in seqs]
-    return batch_items(events, protocol.encode(protocol.Events(events)))
+    return batch_items(node, "b1", seqs, protocol.encode(protocol.Events(events)))
 
 
 def seqs_in(frames: list[bytes]) -> list[tuple[str, int]]:

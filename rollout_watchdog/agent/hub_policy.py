@@ -46,7 +46,7 @@ class View(Protocol):
     def event(self, msg: protocol.Event, peer: str, now: float, wall: float
               ) -> tuple[bool, list[OwnEvent]]:
         """Take a node's event: whether it is new (relayed), Refused for a bad one."""
-    def batch(self, events: list[protocol.Event], peer: str, now: float, wall: float
+    def batch(self, batch: protocol.PlainEvents, peer: str, now: float, wall: float
               ) -> list[OwnEvent] | None:
         """A node's "events" frame taken whole when plain (None: take each event alone)."""
     def heard(self, peer: str, now: float, wall: float) -> list[OwnEvent]:

@@ -20,7 +20,7 @@ subscriber resumed mid-batch, one without `batches`, the journal).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rollout_watchdog.common import frames, protocol
@@ -85,11 +85,12 @@ class Relayed:
         return self.encoded
 
 
-def batch_items(events: list[protocol.Event], frame: bytes) -> list[Relayed]:
-    """The items for a node's "events" frame (`frame`) all of whose `events` are relayed.
-    The coordinator checked that each event, encoded again alone, fits in a frame."""
-    batch = Batch(frame, len(events))
-    return [Relayed(e.node_id, e.boot, e.seq, None, batch, i) for i, e in enumerate(events)]
+def batch_items(node_id: str, boot: str, seqs: Sequence[int], frame: bytes) -> list[Relayed]:
+    """The items for a node's "events" frame (`frame`) all of whose events (of `node_id` and
+    `boot`, numbered `seqs`) are relayed. The coordinator checked that each event, encoded
+    again alone, fits in a frame."""
+    batch = Batch(frame, len(seqs))
+    return [Relayed(node_id, boot, seq, None, batch, i) for i, seq in enumerate(seqs)]
 
 
 @dataclass
@@ -142,16 +143,18 @@ class Relay:
         self._trim()
 
     def add_all(self, items: list[Relayed]) -> None:
-        """add() each of them (a node's batch), the bounds kept once."""
+        """add() each of them (a node's batch: batch_items), the bounds kept once."""
         self.buffer.extend(items)
-        self.bytes += sum(item.size for item in items)
+        self.bytes += sum([item.size for item in items])
         self._trim()
 
     def _trim(self) -> None:
-        buffer = self.buffer   # (a full buffer drops as many as come: 8,000 a fleet pause)
-        while len(buffer) > 1 and (len(buffer) > self.capacity or self.bytes > self.max_bytes):
-            self.bytes -= buffer.popleft().size
-            self.first += 1
+        buffer, capacity, max_bytes = self.buffer, self.capacity, self.max_bytes
+        held, dropped = self.bytes, 0   # (a full buffer drops as many as come: 8,000 a pause)
+        while len(buffer) > 1 and (len(buffer) > capacity or held > max_bytes):
+            held -= buffer.popleft().size
+            dropped += 1
+        self.bytes, self.first = held, self.first + dropped
 
     def subscribe(self, client: bytes, msg: protocol.Subscribe, now: float) -> None:
         """(Re)subscribe: from now on, or from the buffer's start minus what it has."""

@@ -23,6 +23,11 @@ NODE_TIMEOUT_S = 5.0
 STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
 RUNNING_STATES = frozenset(state.value for state in EngineState if state.running)
+# Plain values for apply_event and batch, which see every event (tuples, not sets: a hostile
+# node's kind may be any JSON value, unhashable too)
+_STOPPING = EngineState.STOPPING.value
+_FORGETTING, _PAUSE_KINDS = protocol.FORGETTING_KINDS, protocol.PAUSE_KINDS
+_PAUSING = ("paused", "pause_extended")
 
 
 @dataclass
@@ -111,30 +116,31 @@ class FleetView:
             return False, own
         record.received_seq = msg.seq
         if msg.seq > record.snapshot_seq:
-            apply_event(record.engines, msg)
+            apply_event(record.engines, msg.event, msg.engine_status)
         return True, own
 
-    def batch(self, events: list[protocol.Event], peer: str, now: float, wall: float
+    def batch(self, batch: protocol.PlainEvents, peer: str, now: float, wall: float
               ) -> list[dict[str, Any]] | None:
         """A node's "events" frame taken whole, as `event` would take each of its events, when
         that is plain: the node's current boot, each seq the next after the last received, no
         engine stopping (which may restart a group's parts: decided event by event). Then the
-        coordinator's own events it causes; None otherwise, and nothing changed."""
+        coordinator's own events it causes; None otherwise, and nothing changed. Its events
+        are read as parsed: no object per event (a fleet-wide pause is 8,000 of them)."""
         record = self.nodes.get(peer)
         if record is None:
             return None
         boot, seq = record.boot, record.received_seq
-        for msg in events:
+        for item in batch.items:
             seq += 1
-            if (msg.seq != seq or msg.boot != boot or msg.node_id != peer
-                    or msg.event.get("to") == EngineState.STOPPING):
+            if (item["seq"] != seq or item["boot"] != boot or item["node_id"] != peer
+                    or item["event"].get("to") == _STOPPING):
                 return None
         own = self._heard(record, now, wall, "event")
         record.received_seq = seq
         snapshot, engines = record.snapshot_seq, record.engines
-        for msg in events:
-            if msg.seq > snapshot:
-                apply_event(engines, msg)
+        for item in batch.items:
+            if item["seq"] > snapshot:
+                apply_event(engines, item["event"], item.get("engine_status"))
         return own
 
     def heard(self, peer: str, now: float, wall: float) -> list[dict[str, Any]]:
@@ -228,27 +234,28 @@ class FleetView:
         return [(r.node_id, e["id"]) for r, e in targets]
 
 
-def apply_event(engines: dict[str, dict[str, Any]], msg: protocol.Event) -> None:
-    """Bring one engine's entry up to date: the status the node sent along replaces it; an
-    event without one (a pause event, or any event of an older node) updates what the event
-    itself says."""
-    if msg.engine_status is not None:
-        engines[msg.engine_status["id"]] = dict(msg.engine_status)
+def apply_event(engines: dict[str, dict[str, Any]], event: dict[str, Any],
+                status: dict[str, Any] | None) -> None:
+    """Bring one engine's entry up to date with an event message's `event` and
+    `engine_status`: the status the node sent along replaces it; an event without one (a pause
+    event, or any event of an older node) updates what the event itself says."""
+    if status is not None:
+        engines[status["id"]] = dict(status)
         return
-    event = msg.event
-    engine = engines.get(str(event.get("engine")))
+    engine_id = str(event.get("engine"))
+    engine = engines.get(engine_id)
     if engine is None:
         return
     kind, incarnation = event.get("kind"), event.get("incarnation")
-    if kind in protocol.FORGETTING_KINDS and incarnation in (None, engine.get("incarnation")):
-        del engines[str(event.get("engine"))]   # gone from its node: from the view and router
+    if kind in _FORGETTING and incarnation in (None, engine.get("incarnation")):
+        del engines[engine_id]   # gone from its node: from the view and router
         return
     if incarnation is not None:
         engine["incarnation"] = incarnation
     if kind == "state" and isinstance(event.get("to"), str):
         engine["state"] = event["to"]
-    elif kind in protocol.PAUSE_KINDS:   # sent without a status: they say all they change
-        paused = kind in ("paused", "pause_extended")
+    elif kind in _PAUSE_KINDS:   # sent without a status: they say all they change
+        paused = kind in _PAUSING
         engine["paused"] = paused
         engine["pause_deadline"] = event.get("deadline") if paused else None
 
