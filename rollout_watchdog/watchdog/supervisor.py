@@ -25,7 +25,12 @@ from rollout_watchdog.common.states import Cause, EngineState, check_transition
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, mode_of
-from rollout_watchdog.watchdog.containment import marker_value, parse_marker, with_marker
+from rollout_watchdog.watchdog.containment import (
+    marker_prefix,
+    marker_value,
+    parse_marker,
+    with_marker,
+)
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
 from rollout_watchdog.watchdog.engine_env import engine_environment
 from rollout_watchdog.watchdog.enginelog import open_engine_output
@@ -59,6 +64,9 @@ class Supervisor:
         # daemons on one host apart (each adopts, and kills, only what its state dir launched).
         self.marker_node = (f"{self.node_id}:"
                             + hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:8])
+        # Set here, not when the daemon starts running: a sweep or a kill before that (an
+        # embedded daemon, a test) must not look for escapees with no prefix at all.
+        tracker.marker_prefix = marker_prefix(self.marker_node)
         self.engines: dict[str, EngineRuntime] = tracker.engines
         self.publisher = publisher
         self.events = events
