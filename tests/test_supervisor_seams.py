@@ -23,6 +23,7 @@ from rollout_watchdog.config import parse_config
 from rollout_watchdog.emulator.testing import free_port, wait_until
 from rollout_watchdog.watchdog import statefile, timers
 from rollout_watchdog.watchdog.adoption import adopt, record_of
+from rollout_watchdog.watchdog.cgroup import CgroupManager
 from rollout_watchdog.watchdog.containment import marker_value, read_marker, with_marker
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
@@ -403,6 +404,36 @@ def test_a_daemon_not_yet_running_kills_only_escapees_of_its_own_node(tmp_path: 
         killed = [e.detail for _, e in sup.events.since(0) if e.kind == "escapee_killed"]
         assert killed == [f"SIGKILL to pid(s) [{procs[stale].pid}]: marked {stale}, an "
                           "incarnation that is over"]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_leftover_cgroups_of_another_daemon_under_the_same_root_are_not_killed(
+        tmp_path: Path, test_cgroup: Path) -> None:
+    """Two daemons in one delegated cgroup share the root of their engine cgroups. Each cleans
+    (and cgroup.kills) only the leftovers of its own state dir: the other's running engines are
+    not launches that are over."""
+    sup = make_daemon(tmp_path).supervisor
+    sup.cgroups = CgroupManager(test_cgroup, sup.state_tag)
+    other = CgroupManager(test_cgroup, "0123abcd")
+    procs = {}
+    for name, manager in (("ours", sup.cgroups), ("other", other)):
+        path = manager.create("e0", 1, "0ldb00t")
+        procs[name] = subprocess.Popen(manager.command(
+            path, [sys.executable, "-c", "import time; time.sleep(60)"]))
+        wait_until(lambda p=path: CgroupManager.populated(p), 30, what=f"{name} to join")
+    try:
+        sup.clean_cgroups()
+        assert procs["ours"].wait(timeout=30) == -9   # a launch of ours that is over
+        assert procs["other"].poll() is None, "another daemon's engine was killed"
+
+        def cleaned() -> bool:
+            sup.clean_cgroups()   # each sweep's: removed once empty
+            return sup.cgroups is not None and sup.cgroups.existing() == []
+        wait_until(cleaned, 30, what="our leftover cgroup to be removed")
+        assert procs["other"].poll() is None
     finally:
         for proc in procs.values():
             proc.kill()

@@ -204,7 +204,7 @@ class Daemon:
         try:
             if root is None:
                 raise CgroupError(why)
-            cgroups = CgroupManager(root)
+            cgroups = CgroupManager(root, self.supervisor.state_tag)
             cgroups.prepare()
         except CgroupError as exc:
             if mode == "cgroup":

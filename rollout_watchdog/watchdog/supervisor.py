@@ -60,10 +60,10 @@ class Supervisor:
         self.node_id = config.node_id
         self.boot_id = boot_id
         self.state_dir = Path(config.state_dir)
-        # The node part of the markers: the node id, and the state dir, which tells two
-        # daemons on one host apart (each adopts, and kills, only what its state dir launched).
-        self.marker_node = (f"{self.node_id}:"
-                            + hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:8])
+        # The state dir's tag tells two daemons on one host apart (each adopts, and kills, only
+        # what its state dir launched): in the node part of the markers, in cgroup names.
+        self.state_tag = hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
+        self.marker_node = f"{self.node_id}:{self.state_tag}"
         # Set here, not when the daemon starts running: a sweep or a kill before that (an
         # embedded daemon, a test) must not look for escapees with no prefix at all.
         tracker.marker_prefix = marker_prefix(self.marker_node)
