@@ -52,7 +52,7 @@ from rollout_watchdog.watchdog.cgroup import CgroupManager, probe_delegated_root
 sys.stdin.readline()
 root, why = probe_delegated_root()
 assert root is not None, why
-cgroups = CgroupManager(root)
+cgroups = CgroupManager(root, "o1")
 cgroups.prepare()
 path = cgroups.create("e0", 1, "t0")
 engine = subprocess.Popen(cgroups.command(path, [sys.executable, "-c", sys.argv[1]]),
@@ -108,15 +108,16 @@ def test_cgroup_kill_takes_the_whole_incarnation(test_cgroup: Path) -> None:
         main, child, helper = (int(str(info[k])) for k in ("main", "child", "helper"))
         assert Path(str(info["root"])) == test_cgroup
         assert str(info["own"]).endswith(f"/{test_cgroup.name}/{DAEMON_LEAF}\n")
-        assert path == test_cgroup / "engine-e0-1-t0"
-        assert CgroupManager(test_cgroup).existing() == [path]
+        assert path == test_cgroup / "engine-e0-1-t0-o1"
+        assert CgroupManager(test_cgroup, "o1").existing() == [path]
+        assert CgroupManager(test_cgroup, "o2").existing() == []  # another daemon's
         # The helper left the engine's session and its parent died; the kernel still has it.
         assert os.getsid(helper) != os.getsid(main)
         wait_until(lambda: CgroupManager.pids(path) == sorted((main, child, helper)), 10,
                    what="exactly the engine's three processes in its cgroup")
         assert CgroupManager.populated(path)
         with pytest.raises(CgroupError, match="already holds processes"):
-            CgroupManager(test_cgroup).create("e0", 1, "t0")
+            CgroupManager(test_cgroup, "o1").create("e0", 1, "t0")
 
         killed = ask()
         assert killed["killed"] is True
@@ -156,13 +157,17 @@ def test_parsing_and_fallback(tmp_path: Path) -> None:
     assert cgroup_dir(mount, "/x", "/xy/a") is None
 
     assert mode_of(None) == MODE_SUBREAPER
-    assert mode_of(CgroupManager(tmp_path)) == MODE_CGROUP
+    assert mode_of(CgroupManager(tmp_path, "o1")) == MODE_CGROUP
     assert not CgroupManager.populated(tmp_path / "gone")
     assert CgroupManager.pids(tmp_path / "gone") == []
-    for name in ("engine-e0-1-t0", "engine-a-b-12-t1", "daemon", "other"):
+    for name in ("engine-e0-1-t0-o1", "engine-a-b-12-t1-o1", "engine-e0-1-t0-o2", "daemon",
+                 "other"):
         (tmp_path / name).mkdir()
-    assert sorted(CgroupManager(tmp_path).existing()) == [
-        tmp_path / "engine-a-b-12-t1", tmp_path / "engine-e0-1-t0"]
+    assert sorted(CgroupManager(tmp_path, "o1").existing()) == [
+        tmp_path / "engine-a-b-12-t1-o1", tmp_path / "engine-e0-1-t0-o1"]
+    for owner in ("", "a-b", "a/b"):
+        with pytest.raises(ValueError, match="owner"):
+            CgroupManager(tmp_path, owner)
     with pytest.raises(FileNotFoundError):
         CgroupManager.command(tmp_path, ["no-such-engine-binary"], {"PATH": "/usr/bin"})
     # Where the join fails (here: the cgroup is gone), the command must not run at all.

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from daemon_harness import EngineSpec, Node, pid_gone, wait_for
 
-from rollout_watchdog.watchdog.containment import read_marker
+from rollout_watchdog.watchdog.containment import marker_prefix, parse_marker, read_marker
 
 # An engine watched by liveness alone. On SIGUSR1 it leaves a helper behind: a double fork, the
 # middle process in a new session exits at once, so the helper is nobody's descendant any more
@@ -105,6 +105,9 @@ def test_a_helper_that_daemonizes_just_before_the_sigkill_is_gone_before_the_rel
         make_node: Any, tmp_path: Path) -> None:
     node = make_node([escaper(tmp_path)], probe=SLOW_SWEEP).start()
     assert node.status()["containment"] == "subreaper"
+    # this daemon's markers (node id and state dir): other tests' daemons are test-node too
+    ours = parse_marker(read_marker(node.wait_state("e0", "healthy")["pid"]) or "")
+    assert ours is not None
     helper, group = escape_then_kill_main(node, tmp_path)
     assert_gone_before_relaunch(node, helper, group, incarnation=1)
     # and the daemon's stop leaves no process of any incarnation behind
@@ -112,7 +115,7 @@ def test_a_helper_that_daemonizes_just_before_the_sigkill_is_gone_before_the_rel
     node.wait_state("e0", "healthy", incarnation=3)
     assert node.stop_daemon() == 0
     assert pid_gone(again)
-    assert marked_processes("test-node:") == []
+    assert marked_processes(marker_prefix(ours.node_id)) == []
 
 
 @pytest.mark.parametrize("how", [signal.SIGUSR1, signal.SIGUSR2],

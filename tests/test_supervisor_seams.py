@@ -8,6 +8,7 @@ import errno
 import os
 import random
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from daemon_harness import run_command
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.config import parse_config
-from rollout_watchdog.emulator.testing import free_port
+from rollout_watchdog.emulator.testing import free_port, wait_until
 from rollout_watchdog.watchdog import statefile, timers
 from rollout_watchdog.watchdog.adoption import adopt, record_of
+from rollout_watchdog.watchdog.cgroup import CgroupManager
+from rollout_watchdog.watchdog.containment import marker_value, read_marker, with_marker
 from rollout_watchdog.watchdog.daemon import Daemon
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob, Pause
 from rollout_watchdog.watchdog.policy import long_lived
@@ -32,6 +35,7 @@ from rollout_watchdog.watchdog.process import (
     ProcKey,
     ProcStat,
     proc_key,
+    process_table,
 )
 from rollout_watchdog.watchdog.statefile import DERIVED, EngineRecord, load_state, save_state
 from rollout_watchdog.watchdog.timers import Timer, engine_timers
@@ -356,6 +360,84 @@ def test_an_escapee_caught_mid_exec_is_looked_at_again() -> None:
     ops.markers[300] = "node-a/e0/1/b"
     assert tracker.escapees(table) == [(table[300], "node-a/e0/1/b")]
     assert sorted(ops.reads) == [2, 300, 300, 301]
+
+
+def test_a_tracker_without_its_node_prefix_finds_no_escapees() -> None:
+    """An empty prefix matches every marker on the host: every other daemon's engines would be
+    escapees, and killed. Until the node's prefix is set, nothing is one."""
+    ops = Environs({300: "node-b:0123abcd/e0/1/b"})
+    tracker = ProcessTracker({}, zmq.Poller(), ops, lambda e, k: None)
+    table = {300: ProcStat(300, b"S", 1, 300, 300.0, "python")}
+    assert tracker.escapees(table) == []
+
+
+class OnlyThese(ProcessOps):
+    """The real OS, but a process table that holds only the test's own processes: whatever the
+    code under test decides to kill, nothing else on the host is within its reach."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+
+    def process_table(self) -> dict[int, ProcStat]:  # type: ignore[override]
+        return {pid: s for pid, s in process_table().items() if pid in self.pids}
+
+
+def test_a_daemon_not_yet_running_kills_only_escapees_of_its_own_node(tmp_path: Path) -> None:
+    """A daemon built but not run (embedded, as in these tests) kills an escapee only by a
+    marker of its own node and state dir. It once had no prefix until `run` set it, and took
+    every marked process on the host for a stale one of its own: while the suite ran, an
+    engine kill in one test SIGKILLed the engines of every other daemon on the machine."""
+    ops = OnlyThese()
+    sup = make_daemon(tmp_path, ops=ops).supervisor
+    stale = marker_value(sup.marker_node, "e0", 1, "0ldb00t")   # ours, an incarnation over
+    other = marker_value(f"{sup.node_id}:0123abcd", "e0", 1, "b")  # same node id, other dir
+    procs = {marker: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                      env=with_marker(os.environ, marker))
+             for marker in (stale, other)}
+    try:
+        ops.pids.update(p.pid for p in procs.values())
+        wait_until(lambda: all(read_marker(p.pid) == m for m, p in procs.items()), 30,
+                   what="both markers to be readable")
+        sup.take_in_escapees(ops.process_table())
+        assert procs[stale].wait(timeout=30) == -9
+        assert procs[other].poll() is None, "another daemon's engine was killed"
+        killed = [e.detail for _, e in sup.events.since(0) if e.kind == "escapee_killed"]
+        assert killed == [f"SIGKILL to pid(s) [{procs[stale].pid}]: marked {stale}, an "
+                          "incarnation that is over"]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_leftover_cgroups_of_another_daemon_under_the_same_root_are_not_killed(
+        tmp_path: Path, test_cgroup: Path) -> None:
+    """Two daemons in one delegated cgroup share the root of their engine cgroups. Each cleans
+    (and cgroup.kills) only the leftovers of its own state dir: the other's running engines are
+    not launches that are over."""
+    sup = make_daemon(tmp_path).supervisor
+    sup.cgroups = CgroupManager(test_cgroup, sup.state_tag)
+    other = CgroupManager(test_cgroup, "0123abcd")
+    procs = {}
+    for name, manager in (("ours", sup.cgroups), ("other", other)):
+        path = manager.create("e0", 1, "0ldb00t")
+        procs[name] = subprocess.Popen(manager.command(
+            path, [sys.executable, "-c", "import time; time.sleep(60)"]))
+        wait_until(lambda p=path: CgroupManager.populated(p), 30, what=f"{name} to join")
+    try:
+        sup.clean_cgroups()
+        assert procs["ours"].wait(timeout=30) == -9   # a launch of ours that is over
+        assert procs["other"].poll() is None, "another daemon's engine was killed"
+
+        def cleaned() -> bool:
+            sup.clean_cgroups()   # each sweep's: removed once empty
+            return sup.cgroups is not None and sup.cgroups.existing() == []
+        wait_until(cleaned, 30, what="our leftover cgroup to be removed")
+        assert procs["other"].poll() is None
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 class Exiting(ProcessOps):

@@ -8,7 +8,9 @@ Layout under the delegated root (the daemon's own cgroup when it starts)::
 
     ROOT/daemon              the daemon itself (cgroup v2 allows processes in leaves only,
                              once controllers are enabled: the "no internal processes" rule)
-    ROOT/engine-ID-INC       one per engine incarnation
+    ROOT/engine-ID-INC-TOKEN-OWNER   one per engine incarnation: TOKEN the launching daemon's
+                             boot, OWNER its state dir's tag (two daemons may share a root:
+                             each kills only the leftovers of its own state dir)
 
 Where no delegated cgroup v2 is usable (containers, tests, cgroup v1), the daemon falls back to
 the subreaper and the environment marker (containment.py): ``mode_of`` names the mode in force.
@@ -128,14 +130,17 @@ class CgroupManager:
 
     mode = MODE_CGROUP
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, owner: str) -> None:
+        if not owner or "/" in owner or "-" in owner:
+            raise ValueError(f"cgroup owner {owner!r} must be non-empty, without '/' or '-'")
         self.root = root
+        self.owner = owner   # the state dir's tag: which engine cgroups under root are ours
 
     @classmethod
-    def detect(cls) -> CgroupManager | None:
+    def detect(cls, owner: str) -> CgroupManager | None:
         """A manager for the delegated root, or None: the subreaper fallback is then in force."""
         root = detect_delegated_root()
-        return cls(root) if root is not None else None
+        return cls(root, owner) if root is not None else None
 
     def prepare(self) -> None:
         """Move this process into ROOT/daemon, so that engine cgroups can sit beside it."""
@@ -148,8 +153,8 @@ class CgroupManager:
 
     def path(self, engine_id: str, incarnation: int, token: str) -> Path:
         """Where this launch's cgroup is: named by engine, incarnation and the launching
-        daemon's token, so that two daemons' launches never share one."""
-        return self.root / f"{ENGINE_PREFIX}{engine_id}-{incarnation}-{token}"
+        daemon's token and owner, so that two daemons' launches never share one."""
+        return self.root / f"{ENGINE_PREFIX}{engine_id}-{incarnation}-{token}-{self.owner}"
 
     def create(self, engine_id: str, incarnation: int, token: str) -> Path:
         """The empty cgroup for this launch (CgroupError if it already holds processes)."""
@@ -163,13 +168,15 @@ class CgroupManager:
         return path
 
     def existing(self) -> list[Path]:
-        """Every engine cgroup under the root: after a daemon restart, those of adopted engines
-        and of copies that were never recorded."""
+        """Every engine cgroup of this owner under the root: after a daemon restart, those of
+        adopted engines and of copies that were never recorded. Another daemon's under the
+        same root (two daemons in one delegated cgroup) are not ours to clean, nor to kill."""
         try:
             entries = list(os.scandir(self.root))
         except OSError as exc:
             raise CgroupError(f"cannot list {self.root}: {exc.strerror}") from exc
-        return [Path(e.path) for e in entries if e.name.startswith(ENGINE_PREFIX) and e.is_dir()]
+        return [Path(e.path) for e in entries if e.name.startswith(ENGINE_PREFIX)
+                and e.name.endswith(f"-{self.owner}") and e.is_dir()]
 
     @staticmethod
     def command(path: Path, argv: list[str], env: dict[str, str] | None = None) -> list[str]:

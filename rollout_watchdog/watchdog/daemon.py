@@ -33,11 +33,7 @@ from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.logs import dropped_log_lines
 from rollout_watchdog.watchdog import adoption, launched, timers
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, probe_delegated_root
-from rollout_watchdog.watchdog.containment import (
-    marker_prefix,
-    reap_children,
-    set_child_subreaper,
-)
+from rollout_watchdog.watchdog.containment import reap_children, set_child_subreaper
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime
 from rollout_watchdog.watchdog.enginelog import LogRotator, engine_log_path
 from rollout_watchdog.watchdog.gpu import GpuInspector, make_inspector
@@ -201,7 +197,6 @@ class Daemon:
         if not set_child_subreaper():
             log.warning("cannot become a child subreaper: processes that leave an engine's tree "
                         "are found by their marker alone")
-        self.tracker.marker_prefix = marker_prefix(self.supervisor.marker_node)
         mode = self.config.containment
         if mode == "subreaper" or (mode == "auto" and not os.environ.get("INVOCATION_ID")):
             return
@@ -209,7 +204,7 @@ class Daemon:
         try:
             if root is None:
                 raise CgroupError(why)
-            cgroups = CgroupManager(root)
+            cgroups = CgroupManager(root, self.supervisor.state_tag)
             cgroups.prepare()
         except CgroupError as exc:
             if mode == "cgroup":

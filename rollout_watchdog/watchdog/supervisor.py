@@ -25,7 +25,12 @@ from rollout_watchdog.common.states import Cause, EngineState, check_transition
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, mode_of
-from rollout_watchdog.watchdog.containment import marker_value, parse_marker, with_marker
+from rollout_watchdog.watchdog.containment import (
+    marker_prefix,
+    marker_value,
+    parse_marker,
+    with_marker,
+)
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
 from rollout_watchdog.watchdog.engine_env import engine_environment
 from rollout_watchdog.watchdog.enginelog import open_engine_output
@@ -55,10 +60,13 @@ class Supervisor:
         self.node_id = config.node_id
         self.boot_id = boot_id
         self.state_dir = Path(config.state_dir)
-        # The node part of the markers: the node id, and the state dir, which tells two
-        # daemons on one host apart (each adopts, and kills, only what its state dir launched).
-        self.marker_node = (f"{self.node_id}:"
-                            + hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:8])
+        # The state dir's tag tells two daemons on one host apart (each adopts, and kills, only
+        # what its state dir launched): in the node part of the markers, in cgroup names.
+        self.state_tag = hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
+        self.marker_node = f"{self.node_id}:{self.state_tag}"
+        # Set here, not when the daemon starts running: a sweep or a kill before that (an
+        # embedded daemon, a test) must not look for escapees with no prefix at all.
+        tracker.marker_prefix = marker_prefix(self.marker_node)
         self.engines: dict[str, EngineRuntime] = tracker.engines
         self.publisher = publisher
         self.events = events

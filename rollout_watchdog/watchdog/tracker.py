@@ -52,7 +52,9 @@ class ProcessTracker:
         self.polled: dict[ProcKey, str] = {}       # processes watched without a pidfd
         self.next_poll = 0.0
         self._live_groups: set[int] | None = None
-        self.marker_prefix = ""                    # this node's markers, set by the daemon
+        # This node's markers ("node:statedir-hash/"), set by the supervisor. Until then, none:
+        # "" would match every marker on the host, every other daemon's engines included.
+        self.marker_prefix = ""
         self._unmarked: set[ProcKey] = set()       # processes looked at: no marker of ours
 
     def new_turn(self) -> None:
@@ -190,7 +192,10 @@ class ProcessTracker:
         """Processes outside every engine tree we know that carry a marker of this node (they
         left a tree: a double fork, a new session, a parent that died), each with its marker.
         A process is looked at once in its life: unmarked ones are remembered as such, but not
-        one whose environment reads empty (caught mid-exec, it would escape for good)."""
+        one whose environment reads empty (caught mid-exec, it would escape for good).
+        With no prefix set, none: nothing is provably this node's, and every escapee is killed."""
+        if not self.marker_prefix:
+            return []
         known: set[ProcKey] = set()
         for engine in self.engines.values():
             known.update(engine.procs)
