@@ -267,7 +267,7 @@ def run_ours(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
         fleet = rw_ray.start(namespace=NAMESPACE, router_url=router_url)
         try:
             ray_grpo.launch_engines(fleet, spec_file, args.engines, engine_options(args))
-            trainer = ray_grpo.Trainer.remote(fleet)  # type: ignore[attr-defined]
+            trainer = ray_grpo.start_trainer(fleet)
             ray.get(trainer.refit.remote("0"))
             weights = ray_grpo.Weights()
             say(f"ours: {args.engines} engines launched by the watchdogs, refit v0 committed")

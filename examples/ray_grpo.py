@@ -53,6 +53,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from torch import nn
 
 import rollout_watchdog.ray as rw_ray
@@ -126,6 +127,13 @@ class Trainer(Learner):
             except NoMembers:
                 self.fleet.wait_until(lambda v: any(e.state == "healthy" for e in v), 300.0)
         raise RuntimeError(f"refit {version} failed {attempts} times")
+
+
+def start_trainer(fleet: FleetClient) -> Any:
+    """The trainer actor on this (the head) node, which the churn never removes; the client
+    travels to it pickled."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Trainer.options(scheduling_strategy=here).remote(fleet)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------- rollouts
@@ -369,7 +377,7 @@ def main() -> int:
             fleet = rw_ray.start(namespace=NAMESPACE, router_url=router_url)
             say("fleet started: coordinator and a watchdog on every Ray node")
             launch_engines(fleet, spec_file)
-            trainer = Trainer.remote(fleet)        # the client travels pickled
+            trainer = start_trainer(fleet)
             ray.get(trainer.refit.remote("0"))     # every engine at the trainer's weights
             say("refit v0 committed: the run begins")
             tally, clean, weights = Tally(), Tally(), Weights()

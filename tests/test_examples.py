@@ -70,7 +70,7 @@ def test_the_ray_grpo_loop_runs_under_churn_with_no_stale_response() -> None:
     done = subprocess.run([sys.executable, str(EXAMPLES / "ray_grpo.py"), "--clean-steps", "2"],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     out = done.stdout
-    assert done.returncode == 0, (out[-3000:], done.stderr[-3000:])
+    assert done.returncode == 0, f"{out[-3000:]}\n---- stderr\n{done.stderr[-3000:]}"
     assert len(re.findall(r"launched \w{8}/e\d on node", out)) == 6, out
     for fault in (r"churn: SIGKILL to engine \w{8}/e\d", r"churn: ray\.kill of watchdog actor",
                   r"churn: Ray node \w{8} removed"):
