@@ -160,8 +160,19 @@ class Side:
 
 
 def phases(side: Side, args: argparse.Namespace, victims: Callable[[], dict[str, int]],
-           run: Callable[[range, Tally], None]) -> None:
-    """The clean steps, then the churn steps with the injector on."""
+           step: Callable[[int, Tally], None]) -> None:
+    """The clean steps, then the churn steps with the injector on; `--side-limit` stops a
+    phase that runs longer (its steps not run are counted as skipped)."""
+    def run(steps: range, tally: Tally) -> None:
+        deadline = time.monotonic() + args.side_limit
+        for number in steps:
+            if time.monotonic() > deadline:
+                say(f"{side.name}: --side-limit {args.side_limit:g} s reached; steps "
+                    f"{number}-{steps.stop - 1} not run")
+                side.skipped += steps.stop - number
+                return
+            step(number, tally)
+
     first = 1 + args.clean_steps
     started = time.monotonic()
     run(range(1, first), side.clean)
@@ -199,17 +210,10 @@ def run_today(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
             side.after.append((step, time.monotonic(),
                                current(list(pool.urls().values()), str(step))))
 
-        def run(steps: range, tally: Tally) -> None:
-            deadline = time.monotonic() + args.side_limit
-            for step in steps:
-                if time.monotonic() > deadline:
-                    say(f"today's: --side-limit {args.side_limit:g} s reached; steps "
-                        f"{step}-{steps.stop - 1} not run")
-                    side.skipped += steps.stop - step
-                    return
-                today_step(step, pool, monitor, trainer, lock, tally)
-                after(step)
-        phases(side, args, pool.pids, run)
+        def step(number: int, tally: Tally) -> None:
+            today_step(number, pool, monitor, trainer, lock, tally)
+            after(number)
+        phases(side, args, pool.pids, step)
     finally:
         monitor.stop_event.set()
         live = set(pool.pids().values())
@@ -280,17 +284,10 @@ def run_ours(args: argparse.Namespace, spec_file: Path, workdir: Path) -> Side:
                 urls = [e.url for e in fleet.engines() if e.reachable and e.serving]
                 side.after.append((step, time.monotonic(), current(urls, weights.committed)))
 
-            def run(steps: range, tally: Tally) -> None:
-                deadline = time.monotonic() + args.side_limit
-                for step in steps:
-                    if time.monotonic() > deadline:
-                        say(f"ours: --side-limit {args.side_limit:g} s reached; steps "
-                            f"{step}-{steps.stop - 1} not run")
-                        side.skipped += steps.stop - step
-                        return
-                    ray_grpo.run_steps(fleet, trainer, router_url, range(step, step + 1), {},
-                                       tally, weights, after)
-            phases(side, args, victims, run)
+            def step(number: int, tally: Tally) -> None:
+                ray_grpo.run_steps(fleet, trainer, router_url, range(number, number + 1), {},
+                                   tally, weights, after)
+            phases(side, args, victims, step)
         finally:
             rw_ray.shutdown(namespace=NAMESPACE)
     return side
