@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import requests
 
-from rollout_watchdog.emulator import build_parser, testing
+from rollout_watchdog.common import ports
+from rollout_watchdog.emulator import build_parser
 from rollout_watchdog.emulator.testing import (
     emulator_info,
     free_port,
@@ -427,7 +428,7 @@ def test_pytest_xdist_workers_pick_ports_from_slices_of_their_own(
     for worker in ("gw0", "gw1"):
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
-        slices.append(testing._port_range())
+        slices.append(ports._port_range())
         assert all(slices[-1][0] <= free_port() <= slices[-1][1] for _ in range(20))
     (low0, top0), (low1, top1) = slices
     assert low0 <= top0 < low1 <= top1

@@ -28,8 +28,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.keys import keygen, load_keypair, load_public
+from rollout_watchdog.common.ports import free_port
 from rollout_watchdog.common.validate import check_engine_id
-from rollout_watchdog.emulator.testing import free_port  # below the ephemeral range
 from rollout_watchdog.ray import daemon_process
 from rollout_watchdog.ray.layout import NodeLayout, node_config, tcp_endpoint, to_toml
 from rollout_watchdog.ray.runtime import alive_nodes, node_ip, ray_dirs, remote
