@@ -43,6 +43,7 @@ from rollout_watchdog.refit_bridge.refit_state import (
     Phase,
     RefitGuard,
     Snapshot,
+    failure_of,
     translate,
 )
 from rollout_watchdog.refit_bridge.service import RefitService
@@ -535,3 +536,15 @@ def test_the_guides_retry_loop_retries_what_a_retry_can_mend_and_raises_the_rest
         with pytest.raises(type(failure)):
             scope["refit"]("7", lambda: [])
         assert fleet.attempts == 1
+
+
+def test_a_member_its_watchdog_saw_die_is_named_before_the_survivors_lost_with_it() -> None:
+    """A death breaks the collective: the survivors' update calls may fail, and be lost, before
+    the guard hears of the death; the dead one is still the one EngineLost names first."""
+    guard = RefitGuard()
+    guard.lose([(("n0", "e0", 1), "gone: broken pipe"), (("n0", "e2", 1), "gone: reset")])
+    guard.lose([(("n0", "e1", 1), "state stopping (exited)")], seen=True)
+    error = failure_of(guard.snapshot(), "v1", 60.0)
+    assert isinstance(error, EngineLost)
+    assert error.lost == [("n0", "e1", 1), ("n0", "e0", 1), ("n0", "e2", 1)]
+    assert (error.node_id, error.engine, error.incarnation) == ("n0", "e1", 1)

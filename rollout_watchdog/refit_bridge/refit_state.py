@@ -82,6 +82,7 @@ class RefitGuard:
         # Under _lock:
         self._phase = Phase.NEW
         self._lost: dict[Member, str] = {}
+        self._seen: set[Member] = set()   # lost as their watchdog saw them go (they die first)
         self._lease_lost: str | None = None
         self._expired = False
         self._guard_failed: str | None = None
@@ -89,7 +90,10 @@ class RefitGuard:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            return Snapshot(self._phase, dict(self._lost), self._lease_lost, self._expired,
+            # Who their watchdog saw go comes first: a member's death breaks the collective,
+            # and the survivors' calls may fail (and be lost too) before the death is heard.
+            lost = sorted(self._lost.items(), key=lambda item: item[0] not in self._seen)
+            return Snapshot(self._phase, dict(lost), self._lease_lost, self._expired,
                             self._guard_failed)
 
     @property
@@ -108,10 +112,14 @@ class RefitGuard:
 
     # ---- failures: each returns the group to abort (outside the lock), if any
 
-    def lose(self, members: Iterable[tuple[Member, str]]) -> WeightUpdateGroup | None:
+    def lose(self, members: Iterable[tuple[Member, str]], *, seen: bool = False
+             ) -> WeightUpdateGroup | None:
+        """Members lost, with why; `seen`: their watchdog saw them go (the fleet's events)."""
         with self._lock:
             for member, why in members:
                 self._lost.setdefault(member, why)
+                if seen:
+                    self._seen.add(member)
             return self._to_abort()
 
     def lose_lease(self, why: str) -> WeightUpdateGroup | None:

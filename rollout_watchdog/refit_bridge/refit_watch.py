@@ -145,7 +145,7 @@ class RefitWatch:
         if gone or replaced:
             why = f"{event.kind} {event.to or ''} ({event.cause or event.detail})".strip()
             member = (engine.node_id, engine.id, engine.incarnation)
-            self._abort_group(self.state.lose([(member, why)]),
+            self._abort_group(self.state.lose([(member, why)], seen=True),
                               f"{engine.name} (incarnation {engine.incarnation}): {why}")
 
     def _renew(self) -> None:
