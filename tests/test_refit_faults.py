@@ -41,6 +41,8 @@ def test_an_engine_killed_mid_broadcast_is_named_and_the_retry_goes_on_without_i
         refit.update_weights(killing(1), bucket_bytes=1)   # a bucket per tensor
     # The dead engine is named first. A survivor may be stuck in the broken broadcast (in
     # gloo's tree it waits on the dead one): then it is lost too, as wedged, and restarted.
+    # One whose call broke (its connection cut when the collective failed) is lost, not
+    # restarted: alive and stale, it is a member of the next refit.
     assert lost.value.lost[0] == ("node0", "e1", victim.incarnation), lost.value
     assert (lost.value.node_id, lost.value.engine) == ("node0", "e1")
     wedged = lost.value.lost[1:]
@@ -49,9 +51,11 @@ def test_an_engine_killed_mid_broadcast_is_named_and_the_retry_goes_on_without_i
     assert not any(e.serving for e in fleet.engines()       # every member is stale now
                    if (e.node_id, e.id, e.incarnation) in members)
     fleet.wait_until(lambda v: all(
-        any(e.id == engine and e.incarnation > incarnation and e.state == "healthy"
-            and (e.last_failure or {}).get("cause") == "refit_wedged" for e in v)
+        any(e.id == engine and e.state == "healthy" and (
+            e.incarnation == incarnation or e.incarnation > incarnation
+            and (e.last_failure or {}).get("cause") == "refit_wedged") for e in v)
         for _, engine, incarnation in wedged), 90)
+    fleet.wait_until(all_healthy(3), 90)   # the relaunched ones too: each a member of v2
 
     with fleet.refit("v2", backend="gloo", timeout_s=120) as refit:
         assert ("node0", "e1", victim.incarnation) not in {
