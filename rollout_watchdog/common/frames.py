@@ -4,8 +4,8 @@ them to it), with what the frames share encoded once."""
 
 from __future__ import annotations
 
+from rollout_watchdog.common.json_frame import _ENCODER
 from rollout_watchdog.common.protocol import (
-    _ENCODER,
     MAJOR,
     MAX_MESSAGE_BYTES,
     MINOR,

@@ -87,11 +87,13 @@ problem; it never raises anything else, so a receiver can drop and count bad inp
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, TypeAlias, TypeVar
+
+from rollout_watchdog.common.json_frame import _ENCODER, parse
+from rollout_watchdog.common.json_frame import ProtocolError as ProtocolError  # its home
 
 MAJOR = 1
 MINOR = 3
@@ -125,9 +127,6 @@ CODES = (LOCK_HELD, LEASE_LOST, BAD_ARGS, UNKNOWN_COMMAND, UNKNOWN_NODE, NODE_UN
          NODE_ERRORS, NOT_SAVED, TOO_BIG, INTERNAL)
 MAX_CODE_CHARS = 64
 
-
-class ProtocolError(ValueError):
-    """A message that is not valid under this protocol; the text says what is wrong."""
 
 
 def _fail(kind: str, name: str, expected: str, value: object) -> ProtocolError:
@@ -370,11 +369,9 @@ def plain_events(obj: object) -> PlainEvents | None:
 
 def _plain_event_message(item: dict[str, Any], get: Callable[[str], Any]) -> bool:
     """Whether `item` (with its `get`) plainly is a whole valid "event" message."""
-    version = get("v")
-    return (get("kind") == Event.KIND and type(version) is list and len(version) == 2
-            and version[0] == MAJOR and type(version[0]) is int and type(version[1]) is int
-            and version[1] >= 0 and _plain_event(get("node_id"), get("boot"), get("seq"),
-                                                 get("event"), get("engine_status")))
+    return (get("kind") == Event.KIND and _plain_version(get("v"))
+            and _plain_event(get("node_id"), get("boot"), get("seq"), get("event"),
+                             get("engine_status")))
 
 
 @dataclass(frozen=True)
@@ -534,25 +531,6 @@ def encode(msg: Message) -> bytes:
     return data
 
 
-def _parse_float(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise ProtocolError(f"non-finite number {text[:40]!r}")
-    return number
-
-
-def _parse_constant(text: str) -> Any:
-    raise ProtocolError(f"non-finite number {text!r}")
-
-
-# One decoder, built once (json.loads with hooks builds one per call). Floats are checked as
-# they are parsed: 1e999 would otherwise become infinity, which JSON cannot carry onwards.
-_DECODER = json.JSONDecoder(parse_float=_parse_float, parse_constant=_parse_constant)
-# Messages are made by this package: no cycles to look for (a RecursionError says so anyway).
-_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
-_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), check_circular=False)
-
-
 def from_json(obj: object) -> Message:
     """The message in an already-parsed JSON value: envelope checked, then its kind's fields."""
     if not isinstance(obj, dict):
@@ -576,12 +554,12 @@ def from_json(obj: object) -> Message:
 
 def decode(data: bytes) -> Message:
     """The message in one frame; ProtocolError (and nothing else) for anything invalid."""
-    return _message(_parse(data))
+    return _message(parse(data, MAX_MESSAGE_BYTES))
 
 
 def decode_plain(data: bytes) -> Message | PlainEvents:
     """decode(), but a plain "events" message as PlainEvents (the coordinator's hot path)."""
-    obj = _parse(data)
+    obj = parse(data, MAX_MESSAGE_BYTES)
     return plain_events(obj) or _message(obj)
 
 
@@ -590,35 +568,3 @@ def _message(obj: object) -> Message:
         return from_json(obj)
     except RecursionError:  # showing a deeply nested value in a refusal
         raise ProtocolError("JSON nested too deeply") from None
-
-
-def _parse(data: bytes) -> object:
-    """The JSON value in a frame, numbers checked; ProtocolError for anything else."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of "
-                            f"{MAX_MESSAGE_BYTES} bytes")
-    try:
-        text = bytes(data).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(f"not UTF-8: {exc.reason} at byte {exc.start}") from None
-    try:
-        obj = _loads(text)
-    except ProtocolError:
-        raise
-    except RecursionError:
-        raise ProtocolError("JSON nested too deeply") from None
-    except ValueError as exc:
-        if "integer string conversion" in str(exc):  # Python's own limit, 4300 digits
-            raise ProtocolError("an integer does not fit in 64 bits") from None
-        raise ProtocolError(f"not JSON: {exc}") from None
-    return obj
-
-
-def _loads(text: str) -> object:
-    """_DECODER.decode(text), with the C scanner called directly for a frame as this package
-    writes it (no whitespace around the value: a third less time on a heartbeat)."""
-    try:
-        obj, end = _SCAN(text, 0)
-    except StopIteration:   # no value at 0: the decoder skips blanks, or says what is wrong
-        return _DECODER.decode(text)
-    return obj if end == len(text) else _DECODER.decode(text)
