@@ -251,14 +251,10 @@ def today_step(step: int, pool: EnginePool, monitor: RayMonitor, trainer: Any, l
         say(f"today's step {step} FAILED after {time.monotonic() - started:.1f} s: "
             f"{str(exc).strip().splitlines()[-1][:400]}")
         return
-    tally.steps += 1
-    tally.rollouts += len(rollouts)
-    tally.stale += len(stale)
-    tally.step_s.append(time.monotonic() - started)
+    took = tally.completed(len(rollouts), len(stale), started)
     say(f"today's step {step}: {len(rollouts)} rollouts at v{version}"
         f"{f', {len(stale)} STALE' if stale else ''}, refit v{step}"
-        f"{f' after booting {len(recovered)} engine(s)' if recovered else ''}, "
-        f"{tally.step_s[-1]:.2f} s")
+        f"{f' after booting {len(recovered)} engine(s)' if recovered else ''}, {took:.2f} s")
 
 
 # ---------------------------------------------------------------------------------- ours

@@ -218,6 +218,14 @@ class Tally:
     stale: int = 0
     step_s: list[float] = field(default_factory=list)
 
+    def completed(self, rollouts: int, stale: int, started: float) -> float:
+        """Count a completed step begun at `started` (monotonic); its duration."""
+        self.steps += 1
+        self.rollouts += rollouts
+        self.stale += stale
+        self.step_s.append(time.monotonic() - started)
+        return self.step_s[-1]
+
 
 @dataclass
 class Weights:
@@ -253,14 +261,11 @@ def run_steps(fleet: FleetClient, trainer: Any, router_url: str, steps: range,
             tally.failed_steps += 1
             say(f"step {step} FAILED: {exc!r}")
         else:
-            tally.steps += 1
-            tally.rollouts += len(rollouts)
-            tally.stale += len(stale)
-            tally.step_s.append(time.monotonic() - started)
+            took = tally.completed(len(rollouts), len(stale), started)
             say(f"step {step}: {len(rollouts)} rollouts at v{version}"
                 f"{f', {len(stale)} STALE: {stale}' if stale else ''}, loss {loss:.3f}, "
                 f"refit v{step} committed ({attempts} attempt(s)), "
-                f"{tally.step_s[-1]:.2f} s; {describe(fleet.engines())}")
+                f"{took:.2f} s; {describe(fleet.engines())}")
         if after_step is not None:
             after_step(step)
 
