@@ -216,10 +216,10 @@ def seqs_in(frames: list[bytes]) -> list[tuple[str, int]]:
     return out
 
 
-def test_batches_go_out_as_they_came_spliced_or_one_by_one_as_each_client_takes_them() -> None:
-    """A node's batch goes as its own frame to a client taking batches that lacks all of it;
-    one resumed mid-batch gets the rest, spliced with the next events into one frame; a client
-    without batches gets each event alone."""
+def test_batches_are_spliced_whole_or_split_as_each_client_takes_them() -> None:
+    """A client taking batches that lacks all of a node's batch gets its events spliced, with
+    what follows, into one frame (no event encoded); one resumed mid-batch gets the rest, spliced
+    likewise; a client without batches gets each event alone."""
     batch = node_batch("n1", range(1, 5))
     alone = [Relayed("n2", "b1", s, protocol.encode(protocol.Event("n2", "b1", s, {})))
              for s in (1, 2)]
@@ -228,14 +228,43 @@ def test_batches_go_out_as_they_came_spliced_or_one_by_one_as_each_client_takes_
     relay.subscribe(B, Subscribe({"n1": ResumePoint("b1", 2)}, batches=True), T0)
     relay.subscribe(C, Subscribe({}), T0)                          # no batches
     assert relay.pump(clients.send, T0) is False
-    assert batch[0].batch is not None and clients.got[A][0] == batch[0].batch.frame
-    assert len(clients.got[A]) == 2                              # the batch, then n2's two
+    assert len(clients.got[A]) == 1                              # n1's batch and n2's two
     assert len(clients.got[B]) == 1                              # n1 3-4 and n2 1-2 spliced
     assert len(clients.got[C]) == 6
     whole = [("n1", s) for s in range(1, 5)] + [("n2", 1), ("n2", 2)]
     assert seqs_in(clients.got[A]) == whole and seqs_in(clients.got[C]) == whole
     assert seqs_in(clients.got[B]) == whole[2:]
     assert clients.got[C][:4] == frames(*batch)   # split into the events' own frames
+
+
+def test_a_fleet_wide_burst_reaches_a_client_in_few_frames() -> None:
+    """A thousand nodes' batches of 8 (a fleet-wide pause) go out joined, each frame within
+    RELAYED_BATCH_EVENTS and protocol.BATCH_BYTES, every event once and in order."""
+    batches = [node_batch(f"n{i:04d}", range(1, 9)) for i in range(1000)]
+    relay, clients = filled(*(i for batch in batches for i in batch), capacity=8000), Clients()
+    relay.subscribe(A, Subscribe({}, batches=True), T0)
+    while relay.pump(clients.send, T0):
+        pass
+    assert seqs_in(clients.got[A]) == [(f"n{i:04d}", s) for i in range(1000) for s in range(1, 9)]
+    assert len(clients.got[A]) <= 8000 // relay_module.RELAYED_BATCH_EVENTS + 10
+    assert all(len(frame) <= protocol.BATCH_BYTES for frame in clients.got[A])
+    assert all(len(protocol.decode(frame).events) <= relay_module.RELAYED_BATCH_EVENTS  # type: ignore[union-attr]
+               for frame in clients.got[A])
+
+
+def test_a_batch_of_another_protocol_version_goes_as_it_came() -> None:
+    """A node batch this package did not write (another minor version's envelope) is not
+    spliced: it goes alone, as it came, between the runs spliced around it."""
+    old_frame = protocol.encode(protocol.Events([protocol.Event("n1", "b1", s, {})
+                                                 for s in (1, 2)])).replace(
+        b'{"v":[%d,%d],"kind":"events"' % protocol.VERSION, b'{"v":[1,1],"kind":"events"', 1)
+    old = batch_items("n1", "b1", range(1, 3), old_frame)
+    relay, clients = filled(*node_batch("n0", range(1, 3)), *old, *node_batch("n2", range(1, 3))
+                            ), Clients()
+    relay.subscribe(A, Subscribe({}, batches=True), T0)
+    assert relay.pump(clients.send, T0) is False
+    assert len(clients.got[A]) == 3 and clients.got[A][1] == old_frame
+    assert [n for n, _ in seqs_in(clients.got[A])] == ["n0", "n0", "n1", "n1", "n2", "n2"]
 
 
 def test_a_batch_is_not_forwarded_whole_past_a_clients_share(

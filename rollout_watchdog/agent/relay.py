@@ -10,9 +10,9 @@ loses events, as long as it stays within the buffer. One that falls out of it is
 by the coordinator: `gap_frame`). A resuming subscriber starts at the oldest buffered event and
 skips what its resume points say it has (docs/protocol.md, "The coordinator's side").
 
-A subscriber that set `batches` gets runs of events as "events" frames (protocol.BATCH_EVENTS
-and BATCH_BYTES at most): a node's "events" frame as it came, when it wants every event of it
-(no encoding at all), else the events' own frames spliced together. One frame per event for
+A subscriber that set `batches` gets runs of events as "events" frames (RELAYED_BATCH_EVENTS
+and protocol.BATCH_BYTES at most): the events of nodes' "events" frames it wants whole spliced
+from them (no encoding at all), others' own frames spliced in between. One frame per event for
 the others. An event that came in a node's batch is encoded on its own only when needed (a
 subscriber resumed mid-batch, one without `batches`, the journal).
 """
@@ -30,6 +30,10 @@ BUFFER_BYTES = 64 << 20
 ITEM_OVERHEAD = 200      # bytes of Python objects per buffered event, besides its frame
 SUBSCRIBER_TIMEOUT_S = 10.0
 SENDS_PER_TURN = 5_000   # per subscriber and turn: as many as a turn takes in (MESSAGES_PER_TURN)
+# The most events in one "events" frame to a subscriber (and protocol.BATCH_BYTES): nodes'
+# batches are joined, so that a fleet-wide pause is a few dozen frames to each client, not one
+# per node.
+RELAYED_BATCH_EVENTS = 256
 
 
 @dataclass(eq=False)
@@ -226,31 +230,35 @@ class Relay:
     def _next(self, sub: Subscriber, most: int) -> tuple[bytes | None, int, int]:
         """What to send `sub` next from its cursor: (frame or None when it has all of them,
         how many events the frame holds, the cursor after them)."""
-        packed = frames.EventsFrame(min(most, protocol.BATCH_EVENTS) if sub.batches else 1,
-                                      protocol.BATCH_BYTES)
+        packed = frames.EventsFrame(min(most, RELAYED_BATCH_EVENTS) if sub.batches else 1,
+                                    protocol.BATCH_BYTES)
         index = sub.cursor
         while index < self.end:
             item = self.buffer[index - self.first]
             if sub.has(item, index):
                 index += 1
                 continue
-            if sub.batches and self._whole_batch(sub, item, index, most):
-                if packed.frames:
-                    break                          # what is packed goes first
-                assert item.batch is not None
-                return item.batch.frame, item.batch.size, index + item.batch.size
+            batch = item.batch
+            if sub.batches and self._whole_batch(sub, item, index, packed.max_events):
+                assert batch is not None
+                if packed.add_batch(batch.frame, batch.size):   # spliced in whole
+                    index += batch.size
+                    continue
+                if not packed.frames:   # a frame of another protocol version: as it came
+                    return batch.frame, batch.size, index + batch.size
+                break                   # what is packed goes first
             frame = item.frame
             if not packed.fits(frame):
                 break
             packed.add(frame)
             index += 1
-        count = len(packed.frames)
+        count = packed.count
         return (packed.take() if count else None), count, index
 
     def _whole_batch(self, sub: Subscriber, item: Relayed, index: int, most: int) -> bool:
-        """Whether `item` starts a node's batch that `sub` lacks all of, within its share."""
+        """Whether `item` starts a node's batch that `sub` lacks all of, within `most` events."""
         batch = item.batch
-        if (batch is None or item.part != 0 or batch.size > min(most, protocol.BATCH_EVENTS)
+        if (batch is None or item.part != 0 or batch.size > most
                 or len(batch.frame) > protocol.BATCH_BYTES or index + batch.size > self.end):
             return False
         if self.buffer[index + batch.size - 1 - self.first].batch is not batch:

@@ -23,27 +23,53 @@ _EVENTS_CLOSE = b"]}"
 class EventsFrame:
     """Event frames (each a whole "event" message, as encode() makes them) gathered into one
     frame without encoding them again: one frame stays itself, several become an "events"
-    message. Holds at most `max_events`, and never makes a frame over `max_bytes`."""
+    message. Holds at most `max_events`, and never makes a frame over `max_bytes`. Whole
+    "events" frames as this package writes them join too (`add_batch`): their events are
+    spliced in."""
 
     def __init__(self, max_events: int, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.max_events, self.max_bytes = max_events, max_bytes
-        self.frames: list[bytes] = []
+        self.frames: list[bytes] = []   # event frames, or runs of them joined by commas
+        self.count = 0                  # events in them
         self._size = len(_EVENTS_OPEN) + len(_EVENTS_CLOSE)
 
-    def fits(self, frame: bytes) -> bool:
-        """Whether `frame` can join (the first always can: it is a frame of its own)."""
-        return not self.frames or (len(self.frames) < self.max_events
+    def fits(self, frame: bytes, count: int = 1) -> bool:
+        """Whether `frame` (of `count` events) can join (the first always can: it is a frame
+        of its own)."""
+        return not self.frames or (self.count + count <= self.max_events
                                    and self._size + len(frame) + 1 <= self.max_bytes)
 
     def add(self, frame: bytes) -> None:
         self.frames.append(frame)
+        self.count += 1
         self._size += len(frame) + 1
+
+    def add_batch(self, frame: bytes, count: int) -> bool:
+        """Splice in the `count` events of an "events" frame with this package's envelope
+        (`batch_inner`); False, and nothing added, for any other frame or one that does not
+        fit."""
+        inner = batch_inner(frame)
+        if inner is None or not self.fits(inner, count):
+            return False
+        self.frames.append(inner)
+        self.count += count
+        self._size += len(inner) + 1
+        return True
 
     def take(self) -> bytes:
         """The frame of what was added (at least one), and empty again."""
-        frames, self.frames = self.frames, []
+        frames, count = self.frames, self.count
+        self.frames, self.count = [], 0
         self._size = len(_EVENTS_OPEN) + len(_EVENTS_CLOSE)
-        return frames[0] if len(frames) == 1 else _EVENTS_OPEN + b",".join(frames) + _EVENTS_CLOSE
+        return frames[0] if count == 1 else _EVENTS_OPEN + b",".join(frames) + _EVENTS_CLOSE
+
+
+def batch_inner(frame: bytes) -> bytes | None:
+    """The comma-joined event frames inside an "events" frame as encode() writes it at this
+    protocol version (what several such frames are spliced from), else None."""
+    if frame.startswith(_EVENTS_OPEN) and frame.endswith(_EVENTS_CLOSE):
+        return frame[len(_EVENTS_OPEN):-len(_EVENTS_CLOSE)]
+    return None
 
 
 def ack_frame(boot: str, seq: int) -> bytes:
