@@ -5,13 +5,13 @@ them to it), with what the frames share encoded once."""
 from __future__ import annotations
 
 from rollout_watchdog.common.json_frame import _ENCODER
+from rollout_watchdog.common.message_base import _check_str
 from rollout_watchdog.common.protocol import (
     MAJOR,
     MAX_MESSAGE_BYTES,
     MINOR,
     Command,
     ProtocolError,
-    _check_str,
     encode,
 )
 

@@ -87,17 +87,50 @@ problem; it never raises anything else, so a receiver can drop and count bad inp
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, ClassVar, TypeAlias, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeAlias
 
-from rollout_watchdog.common.json_frame import _ENCODER, parse
-from rollout_watchdog.common.json_frame import ProtocolError as ProtocolError  # its home
+from rollout_watchdog.common.control_messages import (
+    BAD_ARGS,
+    CODES,
+    INTERNAL,
+    LEASE_LOST,
+    LOCK_HELD,
+    MAX_CODE_CHARS,
+    NODE_ERRORS,
+    NODE_UNREACHABLE,
+    NOT_SAVED,
+    STATUSES,
+    TOO_BIG,
+    UNKNOWN_COMMAND,
+    UNKNOWN_NODE,
+    Command,
+    Reply,
+    ResumePoint,
+    Subscribe,
+)
+from rollout_watchdog.common.json_frame import _ENCODER, ProtocolError, parse
+from rollout_watchdog.common.message_base import (
+    _INT_LIMIT,
+    MAJOR,
+    MINOR,
+    VERSION,
+    _as_float,
+    _check_bool,
+    _check_int,
+    _check_object,
+    _check_str,
+    _fail,
+    _Message,
+)
 
-MAJOR = 1
-MINOR = 3
-VERSION = (MAJOR, MINOR)
+# What the modules of the messages define, and the protocol's users take from here.
+__all__ = ["BAD_ARGS", "CODES", "INTERNAL", "LEASE_LOST", "LOCK_HELD", "MAX_CODE_CHARS",
+           "NODE_ERRORS", "NODE_UNREACHABLE", "NOT_SAVED", "STATUSES", "TOO_BIG",
+           "UNKNOWN_COMMAND", "UNKNOWN_NODE", "Command", "Reply", "ResumePoint", "Subscribe",
+           "ProtocolError", "MAJOR", "MINOR", "VERSION"]
+
 MAX_MESSAGE_BYTES = 1 << 20
 # The most an "events" frame holds as this package sends it: per-frame costs are well spread
 # over 32 events, and a peer's queue of frames (high-water marks count frames) stays small.
@@ -107,113 +140,9 @@ BATCH_BYTES = 64 << 10
 # one to fit, and the coordinator refuses one over it (its relay buffer and journal hold
 # thousands of events).
 MAX_EVENT_BYTES = 64 << 10
-_INT_LIMIT = 1 << 63
 PAUSE_KINDS = ("paused", "pause_extended", "resumed", "pause_expired")
 # Events after which an engine is no longer on its node (unwatched, or out of the config)
 FORGETTING_KINDS = ("unregistered", "removed")
-STATUSES = ("ok", "error")
-# The reply's error codes (1.2), spelled out in the spec above.
-LOCK_HELD = "LOCK_HELD"
-LEASE_LOST = "LEASE_LOST"
-BAD_ARGS = "BAD_ARGS"
-UNKNOWN_COMMAND = "UNKNOWN_COMMAND"
-UNKNOWN_NODE = "UNKNOWN_NODE"
-NODE_UNREACHABLE = "NODE_UNREACHABLE"
-NODE_ERRORS = "NODE_ERRORS"
-NOT_SAVED = "NOT_SAVED"
-TOO_BIG = "TOO_BIG"
-INTERNAL = "INTERNAL"
-CODES = (LOCK_HELD, LEASE_LOST, BAD_ARGS, UNKNOWN_COMMAND, UNKNOWN_NODE, NODE_UNREACHABLE,
-         NODE_ERRORS, NOT_SAVED, TOO_BIG, INTERNAL)
-MAX_CODE_CHARS = 64
-
-
-
-def _fail(kind: str, name: str, expected: str, value: object) -> ProtocolError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return ProtocolError(f"{kind}: field {name!r} must be {expected}, got {shown}")
-
-
-def _check_str(kind: str, name: str, value: object, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, str) or not value:
-        raise _fail(kind, name, "a non-empty string", value)
-
-
-def _check_int(kind: str, name: str, value: object, minimum: int) -> None:
-    if isinstance(value, int) and value >= _INT_LIMIT:
-        raise ProtocolError(f"{kind}: field {name!r}: integer does not fit in 64 bits")
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value:
-        raise _fail(kind, name, f"an integer >= {minimum}", value)
-
-
-def _as_float(kind: str, name: str, value: object, *, positive: bool = False) -> float:
-    """A finite number as a float (JSON writes 1.0 as 1); refused otherwise."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-        if math.isfinite(number) and (number > 0 or not positive):
-            return number
-    raise _fail(kind, name, "a positive finite number" if positive else "a finite number", value)
-
-
-def _check_bool(kind: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise _fail(kind, name, "true or false", value)
-
-
-def _check_object(kind: str, name: str, value: object) -> None:
-    """A JSON object (keys from the wire are strings: JSON has no others)."""
-    if not isinstance(value, dict):
-        raise _fail(kind, name, "an object", value)
-
-
-_M = TypeVar("_M", bound="_Message")
-
-
-_FIELDS: dict[type, tuple[Field[Any], ...]] = {}
-_NAMES: dict[type, tuple[tuple[str, bool], ...]] = {}
-
-
-def _fields_of(cls: type) -> tuple[Field[Any], ...]:
-    """A message class's fields (dataclasses.fields() costs a lookup on every message)."""
-    found = _FIELDS.get(cls)
-    if found is None:
-        found = _FIELDS[cls] = fields(cls)
-    return found
-
-
-def _field_names(cls: type) -> tuple[tuple[str, bool], ...]:
-    """(name, required) of each of a message class's fields."""
-    found = _NAMES.get(cls)
-    if found is None:
-        found = _NAMES[cls] = tuple(
-            (f.name, f.default is MISSING and f.default_factory is MISSING)
-            for f in _fields_of(cls))
-    return found
-
-
-@dataclass(frozen=True)
-class _Message:
-    """Common JSON mapping: a message's fields are its JSON fields, plus "v" and "kind"."""
-
-    KIND: ClassVar[str]
-
-    def to_json(self) -> dict[str, Any]:
-        body = {f.name: getattr(self, f.name) for f in _fields_of(type(self))}
-        return {"v": list(VERSION), "kind": self.KIND, **body}
-
-    @classmethod
-    def from_json(cls: type[_M], obj: Mapping[str, Any]) -> _M:
-        """The message in `obj` (its envelope already checked); unknown fields are ignored."""
-        known: dict[str, Any] = {}
-        for name, required in _field_names(cls):
-            if name in obj:
-                known[name] = obj[name]
-            elif required:
-                raise ProtocolError(f"{cls.KIND}: missing required field {name!r}")
-        return cls(**known)
 
 
 @dataclass(frozen=True)
@@ -398,119 +327,6 @@ class Heartbeat(_Message):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sent_at", _as_float(self.KIND, "sent_at", self.sent_at))
-
-
-@dataclass(frozen=True)
-class Command(_Message):
-    """A control command, scoped to every node, one node, or one engine of one node."""
-
-    KIND: ClassVar[str] = "command"
-    request_id: str
-    cmd: str
-    args: dict[str, Any] = field(default_factory=dict)
-    node: str | None = None
-    engine: str | None = None
-    timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_str(self.KIND, "request_id", self.request_id)
-        _check_str(self.KIND, "cmd", self.cmd)
-        _check_object(self.KIND, "args", self.args)
-        _check_str(self.KIND, "node", self.node, optional=True)
-        _check_str(self.KIND, "engine", self.engine, optional=True)
-        if self.engine is not None and self.node is None:
-            raise ProtocolError(f"command: engine {self.engine!r} given without its node (an "
-                                "engine id is only unique within a node)")
-        if self.timeout_s is not None:
-            timeout = _as_float(self.KIND, "timeout_s", self.timeout_s, positive=True)
-            object.__setattr__(self, "timeout_s", timeout)
-
-
-@dataclass(frozen=True)
-class Reply(_Message):
-    """The answer to the command with the same request id."""
-
-    KIND: ClassVar[str] = "reply"
-    request_id: str
-    status: str
-    reason: str | None = None
-    result: Any = None
-    code: str | None = None   # 1.2
-
-    def __post_init__(self) -> None:
-        _check_str(self.KIND, "request_id", self.request_id)
-        if self.status not in STATUSES:
-            raise _fail(self.KIND, "status", '"ok" or "error"', self.status)
-        _check_str(self.KIND, "reason", self.reason, optional=self.status == "ok")
-        if self.code is None:
-            return
-        if self.status == "ok":
-            raise _fail(self.KIND, "code", "null in an \"ok\" reply", self.code)
-        _check_str(self.KIND, "code", self.code)
-        if len(self.code) > MAX_CODE_CHARS:
-            raise _fail(self.KIND, "code", f"at most {MAX_CODE_CHARS} characters", self.code)
-
-    def to_json(self) -> dict[str, Any]:
-        """Without `code` when there is none: an "ok" reply is what a 1.1 peer sends."""
-        body = super().to_json()
-        if self.code is None:
-            del body["code"]
-        return body
-
-    @property
-    def known_code(self) -> str | None:
-        """The code if this side knows it; None for none, or one of a later minor."""
-        return self.code if self.code in CODES else None
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """The last event a client has from one node: (boot, seq)."""
-
-    boot: str
-    seq: int
-
-    def __post_init__(self) -> None:
-        _check_str(Subscribe.KIND, "resume.boot", self.boot)
-        _check_int(Subscribe.KIND, "resume.seq", self.seq, 0)
-
-
-@dataclass(frozen=True)
-class Subscribe(_Message):
-    """A client asks for the event stream, from `resume` on (None: from now on)."""
-
-    KIND: ClassVar[str] = "subscribe"
-    resume: dict[str, ResumePoint] | None = None
-    batches: bool = False
-
-    def __post_init__(self) -> None:
-        _check_bool(self.KIND, "batches", self.batches)
-        if self.resume is None:
-            return
-        _check_object(self.KIND, "resume", self.resume)
-        for node_id, point in self.resume.items():
-            if not node_id or not isinstance(point, ResumePoint):
-                raise _fail(self.KIND, f"resume[{node_id!r}]", "a resume point", point)
-
-    def to_json(self) -> dict[str, Any]:
-        resume = None if self.resume is None else {
-            node: {"boot": p.boot, "seq": p.seq} for node, p in self.resume.items()}
-        return {**super().to_json(), "resume": resume}
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> Subscribe:
-        raw, batches = obj.get("resume"), obj.get("batches", False)
-        if raw is None:
-            return cls(None, batches)
-        _check_object(cls.KIND, "resume", raw)
-        points = {}
-        for node_id, point in raw.items():
-            _check_object(cls.KIND, f"resume[{node_id!r}]", point)
-            for name in ("boot", "seq"):
-                if name not in point:
-                    raise ProtocolError(f"subscribe: resume[{node_id!r}] lacks {name!r}")
-            points[node_id] = ResumePoint(point["boot"], point["seq"])
-        return cls(points, batches)
 
 
 Message: TypeAlias = Hello | Event | Events | Ack | Heartbeat | Command | Reply | Subscribe
