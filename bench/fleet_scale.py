@@ -120,7 +120,7 @@ class Subscriber(threading.Thread):
         self.kinds: Counter[str] = Counter()   # events received, by kind
         self.baseline = 0   # events the nodes had made when the subscription began
         self.stopping = threading.Event()
-        self.conn.send(protocol.Subscribe(batches=True))
+        self.conn.send(protocol.Subscribe(batches=True, runs=True))
 
     def run(self) -> None:
         next_beat = 0.0
@@ -131,7 +131,8 @@ class Subscriber(threading.Thread):
                 next_beat = now + 1.0
             message = self.conn.recv(0.2)
             batch = [message] if isinstance(message, protocol.Event) else (
-                message.events if isinstance(message, protocol.Events) else [])
+                message.events if isinstance(message, protocol.Events) else
+                message.as_events() if isinstance(message, protocol.Run) else [])
             seen = time.time()
             self.received.extend((seen, e.node_id, e.event.get("engine"), e.event.get("to"),
                                   e.event.get("incarnation")) for e in batch)

@@ -2,9 +2,9 @@
 
 A real `Coordinator` (not started: its hub's socket is a stand-in that hands it prepared frames and
 keeps what it sends) with --nodes nodes of --engines engines said HELLO and one subscriber
-taking "events" frames. Each round is what the coordinator's loop does for `pause --all` (then
-`resume --all`): the client's command fanned out to every node, every node's "events" frame (one
-`paused` event per engine, as a node's link encodes it) and its reply taken in, ACKed and
+taking "events" frames with runs. Each round is what the coordinator's loop does for `pause
+--all` (then `resume --all`): the client's command fanned out to every node, every node's "run"
+frame (one `paused` event per engine, as a node's link encodes it) and its reply taken in, ACKed and
 relayed, the gathered reply sent. The frames are made beforehand; only the coordinator's work is
 timed (process CPU time, with its garbage collections). No libzmq I/O thread, no heartbeats, no
 other process: the part of bench/fleet_scale.py's "CPU per pause" that is the coordinator's
@@ -83,7 +83,8 @@ class Bench:
         for node in self.nodes:
             hello = protocol.Hello(node, f"{node}-boot", [engine(i) for i in range(engines)], 0)
             self.sock.inbox.insert(0, [node.encode(), protocol.encode(hello)])
-        self.sock.inbox.insert(0, [b"client", protocol.encode(protocol.Subscribe(batches=True))])
+        self.sock.inbox.insert(0, [b"client", protocol.encode(protocol.Subscribe(batches=True,
+                                                                             runs=True))])
         self.turns()
         assert len(self.coordinator.view.nodes) == nodes
 
@@ -109,7 +110,7 @@ class Bench:
                                   detail=f"deep probes {kind}", extra=extra)
                 events.append(protocol.Event(node, f"{node}-boot", self.seq[node],
                                              event.to_json()))
-            frames.insert(0, [node.encode(), protocol.encode(protocol.Events(events))])
+            frames.insert(0, [node.encode(), protocol.encode(protocol.Run.of(events))])
             ids = [f"e{i}" for i in range(self.engines)]
             result = {"paused": ids, "deadline": deadline} if cmd == "pause" else {"resumed": ids}
             reply = protocol.Reply(node_request_id(request_id, node), "ok", None, result)

@@ -329,6 +329,75 @@ def test_a_batch_with_a_replayed_event_relays_each_new_event_once(
         ctx.term()
 
 
+def test_a_nodes_runs_are_taken_whole_and_reach_each_client_as_it_takes_them(
+        coordinator: Coordinator) -> None:
+    """A node's "run" (1.4) updates the view, is acknowledged, and reaches a client taking
+    runs as that very message inside an "events" frame, and a client taking batches only as
+    the events it stands for; a run that repeats an event or stops an engine is taken event by
+    event (the replayed one counted), and both clients get every event once, in order."""
+    runs, batches = Peer(coordinator.endpoint), Peer(coordinator.endpoint)
+    runs.sock.send(protocol.encode(protocol.Subscribe(batches=True, runs=True)))
+    batches.sock.send(protocol.encode(protocol.Subscribe(batches=True)))
+    assert runs.call("ping") is not None and batches.call("ping") is not None
+    ctx = zmq.Context()
+    node = ctx.socket(zmq.DEALER)
+    node.linger, node.routing_id = 0, b"n1"
+    node.connect(coordinator.endpoint)
+
+    def acked(seq: int) -> protocol.Ack:
+        def ack() -> protocol.Ack | None:
+            while node.poll(50):
+                message = protocol.decode(node.recv())
+                if isinstance(message, protocol.Ack) and message.seq == seq:
+                    return message
+            return None
+        found: protocol.Ack = wait_for(ack, 10, f"the ACK of seq {seq}")
+        return found
+
+    def paused(engine: str) -> dict[str, Any]:
+        return {"kind": "paused", "engine": engine, "deadline": 1e9 + 60}
+
+    raw: dict[str, list[bytes]] = {"runs": [], "batches": []}
+    for name, peer in (("runs", runs), ("batches", batches)):
+        original = peer.sock.recv
+
+        def keep_raw(*args: Any, _original: Any = original, _name: str = name) -> Any:
+            data = _original(*args)
+            raw[_name].append(data)
+            return data
+        peer.sock.recv = keep_raw   # type: ignore[method-assign]
+    try:
+        engines = [{"id": e, "state": "healthy", "paused": False} for e in ("e0", "e1")]
+        node.send(protocol.encode(protocol.Hello("n1", "b1", engines, 0)))
+        assert acked(0).runs   # the coordinator takes runs
+        first = protocol.Run("n1", "b1", 1, [paused("e0"), paused("e1")])
+        node.send(protocol.encode(first))
+        acked(2)
+        stopping = {"kind": "state", "engine": "e1", "from": "healthy", "to": "stopping",
+                    "cause": "probe_failed"}
+        again = protocol.Run("n1", "b1", 2, [paused("e1"), stopping],
+                             [None, {"id": "e1", "state": "stopping"}])
+        node.send(protocol.encode(again))
+        acked(3)
+        reply = runs.call("ping")
+        assert reply is not None and reply.result["bad_messages"].get("replayed") == 1
+        view = engines_of(runs.fleet())
+        assert view["n1/e0"]["paused"] and view["n1/e0"]["pause_deadline"] == 1e9 + 60
+        assert view["n1/e1"]["state"] == "stopping"
+        for peer in (runs, batches):
+            wait_for(lambda p=peer: p.pump(0.05) or len(  # type: ignore[misc]
+                [e for e in p.events if e.boot == "b1"]) >= 3, 10, "three events")
+            peer.pump(0.2)
+            assert [e.seq for e in peer.events if e.boot == "b1"] == [1, 2, 3]
+        assert any(protocol.encode(first) in data for data in raw["runs"])   # as it came
+        assert not any(b'"kind":"run"' in data for data in raw["batches"])   # split
+    finally:
+        node.close(0)
+        ctx.term()
+        runs.close()
+        batches.close()
+
+
 def test_a_non_loopback_bind_without_keys_is_refused() -> None:
     with pytest.raises(ValueError, match="--insecure"):
         Coordinator(bind="tcp://0.0.0.0:0")

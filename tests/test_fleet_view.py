@@ -6,11 +6,12 @@ coordinator's side")."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from rollout_watchdog.common.protocol import Event, Hello, PlainEvents, ProtocolError
+from rollout_watchdog.common.protocol import Event, Hello, PlainEvents, ProtocolError, Run
 from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
 
 T0 = 1000.0          # monotonic clock of the tests
@@ -334,7 +335,16 @@ def paused(node: str, seq: int, engine_id: str, boot: str = "b1") -> Event:
     return Event(node, boot, seq, body)
 
 
-def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one() -> None:
+def taken_whole(view: FleetView, shape: str, events: list[Event], peer: str, now: float,
+                wall: float) -> list[dict[str, Any]] | None:
+    """A node's frame of `events` taken whole, as an "events" frame or as a run (1.4)."""
+    if shape == "run":
+        return view.run(Run.of(events), peer, now, wall)
+    return view.batch(as_parsed(events), peer, now, wall)
+
+
+@pytest.mark.parametrize("shape", ["events", "run"])
+def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one(shape: str) -> None:
     """A fleet-wide pause's frame per node: the same view, seqs and reachability as taking
     each event alone."""
     engines = [engine(f"e{i}") for i in range(4)]
@@ -345,7 +355,7 @@ def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one() -> None:
     view_tick = T0 + 2 * whole.node_timeout_s
     for view in (whole, alone):   # silent: the batch makes the node reachable again
         assert [e["kind"] for e in view.tick(view_tick, WALL0)] == ["node_unreachable"]
-    own = whole.batch(as_parsed(batch), "n1", view_tick, WALL0 + 9)
+    own = taken_whole(whole, shape, batch, "n1", view_tick, WALL0 + 9)
     expected: list[dict[str, Any]] = []
     for event in batch:
         fresh, more = alone.event(event, "n1", view_tick, WALL0 + 9)
@@ -358,9 +368,11 @@ def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one() -> None:
     assert [e["paused"] for e in whole.nodes["n1"].engines.values()] == [False, True, True, True]
 
 
+@pytest.mark.parametrize("shape", ["events", "run"])
 @pytest.mark.parametrize("case", ["gap", "replay", "other_boot", "other_node", "stopping",
                                   "unknown_node"])
-def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str) -> None:
+def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str,
+                                                                       shape: str) -> None:
     view = FleetView()
     joined(view, "n1", engines=[engine("e0"), engine("e1")])
     view.event(paused("n1", 1, "e0"), "n1", T0, WALL0)
@@ -372,6 +384,9 @@ def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str)
                           state_event("n1", 3, "e1", "healthy", "stopping", "exited")],
              "unknown_node": [paused("n9", 1, "e0")]}[case]
     before = json.dumps(view.status())
-    assert view.batch(as_parsed(batch), "n9" if case == "unknown_node" else "n1", T0 + 1,
-                      WALL0) is None
+    if shape == "run" and case in ("gap", "other_node"):   # not one run: its seqs follow on
+        batch = [replace(batch[0], seq=3 if case == "gap" else 2,
+                         node_id="n2" if case == "other_node" else "n1")]
+    assert taken_whole(view, shape, batch, "n9" if case == "unknown_node" else "n1", T0 + 1,
+                       WALL0) is None
     assert json.dumps(view.status()) == before and view.nodes["n1"].received_seq == 1

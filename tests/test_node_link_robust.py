@@ -480,3 +480,40 @@ def test_a_turns_events_go_as_batches_split_by_size_once_the_coordinator_takes_t
                for m in harness.router.got(protocol.Events))
     harness.router.send(protocol.Ack("boot-1", 100, batches=True))
     harness.until("the outbox acknowledged", lambda: not harness.link.outbox)
+
+
+def test_a_turns_events_go_as_runs_once_the_coordinator_takes_them(harness: Harness) -> None:
+    """After an ACK that says `runs` (1.4), a turn's events go as "run" frames of at most
+    BATCH_EVENTS and MAX_RUN_BYTES; a run that would be bigger
+    goes as "events" frames instead, and one event alone as an "event"."""
+    harness.hello()
+    harness.router.send(protocol.Ack("boot-1", 0, batches=True, runs=True))
+    harness.until("the ACK taken", lambda: harness.link._runs)
+
+    def turn(count: int, detail: str) -> None:
+        for i in range(count):
+            harness.link.on_event(Event(ts=float(i), node_id="test-node", engine="e0",
+                                        incarnation=1, kind="paused", detail=detail))
+        harness.link.after_save()
+
+    def frames() -> list[protocol.Message]:
+        return [m for m in harness.router.received
+                if isinstance(m, (protocol.Event, protocol.Events, protocol.Run))]
+
+    def events() -> list[protocol.Event]:
+        return [e for m in frames() for e in (
+            m.as_events() if isinstance(m, protocol.Run) else
+            m.events if isinstance(m, protocol.Events) else [m])]   # type: ignore[union-attr]
+
+    turn(40, "small")      # 32 + 8
+    turn(1, "alone")
+    turn(3, "x" * 15_000)  # ~45 KB: over MAX_RUN_BYTES
+    harness.until("every event at the coordinator", lambda: len(events()) >= 44)
+    assert [e.seq for e in events()] == list(range(1, 45))
+    assert [type(m).__name__ for m in frames()][:3] == ["Run", "Run", "Event"]
+    runs = [m for m in frames() if isinstance(m, protocol.Run)]
+    assert [len(r.events) for r in runs] == [32, 8]
+    assert all(len(protocol.encode(r)) <= protocol.MAX_RUN_BYTES for r in runs)
+    assert not any(isinstance(m, protocol.Run) for m in frames()[3:])   # the big turn
+    harness.router.send(protocol.Ack("boot-1", 44, batches=True, runs=True))
+    harness.until("the outbox acknowledged", lambda: not harness.link.outbox)

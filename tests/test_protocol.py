@@ -14,12 +14,14 @@ from rollout_watchdog.common.protocol import (
     Ack,
     Command,
     Event,
+    Events,
     Heartbeat,
     Hello,
     Message,
     ProtocolError,
     Reply,
     ResumePoint,
+    Run,
     Subscribe,
     decode,
     encode,
@@ -34,13 +36,16 @@ EVENT = {"ts": 1700000001.25, "node_id": "n1", "engine": "e0", "incarnation": 3,
 EVERY_KIND: list[Message] = [
     Hello(node_id="n1", boot="b-77", engines=[ENGINE, {**ENGINE, "id": "e1"}], last_seq=12),
     Event(node_id="n1", boot="b-77", seq=13, event=EVENT),
-    Ack(boot="b-77", seq=13),
+    Run(node_id="n1", boot="b-77", seq=14, events=[EVENT, {**EVENT, "kind": "paused"}],
+        statuses=[ENGINE, None]),
+    Ack(boot="b-77", seq=13, batches=True, runs=True),
     Heartbeat(sent_at=1700000002.5),
     Command(request_id="r-1", cmd="pause", args={"timeout_s": 30}, node="n1", engine="e0",
             timeout_s=2.5),
     Reply(request_id="r-1", status="error", reason="no engine e9", result={"n1": [1, "x"]},
           code="BAD_ARGS"),
-    Subscribe(resume={"n1": ResumePoint(boot="b-77", seq=13), "n2": ResumePoint("b-1", 0)}),
+    Subscribe(resume={"n1": ResumePoint(boot="b-77", seq=13), "n2": ResumePoint("b-1", 0)},
+              batches=True, runs=True),
 ]
 
 
@@ -59,7 +64,7 @@ def test_every_kind_round_trips_with_every_field(msg: Message) -> None:
     data = encode(msg)
     assert decode(data) == msg
     sent = json.loads(data)
-    assert sent["v"] == [1, 3] and sent["kind"] == msg.KIND
+    assert sent["v"] == [1, 4] and sent["kind"] == msg.KIND
 
 
 def test_a_reply_code_is_understood_both_ways_with_a_1_1_peer() -> None:
@@ -229,8 +234,8 @@ def test_the_event_s_own_json_mapping_is_the_generic_one() -> None:
 def test_the_hub_s_batch_encoders_write_what_encode_writes() -> None:
     """ack_frame and command_frames (a fleet-wide pause's 1,000 ACKs and commands, encoded
     together) must write the very frames encode() would, whatever the ids and args hold."""
-    assert ack_frame("b-77 ü\"", 13) == encode(Ack("b-77 ü\"", 13, batches=True))
-    assert ack_frame("b", 0) == encode(Ack("b", 0, batches=True))
+    assert ack_frame("b-77 ü\"", 13) == encode(Ack("b-77 ü\"", 13, batches=True, runs=True))
+    assert ack_frame("b", 0) == encode(Ack("b", 0, batches=True, runs=True))
     targets = [("r-1/n1", "n1"), ("r-1/nœud \"2\"", "nœud \"2\"")]
     for args in ({"all": True, "deadline_s": 60}, {"x": "\x00request", "y": "\x00node"}):
         template = Command("r-1", "pause", args, None, None, 2.5)
@@ -243,3 +248,38 @@ def test_the_hub_s_batch_encoders_write_what_encode_writes() -> None:
         command_frames(Command("r", "pause", {}), [("r/n", "n" * MAX_MESSAGE_BYTES)])
     with pytest.raises(ProtocolError, match="'node' must be a non-empty string"):
         command_frames(Command("r", "pause", {}), [("r/", "")])
+
+
+def test_a_run_stands_for_its_events_in_order_alone_or_inside_an_events_frame() -> None:
+    """A run (1.4) is the events seq, seq+1, ... of one boot, each with its status (none when
+    `statuses` is left out); inside an "events" frame it decodes to those events in place."""
+    run = Run("n1", "b-77", 14, [EVENT, {**EVENT, "kind": "paused"}], [ENGINE, None])
+    assert run.as_events() == [Event("n1", "b-77", 14, EVENT, ENGINE),
+                               Event("n1", "b-77", 15, {**EVENT, "kind": "paused"}, None)]
+    plain = Run("n1", "b-77", 3, [EVENT, EVENT])
+    assert "statuses" not in json.loads(encode(plain))
+    assert [e.engine_status for e in plain.as_events()] == [None, None]
+    assert Run.of(plain.as_events()) == plain and Run.of(run.as_events()) == run
+    alone = encode(Event("n2", "b-1", 1, EVENT))
+    mixed = (b'{"v":[1,4],"kind":"events","events":[' + alone + b"," + encode(run) + b","
+             + encode(plain) + b"]}")
+    decoded = decode(mixed)
+    assert isinstance(decoded, Events) and [(e.node_id, e.seq) for e in decoded.events] \
+        == [("n2", 1), ("n1", 14), ("n1", 15), ("n1", 3), ("n1", 4)]
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"node_id": ""}, "run: field 'node_id' must be a non-empty string"),
+    ({"seq": 0}, "run: field 'seq' must be an integer >= 1"),
+    ({"events": []}, "run: field 'events' must be a non-empty list of events"),
+    ({"events": [{}, "x"]}, "run: field 'events[1]' must be an object"),
+    ({"seq": (1 << 63) - 1}, "run: field 'the last seq': integer does not fit in 64 bits"),
+    ({"statuses": [None]}, "run: field 'statuses' must be null or a list of 2"),
+    ({"statuses": [None, {"id": 5}]}, "run: field 'statuses[1].id' must be a non-empty string"),
+])
+def test_a_bad_run_is_refused_naming_the_field(fields: dict[str, Any], error: str) -> None:
+    body = {"v": [1, 4], "kind": "run", "node_id": "n1", "boot": "b", "seq": 1,
+            "events": [{}, {}], **fields}
+    assert error in refused(frame(body))
+    inside = {"v": [1, 4], "kind": "events", "events": [body]}
+    assert refused(frame(inside)) == f"events[0]: {refused(frame(body))}"

@@ -211,7 +211,8 @@ def seqs_in(frames: list[bytes]) -> list[tuple[str, int]]:
     out = []
     for data in frames:
         message = protocol.decode(data)
-        batch = message.events if isinstance(message, protocol.Events) else [message]
+        batch = (message.events if isinstance(message, protocol.Events) else
+                 message.as_events() if isinstance(message, protocol.Run) else [message])
         out += [(e.node_id, e.seq) for e in batch]   # type: ignore[union-attr]
     return out
 
@@ -250,6 +251,25 @@ def test_a_fleet_wide_burst_reaches_a_client_in_few_frames() -> None:
     assert all(len(frame) <= protocol.BATCH_BYTES for frame in clients.got[A])
     assert all(len(protocol.decode(frame).events) <= relay_module.RELAYED_BATCH_EVENTS  # type: ignore[union-attr]
                for frame in clients.got[A])
+
+
+def test_a_run_goes_whole_to_a_client_taking_runs_and_split_to_the_others() -> None:
+    """A node's "run" (1.4) is spliced as that very message into the "events" frame of a
+    client taking runs; a client taking batches only gets the events it stands for, each
+    spliced in as its own "event" message; one without batches gets each alone."""
+    run = protocol.Run("n1", "b1", 1, [{"kind": "paused", "n": s} for s in range(1, 4)])
+    frame = protocol.encode(run)
+    items = batch_items("n1", "b1", range(1, 4), frame, is_run=True)
+    relay, clients = filled(*items, *node_batch("n2", range(1, 3))), Clients()
+    relay.subscribe(A, Subscribe({}, batches=True, runs=True), T0)
+    relay.subscribe(B, Subscribe({}, batches=True), T0)
+    relay.subscribe(C, Subscribe({}), T0)
+    assert relay.pump(clients.send, T0) is False
+    whole = [("n1", 1), ("n1", 2), ("n1", 3), ("n2", 1), ("n2", 2)]
+    assert all(seqs_in(clients.got[c]) == whole for c in (A, B, C))
+    assert len(clients.got[A]) == 1 and frame in clients.got[A][0]
+    assert len(clients.got[B]) == 1 and b'"kind":"run"' not in clients.got[B][0]
+    assert clients.got[C][:3] == [protocol.encode(e) for e in run.as_events()]
 
 
 def test_a_batch_of_another_protocol_version_goes_as_it_came() -> None:

@@ -214,12 +214,15 @@ class Hub:
         try:
             if isinstance(msg, protocol.Hello):
                 self._hello(msg, route, user, now, wall)
-            elif isinstance(msg, (protocol.Event, protocol.PlainEvents, protocol.Events)):
+            elif isinstance(msg, (protocol.Event, protocol.PlainEvents, protocol.Events,
+                                  protocol.Run)):
                 if node is None:
                     raise Refused("no_hello", f"{msg.KIND} from a peer that sent no HELLO "
                                               f"(routing id {route[:60]!r})")
                 if isinstance(msg, protocol.Event):
                     self._event(msg, data, node, now, wall)
+                elif isinstance(msg, protocol.Run):
+                    self._run(msg, data, node, now, wall)
                 else:
                     self._events(msg, data, node, now, wall)
             elif isinstance(msg, protocol.Reply):
@@ -263,11 +266,26 @@ class Hub:
         for node, engine in self.policy.restarts(peer, msg):
             self.policy.group_restart(node, engine, msg)
 
+    def _run(self, msg: protocol.Run, frame: bytes, peer: str, now: float, wall: float
+             ) -> None:
+        """A node's run (1.4), taken whole when plain (FleetView.run: no object per event) and
+        relayed as it came; else as the events it stands for, each on its own."""
+        if len(frame) <= protocol.MAX_RUN_BYTES and _reencodes_small(frame):
+            own = self.view.run(msg, peer, now, wall)
+            if own is not None:
+                self.own_events(own)
+                self._acks.add(peer)
+                seqs = range(msg.seq, msg.seq + len(msg.events))
+                self._relay_all(batch_items(peer, msg.boot, seqs, frame, is_run=True))
+                return
+        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, is_run=True)
+
     def _events(self, msg: protocol.PlainEvents | protocol.Events, frame: bytes, peer: str,
-                now: float, wall: float) -> None:
-        """A batch: each event taken as if it came alone (a refused one is counted), relayed
-        as the node's frame when all are new (one ACK for all, as for any turn's events).
-        A plain batch (FleetView.batch) is taken whole, with no object per event."""
+                now: float, wall: float, is_run: bool = False) -> None:
+        """A batch (or the events of a run, `is_run`): each event taken as if it came alone (a
+        refused one is counted), relayed as the node's frame when all are new (one ACK for
+        all, as for any turn's events). A plain batch (FleetView.batch) is taken whole, with
+        no object per event."""
         small = _reencodes_small(frame)   # (one scan of the frame for both paths)
         if (isinstance(msg, protocol.PlainEvents) and small
                 and len(frame) <= protocol.MAX_EVENT_BYTES):
@@ -284,7 +302,8 @@ class Hub:
         new: list[protocol.Event] = []
         restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
         taken = False
-        big = len(frame) > protocol.MAX_EVENT_BYTES   # (never a batch from this package's nodes)
+        # (never a batch or run from this package's nodes: each event then is checked alone)
+        big = len(frame) > (protocol.MAX_RUN_BYTES if is_run else protocol.MAX_EVENT_BYTES)
         for event in events:
             try:
                 if big:
@@ -302,7 +321,7 @@ class Hub:
         if taken:
             self._acks.add(peer)
         if len(new) == len(events) and small:   # kept together: relayed as it came
-            for item in batch_items(peer, new[0].boot, [e.seq for e in new], frame):
+            for item in batch_items(peer, new[0].boot, [e.seq for e in new], frame, is_run):
                 self._relay(item)
         else:
             for event in new:   # encoded now: one that cannot be sent is never relayed

@@ -49,6 +49,9 @@ class View(Protocol):
     def batch(self, batch: protocol.PlainEvents, peer: str, now: float, wall: float
               ) -> list[OwnEvent] | None:
         """A node's "events" frame taken whole when plain (None: take each event alone)."""
+    def run(self, run: protocol.Run, peer: str, now: float, wall: float
+            ) -> list[OwnEvent] | None:
+        """A node's "run" frame (1.4) taken whole when plain (None: take each event alone)."""
     def heard(self, peer: str, now: float, wall: float) -> list[OwnEvent]:
         """A node was heard from (a heartbeat, a reply)."""
     def tick(self, now: float, wall: float) -> list[OwnEvent]:

@@ -3,8 +3,9 @@
 A DEALER whose routing id is the node id dials the configured `coordinator` (CURVE when the
 config names `key` and `coordinator_key`). On every completed handshake it sends a HELLO with a
 full snapshot, then every event not yet acknowledged. Events wait in a bounded outbox until the
-coordinator ACKs them. The events of one loop turn go out as one "events" frame (up to
-protocol.BATCH_EVENTS and BATCH_BYTES each) once the coordinator said in an ACK on this
+coordinator ACKs them. The events of one loop turn go out as one "run" frame (up to
+protocol.BATCH_EVENTS and MAX_RUN_BYTES each; 1.4), or one "events" frame for a 1.1-1.3
+coordinator (up to BATCH_EVENTS and BATCH_BYTES), once the coordinator said in an ACK on this
 connection that it takes them; until then, one frame each. A full send queue holds the rest
 back, in order, for the next turn. On outbox overflow the oldest are dropped and counted (the
 next HELLO's snapshot supersedes them). Commands run through the node's one command table; a
@@ -105,6 +106,7 @@ class NodeLink:
         self._retry_at: float | None = None          # sends held back by a full queue
         self._sent_seq = 0       # the outbox's events up to this seq went out on this connection
         self._batches = False    # the coordinator on this connection takes "events" frames
+        self._runs = False       # ... and "run" frames (1.4)
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
         curve = bool(key and coordinator_key)
@@ -253,7 +255,37 @@ class NodeLink:
 
     def _send_events(self, events: Iterable[protocol.Event]) -> bool:
         """Send `events` (the outbox's unsent ones), several to a frame when the coordinator
-        takes that; False if the queue filled up first (`_sent_seq` says how far it got)."""
+        takes that (as runs, when it takes those); False if the queue filled up first
+        (`_sent_seq` says how far it got)."""
+        if not self._runs:
+            return self._send_packed(events)
+        chunk: list[protocol.Event] = []
+        for event in events:
+            chunk.append(event)
+            if len(chunk) == protocol.BATCH_EVENTS:
+                if not self._send_run(chunk):
+                    return False
+                chunk = []
+        return not chunk or self._send_run(chunk)
+
+    def _send_run(self, events: list[protocol.Event]) -> bool:
+        """`events` as one "run" frame, when there are several and it stays within
+        MAX_RUN_BYTES; else as event frames (each cut to fit when too big)."""
+        if len(events) > 1:
+            try:
+                frame: bytes | None = protocol.encode(protocol.Run.of(events))
+            except protocol.ProtocolError:   # not JSON (a bug): each event on its own, logged
+                frame = None
+            if frame is not None and len(frame) <= protocol.MAX_RUN_BYTES:
+                if not self._send_frame(frame):
+                    return False
+                self._sent_seq = events[-1].seq
+                return True
+        return self._send_packed(events)
+
+    def _send_packed(self, events: Iterable[protocol.Event]) -> bool:
+        """_send_events() with each event's own frame, several to an "events" frame when the
+        coordinator takes that."""
         packed = frames.EventsFrame(protocol.BATCH_EVENTS if self._batches else 1,
                                       protocol.BATCH_BYTES)
         done = self._sent_seq          # sent, or skipped as unsendable, once `packed` is out
@@ -347,11 +379,11 @@ class NodeLink:
                                         self.metrics_port),
                          *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
         self._sent_seq = 0
-        self._batches = False   # until this connection's coordinator says it takes them
+        self._batches = self._runs = False   # until this connection's coordinator says so
 
     def _receive(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Ack):
-            self._batches = message.batches
+            self._batches, self._runs = message.batches, message.runs
             if message.boot == self.boot:
                 while self.outbox and self.outbox[0].seq <= message.seq:
                     self.outbox.popleft()

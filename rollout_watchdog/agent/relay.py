@@ -44,6 +44,9 @@ class Batch:
 
     frame: bytes
     size: int
+    # A node's "run" frame (1.4), not an "events" one: it goes whole, as an item of an "events"
+    # frame, to a client that takes runs only.
+    is_run: bool = False
     _frames: list[bytes] | None = None
     # The bytes each of its events is counted for in the buffer, objects included (split, the
     # frames take about as much again)
@@ -55,9 +58,20 @@ class Batch:
     def event_frame(self, part: int) -> bytes:
         if self._frames is None:
             message = protocol.decode(self.frame)
-            assert isinstance(message, protocol.Events)
-            self._frames = [protocol.encode(event) for event in message.events]
+            assert isinstance(message, (protocol.Events, protocol.Run))
+            events = message.as_events() if isinstance(message, protocol.Run) else message.events
+            self._frames = [protocol.encode(event) for event in events]
         return self._frames[part]
+
+    def join(self, packed: frames.EventsFrame) -> bool:
+        """Add all of its events to `packed` as they came, if they fit (False: they do not,
+        or an "events" frame of another version's envelope, which goes alone as it came)."""
+        if self.is_run:
+            if not packed.fits(self.frame, self.size):
+                return False
+            packed.add(self.frame, self.size)
+            return True
+        return packed.add_batch(self.frame, self.size)
 
 
 @dataclass(slots=True)
@@ -89,11 +103,12 @@ class Relayed:
         return self.encoded
 
 
-def batch_items(node_id: str, boot: str, seqs: Sequence[int], frame: bytes) -> list[Relayed]:
-    """The items for a node's "events" frame (`frame`) all of whose events (of `node_id` and
-    `boot`, numbered `seqs`) are relayed. The coordinator checked that each event, encoded
-    again alone, fits in a frame."""
-    batch = Batch(frame, len(seqs))
+def batch_items(node_id: str, boot: str, seqs: Sequence[int], frame: bytes,
+                is_run: bool = False) -> list[Relayed]:
+    """The items for a node's "events" (or "run") frame (`frame`) all of whose events (of
+    `node_id` and `boot`, numbered `seqs`) are relayed. The coordinator checked that each event,
+    encoded again alone, fits in a frame."""
+    batch = Batch(frame, len(seqs), is_run)
     return [Relayed(node_id, boot, seq, None, batch, i) for i, seq in enumerate(seqs)]
 
 
@@ -106,6 +121,7 @@ class Subscriber:
     skip_until: dict[str, int] = field(default_factory=dict)   # node -> index of its point
     resume: dict[str, protocol.ResumePoint] = field(default_factory=dict)
     batches: bool = False           # it takes "events" frames
+    runs: bool = False              # ... with "run" messages in them (1.4)
     lost: int = 0                   # events it fell behind by, not yet told in a "gap" event
 
     def has(self, item: Relayed, index: int) -> bool:
@@ -163,9 +179,11 @@ class Relay:
     def subscribe(self, client: bytes, msg: protocol.Subscribe, now: float) -> None:
         """(Re)subscribe: from now on, or from the buffer's start minus what it has."""
         if msg.resume is None:
-            self.subscribers[client] = Subscriber(client, self.end, now, batches=msg.batches)
+            self.subscribers[client] = Subscriber(client, self.end, now, batches=msg.batches,
+                                                  runs=msg.runs)
             return
-        sub = Subscriber(client, self.first, now, resume=dict(msg.resume), batches=msg.batches)
+        sub = Subscriber(client, self.first, now, resume=dict(msg.resume), batches=msg.batches,
+                         runs=msg.runs)
         for index, item in enumerate(self.buffer, self.first):
             point = sub.resume.get(item.node_id)
             if point is not None and (item.boot, item.seq) == (point.boot, point.seq):
@@ -241,7 +259,7 @@ class Relay:
             batch = item.batch
             if sub.batches and self._whole_batch(sub, item, index, packed.max_events):
                 assert batch is not None
-                if packed.add_batch(batch.frame, batch.size):   # spliced in whole
+                if batch.join(packed):   # spliced in whole
                     index += batch.size
                     continue
                 if not packed.frames:   # a frame of another protocol version: as it came
@@ -259,7 +277,8 @@ class Relay:
         """Whether `item` starts a node's batch that `sub` lacks all of, within `most` events."""
         batch = item.batch
         if (batch is None or item.part != 0 or batch.size > most
-                or len(batch.frame) > protocol.BATCH_BYTES or index + batch.size > self.end):
+                or len(batch.frame) > protocol.BATCH_BYTES or index + batch.size > self.end
+                or (batch.is_run and not sub.runs)):
             return False
         if self.buffer[index + batch.size - 1 - self.first].batch is not batch:
             return False

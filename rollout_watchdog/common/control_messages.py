@@ -117,9 +117,11 @@ class Subscribe(_Message):
     KIND: ClassVar[str] = "subscribe"
     resume: dict[str, ResumePoint] | None = None
     batches: bool = False
+    runs: bool = False   # 1.4
 
     def __post_init__(self) -> None:
         _check_bool(self.KIND, "batches", self.batches)
+        _check_bool(self.KIND, "runs", self.runs)
         if self.resume is None:
             return
         _check_object(self.KIND, "resume", self.resume)
@@ -134,9 +136,9 @@ class Subscribe(_Message):
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Subscribe:
-        raw, batches = obj.get("resume"), obj.get("batches", False)
+        raw, batches, runs = obj.get("resume"), obj.get("batches", False), obj.get("runs", False)
         if raw is None:
-            return cls(None, batches)
+            return cls(None, batches, runs)
         _check_object(cls.KIND, "resume", raw)
         points = {}
         for node_id, point in raw.items():
@@ -145,4 +147,4 @@ class Subscribe(_Message):
                 if name not in point:
                     raise ProtocolError(f"subscribe: resume[{node_id!r}] lacks {name!r}")
             points[node_id] = ResumePoint(point["boot"], point["seq"])
-        return cls(points, batches)
+        return cls(points, batches, runs)

@@ -21,11 +21,11 @@ _EVENTS_CLOSE = b"]}"
 
 
 class EventsFrame:
-    """Event frames (each a whole "event" message, as encode() makes them) gathered into one
-    frame without encoding them again: one frame stays itself, several become an "events"
-    message. Holds at most `max_events`, and never makes a frame over `max_bytes`. Whole
-    "events" frames as this package writes them join too (`add_batch`): their events are
-    spliced in."""
+    """Event frames (each a whole "event" message, as encode() makes them, or a "run" of
+    events) gathered into one frame without encoding them again: one event stays itself,
+    several become an "events" message. Holds at most `max_events`, and never makes a frame
+    over `max_bytes`. Whole "events" frames as this package writes them join too
+    (`add_batch`): their events are spliced in."""
 
     def __init__(self, max_events: int, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.max_events, self.max_bytes = max_events, max_bytes
@@ -39,9 +39,10 @@ class EventsFrame:
         return not self.frames or (self.count + count <= self.max_events
                                    and self._size + len(frame) + 1 <= self.max_bytes)
 
-    def add(self, frame: bytes) -> None:
+    def add(self, frame: bytes, count: int = 1) -> None:
+        """Add a whole message: an event, or a run of `count` events (1.4)."""
         self.frames.append(frame)
-        self.count += 1
+        self.count += count
         self._size += len(frame) + 1
 
     def add_batch(self, frame: bytes, count: int) -> bool:
@@ -51,9 +52,7 @@ class EventsFrame:
         inner = batch_inner(frame)
         if inner is None or not self.fits(inner, count):
             return False
-        self.frames.append(inner)
-        self.count += count
-        self._size += len(inner) + 1
+        self.add(inner, count)
         return True
 
     def take(self) -> bytes:
@@ -73,10 +72,10 @@ def batch_inner(frame: bytes) -> bytes | None:
 
 
 def ack_frame(boot: str, seq: int) -> bytes:
-    """encode(Ack(boot, seq, batches=True)), for a coordinator that acknowledges a thousand
-    nodes in one loop turn: `boot` and `seq` come from events it accepted already."""
+    """encode(Ack(boot, seq, batches=True, runs=True)), for a coordinator that acknowledges a
+    thousand nodes in one loop turn: `boot` and `seq` come from events it accepted already."""
     return b"".join((_ACK_OPEN, _ENCODER.encode(boot).encode("ascii"), b',"seq":',
-                     str(seq).encode("ascii"), b',"batches":true}'))
+                     str(seq).encode("ascii"), b',"batches":true,"runs":true}'))
 
 
 def command_frames(template: Command, targets: list[tuple[str, str]]) -> list[bytes]:

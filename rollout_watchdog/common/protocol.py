@@ -4,8 +4,8 @@ This docstring is the spec (docs/protocol.md says the same for people).
 
 Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX_MESSAGE_BYTES
 (1 MiB: a HELLO snapshot of a node with hundreds of engines fits). Every message has
-    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 3)
-    "kind": one of "hello", "event", "events", "ack", "heartbeat", "command", "reply",
+    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 4)
+    "kind": one of "hello", "event", "events", "run", "ack", "heartbeat", "command", "reply",
             "subscribe"
 and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR and
 ignores fields it does not know. A newer minor only adds optional fields and kinds; a sender
@@ -13,7 +13,8 @@ uses a newer kind only towards a peer that asked for it (1.1: "events", asked fo
 `batches` flag of "ack" and "subscribe"; 1.2 added only the reply's optional `code`, which an
 older peer ignores and an older peer's reply lacks; 1.3 only the paging of the refit's members,
 asked for by the `paged` argument of `refit_acquire` and `refit_members`, which an older
-coordinator ignores and answers with every member at once: refit_bridge/service.py). Numbers
+coordinator ignores and answers with every member at once: refit_bridge/service.py; 1.4:
+"run", asked for by the `runs` flag of "ack" and "subscribe"). Numbers
 are finite
 (no NaN/Infinity); the protocol's own integers (seq, last_seq) fit in a signed 64-bit int.
 Sequence numbers count from 1 within one boot of a node daemon; 0 means "none yet".
@@ -41,10 +42,22 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                checked, deduplicated and acknowledged on its own. A node sends one for the
                events of one loop turn, a coordinator for a run of relayed events; either
                only to a peer that set `batches`, and never over MAX_MESSAGE_BYTES (a longer
-               run is split).
+               run is split). (1.4) Towards a peer that set `runs`, an element may also be a
+               whole "run" message, which stands for its events in its place.
+    run        (1.4) node -> coordinator -> client: node_id, boot, seq (>= 1), events (a
+               non-empty list of event objects), statuses? (null or absent: no event has an
+               engine_status; else a list as long as `events`, each an engine_status or
+               null). It stands for the "event" messages seq, seq+1, ... of that boot, each
+               with its status, sent one by one: one object per frame instead of one per
+               event (the envelope is said once). A node sends one for the events of one loop
+               turn (BATCH_EVENTS and MAX_RUN_BYTES at most; "events" frames for a bigger
+               turn), only to a coordinator whose "ack" set `runs`; a coordinator relays it
+               as it came, inside "events" frames, only to a client that set `runs`, and as
+               its events to any other.
     ack        coordinator -> node: boot, seq (>= 0): every event of that boot up to seq is
                received; the node may drop them from its outbox. batches? (1.1; default
-               false): the coordinator takes "events" from this node.
+               false): the coordinator takes "events" from this node. runs? (1.4; default
+               false): and "run".
     heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
                Any message keeps its sender reachable: a node sends one only after a
                second in which it sent nothing else.
@@ -79,7 +92,7 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
     subscribe  client -> coordinator: resume? (null = from now on, else
                {node_id: {"boot": ..., "seq": ...}}: the last event the client has per node,
                so none is sent twice). batches? (1.1; default false): the client takes
-               "events".
+               "events". runs? (1.4; default false): and "run" messages in them.
 
 decode() refuses any bad frame with one ProtocolError (a ValueError) whose message names the
 problem; it never raises anything else, so a receiver can drop and count bad input.
@@ -140,6 +153,9 @@ BATCH_BYTES = 64 << 10
 # one to fit, and the coordinator refuses one over it (its relay buffer and journal hold
 # thousands of events).
 MAX_EVENT_BYTES = 64 << 10
+# The most a "run" frame holds as this package sends it: each of its events, sent alone with its
+# envelope, stays far within MAX_EVENT_BYTES (a bigger turn goes as several runs, or as events).
+MAX_RUN_BYTES = 32 << 10
 PAUSE_KINDS = ("paused", "pause_extended", "resumed", "pause_expired")
 # Events after which an engine is no longer on its node (unwatched, or out of the config)
 FORGETTING_KINDS = ("unregistered", "removed")
@@ -234,16 +250,100 @@ class Events(_Message):
         plain = plain_events(obj)   # the common case, in one loop
         if plain is not None:
             return cls(plain.events())
-        events = []
+        events: list[Event] = []
         for i, item in enumerate(raw):   # the full checks, and the exact error
             try:
                 message = Event.from_json(item) if _is_event_envelope(item) else from_json(item)
             except ProtocolError as exc:
                 raise ProtocolError(f"events[{i}]: {exc}") from None
-            if not isinstance(message, Event):
+            if isinstance(message, Run):   # (1.4) stands for its events
+                events += message.as_events()
+            elif isinstance(message, Event):
+                events.append(message)
+            else:
                 raise ProtocolError(f"events[{i}]: an {message.KIND!r} message, not an event")
-            events.append(message)
         return cls(events)
+
+
+@dataclass(frozen=True)
+class Run(_Message):
+    """(1.4) A node's consecutive events with their envelope said once: one object per frame
+    where "events" holds a whole message per event (a fleet-wide pause is 8,000 events)."""
+
+    KIND: ClassVar[str] = "run"
+    node_id: str
+    boot: str
+    seq: int
+    events: list[dict[str, Any]]
+    statuses: list[dict[str, Any] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if _plain_run(self.node_id, self.boot, self.seq, self.events, self.statuses):
+            return   # the common case, checked in one go
+        _check_str(self.KIND, "node_id", self.node_id)
+        _check_str(self.KIND, "boot", self.boot)
+        _check_int(self.KIND, "seq", self.seq, 1)
+        if not isinstance(self.events, list) or not self.events:
+            raise _fail(self.KIND, "events", "a non-empty list of events", self.events)
+        for i, event in enumerate(self.events):
+            _check_object(self.KIND, f"events[{i}]", event)
+        _check_int(self.KIND, "the last seq", self.seq + len(self.events) - 1, 1)
+        if self.statuses is None:
+            return
+        if not isinstance(self.statuses, list) or len(self.statuses) != len(self.events):
+            raise _fail(self.KIND, "statuses", f"null or a list of {len(self.events)}",
+                        self.statuses)
+        for i, status in enumerate(self.statuses):
+            if status is not None:
+                _check_object(self.KIND, f"statuses[{i}]", status)
+                _check_str(self.KIND, f"statuses[{i}].id", status.get("id"))
+
+    def to_json(self) -> dict[str, Any]:
+        """Without `statuses` when no event has one."""
+        body = {"v": list(VERSION), "kind": self.KIND, "node_id": self.node_id,
+                "boot": self.boot, "seq": self.seq, "events": self.events}
+        if self.statuses is not None:
+            body["statuses"] = self.statuses
+        return body
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Run:
+        try:   # (_Message's, written out: a fleet-wide pause is a thousand of them)
+            return cls(obj["node_id"], obj["boot"], obj["seq"], obj["events"],
+                       obj.get("statuses"))
+        except KeyError as exc:   # the first missing one, in field order, as _Message says
+            raise ProtocolError(f"{cls.KIND}: missing required field {exc.args[0]!r}") from None
+
+    def as_events(self) -> list[Event]:
+        """The "event" messages it stands for."""
+        statuses = self.statuses or [None] * len(self.events)
+        return [Event(self.node_id, self.boot, self.seq + i, event, status)
+                for i, (event, status) in enumerate(zip(self.events, statuses, strict=True))]
+
+    @classmethod
+    def of(cls, events: list[Event]) -> Run:
+        """The run of `events` (one node's boot, consecutive seqs: the caller's outbox)."""
+        first = events[0]
+        statuses = [e.engine_status for e in events]
+        return cls(first.node_id, first.boot, first.seq, [e.event for e in events],
+                   statuses if any(s is not None for s in statuses) else None)
+
+
+_DICT = {dict}
+
+
+def _plain_run(node_id: object, boot: object, seq: object, events: object, statuses: object
+               ) -> bool:
+    """Whether a run's fields are plainly valid (the coordinator's hot path: one check per
+    event, that it is an object); anything else gets Run's full checks and their exact error."""
+    return (type(node_id) is str and node_id != "" and type(boot) is str and boot != ""
+            and type(seq) is int and type(events) is list and events != []
+            and 1 <= seq <= _INT_LIMIT - len(events) and set(map(type, events)) == _DICT
+            and (statuses is None or (type(statuses) is list and len(statuses) == len(events)
+                                      and all(s is None or (type(s) is dict
+                                                            and type(s.get("id")) is str
+                                                            and s["id"] != "")
+                                              for s in statuses))))
 
 
 def _is_event_envelope(item: object) -> bool:
@@ -311,11 +411,13 @@ class Ack(_Message):
     boot: str
     seq: int
     batches: bool = False
+    runs: bool = False   # 1.4
 
     def __post_init__(self) -> None:
         _check_str(self.KIND, "boot", self.boot)
         _check_int(self.KIND, "seq", self.seq, 0)
         _check_bool(self.KIND, "batches", self.batches)
+        _check_bool(self.KIND, "runs", self.runs)
 
 
 @dataclass(frozen=True)
@@ -329,9 +431,11 @@ class Heartbeat(_Message):
         object.__setattr__(self, "sent_at", _as_float(self.KIND, "sent_at", self.sent_at))
 
 
-Message: TypeAlias = Hello | Event | Events | Ack | Heartbeat | Command | Reply | Subscribe
+Message: TypeAlias = (Hello | Event | Events | Run | Ack | Heartbeat | Command | Reply
+                      | Subscribe)
 KINDS: dict[str, type[Message]] = {
-    cls.KIND: cls for cls in (Hello, Event, Events, Ack, Heartbeat, Command, Reply, Subscribe)}
+    cls.KIND: cls for cls in (Hello, Event, Events, Run, Ack, Heartbeat, Command, Reply,
+                              Subscribe)}
 
 
 def encode(msg: Message) -> bytes:

@@ -143,6 +143,24 @@ class FleetView:
                 apply_event(engines, item["event"], item.get("engine_status"))
         return own
 
+    def run(self, run: protocol.Run, peer: str, now: float, wall: float
+            ) -> list[dict[str, Any]] | None:
+        """A node's run (1.4) taken whole, as `batch` takes an "events" frame (and when)."""
+        record = self.nodes.get(peer)
+        if (record is None or run.node_id != peer or run.boot != record.boot
+                or run.seq != record.received_seq + 1):
+            return None
+        events, statuses = run.events, run.statuses
+        for event in events:
+            if event.get("to") == _STOPPING:
+                return None
+        own = self._heard(record, now, wall, "event")
+        record.received_seq = run.seq + len(events) - 1
+        engines = record.engines
+        for i in range(max(0, record.snapshot_seq + 1 - run.seq), len(events)):  # past it
+            apply_event(engines, events[i], None if statuses is None else statuses[i])
+        return own
+
     def heard(self, peer: str, now: float, wall: float) -> list[dict[str, Any]]:
         """Any other message from a node (a heartbeat, a reply) keeps it reachable."""
         record = self.nodes.get(peer)

@@ -118,7 +118,7 @@ class EventStream:
         self.close()
         self._sock = self.client.socket()
         resume = dict(self.positions) if self.resume and self.subscriptions else None
-        self._send(protocol.Subscribe(resume, batches=True))
+        self._send(protocol.Subscribe(resume, batches=True, runs=True))
         self.subscriptions += 1
         self._heard = now
         self._next_heartbeat = now + self.heartbeat_s
@@ -130,8 +130,9 @@ class EventStream:
         except protocol.ProtocolError as exc:
             self._bad_frames.drop(str(exc))
             return []
-        if isinstance(message, protocol.Events):
-            return [e for m in message.events if (e := self._new(m)) is not None]
+        if isinstance(message, (protocol.Events, protocol.Run)):
+            events = message.as_events() if isinstance(message, protocol.Run) else message.events
+            return [e for m in events if (e := self._new(m)) is not None]
         if isinstance(message, protocol.Event):
             event = self._new(message)
             return [] if event is None else [event]
