@@ -11,6 +11,7 @@ other process: the part of bench/fleet_scale.py's "CPU per pause" that is the co
 Python, and much less sensitive to a loaded machine.
 
     PYTHONPATH=<checkout> python bench/pause_cpu.py [--nodes 1000] [--engines 8] [--repeat 10]
+        [--journal]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -73,8 +75,8 @@ def engine(i: int) -> dict[str, Any]:
 
 
 class Bench:
-    def __init__(self, nodes: int, engines: int) -> None:
-        self.coordinator = Coordinator("tcp://127.0.0.1:0")
+    def __init__(self, nodes: int, engines: int, state_dir: str | None = None) -> None:
+        self.coordinator = Coordinator("tcp://127.0.0.1:0", state_dir=state_dir)
         self.sock = StandInSocket()
         self.coordinator.hub.sock = self.sock  # type: ignore[assignment]
         self.engines = engines
@@ -133,15 +135,24 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--journal", action="store_true",
+                        help="with a state dir (in a temporary directory): every relayed "
+                             "event journaled, as a coordinator with --state-dir does")
     args = parser.parse_args()
-    bench = Bench(args.nodes, args.engines)
+    with tempfile.TemporaryDirectory(prefix="rwbench-pause-") as state_dir:
+        run(args, state_dir if args.journal else None)
+
+
+def run(args: argparse.Namespace, state_dir: str | None) -> None:
+    bench = Bench(args.nodes, args.engines, state_dir)
     gc.collect()
     pauses, resumes = [], []
     for k in range(args.repeat):
         pauses.append(1000 * bench.round("pause", "paused", f"p{k}"))
         resumes.append(1000 * bench.round("resume", "resumed", f"r{k}"))
     for name, values in (("pause", pauses), ("resume", resumes)):
-        print(f"coordinator CPU per fleet-wide {name} ({args.nodes} x {args.engines}), ms: "
+        print(f"coordinator CPU per fleet-wide {name} ({args.nodes} x {args.engines}"
+              f"{', journaled' if state_dir else ''}), ms: "
               f"min {min(values):.1f} / median {statistics.median(values):.1f} / max "
               f"{max(values):.1f} (n={args.repeat})")
 

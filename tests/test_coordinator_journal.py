@@ -14,7 +14,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
 from rollout_watchdog.agent.journal import JOURNAL, Journal
-from rollout_watchdog.agent.relay import Relayed
+from rollout_watchdog.agent.relay import Relayed, batch_items
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
@@ -38,6 +38,33 @@ def test_the_journal_keeps_the_newest_events_across_a_restart(tmp_path: Path) ->
     again = Journal(str(tmp_path / "state"), keep=5)
     assert [i.seq for i in again.load()] == [16, 17, 18, 19, 20]
     again.close()
+
+
+def test_a_nodes_batch_or_run_is_one_line_and_comes_back_as_its_events(tmp_path: Path) -> None:
+    """What came as a node's "run" or "events" frame, all relayed, is journaled as that frame
+    (one line, nothing encoded again) and loaded back as its events, still relayed whole; a
+    batch the compaction cut is written event by event."""
+    run = protocol.Run("n1", "b1", 1, [{"kind": "paused", "n": n} for n in range(3)])
+    events = protocol.Events([protocol.Event("n2", "b1", seq, {"kind": "x"}) for seq in (7, 8)])
+    items = [*batch_items("n1", "b1", range(1, 4), protocol.encode(run), is_run=True),
+             relayed("n3", "b1", 1),
+             *batch_items("n2", "b1", range(7, 9), protocol.encode(events))]
+    journal = Journal(str(tmp_path), keep=100)
+    journal.load()
+    journal.append(items, items)
+    assert journal.path.read_bytes().splitlines() == [
+        protocol.encode(run), items[3].frame, protocol.encode(events)]
+    assert all(item.encoded is None for item in items if item.batch is not None)  # not split
+    journal.close()
+    again = Journal(str(tmp_path), keep=100)
+    loaded = again.load()
+    assert [(i.node_id, i.seq) for i in loaded] == [(i.node_id, i.seq) for i in items]
+    assert [i.frame for i in loaded] == [i.frame for i in items]   # each event, when split
+    assert loaded[0].batch is not None and loaded[0].batch.is_run
+    assert loaded[-1].batch is not None and not loaded[-1].batch.is_run
+    again._rewrite(loaded[1:], 10_000)   # the run's first event left the buffer
+    again.close()
+    assert len(again.path.read_bytes().splitlines()) == 4       # 2 + 1 events, then the batch
 
 
 def test_a_failing_disk_turns_the_journal_off_without_stopping(tmp_path: Path) -> None:

@@ -4,12 +4,13 @@ restart loses nothing a client has not received yet.
 The coordinator ACKs an event to its node once it has it, and the node forgets it. Were the
 coordinator SIGKILLed before a subscribed client got the event, only the coordinator would still
 have had it. With a state dir, each relayed event is appended to `DIR/relay.jsonl` (one frame a
-line) before the ACK goes out; a restarted coordinator reloads the newest ones into its relay
-buffer, so a client resuming from its last event gets the rest, and knows per node the last
-event it had, so events that nodes resend are not relayed twice. The file is bounded by bytes:
-when it grows past `max_bytes` (64 MiB) it is rewritten with the newest buffered events that fit
-in half of that, so it never holds more than `max_bytes` plus one loop turn's events, and each
-byte appended is rewritten about once at most. A failing disk is logged once and the coordinator
+line: an event's, or a node's batch or run as it came) before the ACK goes out; a restarted
+coordinator reloads the newest ones into its relay buffer, so a client resuming from its last
+event gets the rest, and knows per node the last event it had, so events that nodes resend are
+not relayed twice. The file is bounded by bytes: when it grows past `max_bytes` (64 MiB) it is
+rewritten with the newest buffered events that fit in half of that, so it never holds more than
+`max_bytes` plus one loop turn's events, and each byte appended is rewritten about once at most.
+A failing disk is logged once and the coordinator
 goes on without the journal: it never stops relaying for it. """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable, Reversible
+from collections.abc import Iterable, Iterator, Reversible
 from pathlib import Path
 from typing import IO
 
-from rollout_watchdog.agent.relay import Relayed
+from rollout_watchdog.agent.relay import Relayed, batch_items
 from rollout_watchdog.common import protocol
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,14 @@ class Journal:
             with open(self.path, "rb") as file:
                 for line in file:
                     try:
-                        msg = protocol.decode(line.rstrip(b"\n"))
+                        loaded = _items_of(line.rstrip(b"\n"))
                     except protocol.ProtocolError:
                         skipped += 1  # a line cut short by a crash mid-write
                         continue
-                    if isinstance(msg, protocol.Event):
-                        items.append(Relayed(msg.node_id, msg.boot, msg.seq, line.rstrip(b"\n")))
-                        held += _line_bytes(items[-1])
-                        while len(items) > self.keep or held > self.max_bytes:
-                            held -= _line_bytes(items.popleft())
+                    items += loaded
+                    held += sum(item.frame_bytes + 1 for item in loaded)
+                    while len(items) > self.keep or held > self.max_bytes:
+                        held -= items.popleft().frame_bytes + 1
         except FileNotFoundError:
             pass
         if skipped:
@@ -69,9 +69,9 @@ class Journal:
         if self._file is None:
             return
         try:
-            for item in items:
-                self._file.write(item.frame + b"\n")
-                self._size += _line_bytes(item)
+            for line in lines_of(items):
+                self._file.write(line + b"\n")
+                self._size += len(line) + 1
             self._file.flush()   # to the kernel: a SIGKILL of the coordinator loses nothing
             if self._size > self.max_bytes:
                 self._rewrite(buffer, self.max_bytes // 2)
@@ -89,16 +89,18 @@ class Journal:
         self.close()
         kept: list[Relayed] = []
         size = 0
-        for item in reversed(items):
-            if size + _line_bytes(item) > budget:
+        for item in reversed(items):   # (a batch cut here is written event by event)
+            if size + item.frame_bytes + 1 > budget:
                 break
             kept.append(item)
-            size += _line_bytes(item)
+            size += item.frame_bytes + 1
         tmp = self.path.with_suffix(".tmp")
         try:
+            size = 0
             with open(tmp, "wb") as file:
-                for item in reversed(kept):
-                    file.write(item.frame + b"\n")
+                for line in lines_of(reversed(kept)):
+                    file.write(line + b"\n")
+                    size += len(line) + 1
             os.replace(tmp, self.path)
             self._file, self._size = open(self.path, "ab"), size  # noqa: SIM115 (kept open)
         except OSError as exc:
@@ -112,5 +114,36 @@ class Journal:
                   self.failed)
 
 
-def _line_bytes(item: Relayed) -> int:
-    return len(item.frame) + 1
+def lines_of(items: Iterable[Relayed]) -> Iterator[bytes]:
+    """The journal's lines for `items` (oldest first): a node's batch or run all of whose
+    events are there is the one frame it came in (nothing encoded: a fleet-wide pause is a
+    thousand lines, not 8,000 events encoded again); any other event its own frame."""
+    listed = list(items)
+    i = 0
+    while i < len(listed):
+        item, batch = listed[i], listed[i].batch
+        if (batch is not None and item.part == 0 and i + batch.size <= len(listed)
+                and listed[i + batch.size - 1].batch is batch):
+            yield batch.frame
+            i += batch.size
+        else:
+            yield item.frame
+            i += 1
+
+
+def _items_of(line: bytes) -> list[Relayed]:
+    """The relay items of one journal line: an event, or a node's batch or run (ProtocolError
+    for a line that is neither, or cut short)."""
+    msg = protocol.decode(line)
+    if isinstance(msg, protocol.Event):
+        return [Relayed(msg.node_id, msg.boot, msg.seq, line)]
+    if not isinstance(msg, (protocol.Events, protocol.Run)):
+        raise protocol.ProtocolError(f"a {msg.KIND!r} message, not events")
+    events = msg.as_events() if isinstance(msg, protocol.Run) else msg.events
+    first = events[0]
+    seqs = range(first.seq, first.seq + len(events))
+    if all(e.node_id == first.node_id and e.boot == first.boot and e.seq == seq
+           for e, seq in zip(events, seqs, strict=True)):
+        return batch_items(first.node_id, first.boot, seqs, line,
+                           is_run=isinstance(msg, protocol.Run))
+    return [Relayed(e.node_id, e.boot, e.seq, protocol.encode(e)) for e in events]

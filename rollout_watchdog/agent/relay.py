@@ -95,6 +95,14 @@ class Relayed:
         return len(self.encoded) + ITEM_OVERHEAD
 
     @property
+    def frame_bytes(self) -> int:
+        """The bytes of its frame (its share of its batch's: not split for this)."""
+        if self.batch is not None:
+            return -(-len(self.batch.frame) // self.batch.size)
+        assert self.encoded is not None, "a relayed event needs its frame or its batch"
+        return len(self.encoded)
+
+    @property
     def frame(self) -> bytes:
         """The event alone as an "event" frame."""
         if self.encoded is None:
