@@ -84,13 +84,21 @@ def test_cli_launch_and_remove_local_and_through_the_coordinator(
     node = make_node([], node_id="n1", top={"coordinator": coordinator.endpoint}).start()
     fleet = FleetClient(coordinator.endpoint, timeout_s=10.0)
     port = free_port()
+    bad = cli("launch", "x0", "--url", f"http://127.0.0.1:{port}", "--probe",
+              "health_interval_s=-1", "--control", node.control, "--", "true")
+    assert bad.returncode == 1 and "health_interval_s" in bad.stderr, bad.stderr
     done = cli("launch", "x0", "--url", f"http://127.0.0.1:{port}", "--gpus", "0,1", "--env",
-               "OMP_NUM_THREADS=1", "--tp-size", "1", "--control", node.control, "--wait", "60",
-               "--", *emulator_command(port))
+               "OMP_NUM_THREADS=1", "--tp-size", "1", "--probe", "health_interval_s=0.5",
+               "--probe", "health_path=/health", "--restart", "max_restarts=7", "--control",
+               node.control, "--wait", "60", "--", *emulator_command(port))
     assert done.returncode == 0, done.stderr
     assert "x0: healthy, incarnation 1" in done.stdout
     x0 = node.engine("x0")
     assert (x0["origin"], x0["gpus"], x0["tp_size"]) == ("launched", [0, 1], 1)
+    kept = json.loads((node.state_dir / "launched.json").read_text())
+    assert json.dumps(kept).count('"health_interval_s": 0.5') == 1, kept   # typed, as given
+    assert '"health_path": "/health"' in json.dumps(kept) and '"max_restarts": 7' in json.dumps(
+        kept)
 
     # refused: non-zero, with the reason
     again = cli("launch", "x0", "--url", "http://127.0.0.1:1", "--control", node.control,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_watchdog.cli.client import ControlClient, ControlError
 from rollout_watchdog.cli.render import result_line
 from rollout_watchdog.common.spec import EngineSpec
+from rollout_watchdog.config import toml_value
 
 if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.client import FleetClient
@@ -36,6 +37,16 @@ def _env(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    """--probe/--restart KEY=VALUE (argparse type): VALUE as a TOML value where it is one
+    (2, 0.5, true), else the text itself (/health); the node checks it as the config's
+    `[engine.probe]`/`[engine.restart]` key and names what is wrong."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE, got {text!r}")
+    return key.strip(), toml_value(value)
+
+
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
@@ -54,11 +65,18 @@ def add_launch_options(p: argparse.ArgumentParser, seconds: Any) -> None:
     p.add_argument("--restart-policy", choices=("immediate", "deferred"), default="immediate",
                    help="relaunch after the backoff (immediate, default) or when told "
                         "(deferred: colocated with the trainer)")
+    p.add_argument("--probe", type=_setting, action="append", default=[], metavar="K=V",
+                   help="a [probe] setting for this engine only, like health_interval_s=2 "
+                        "(repeat for more; the node's [probe] gives the rest)")
+    p.add_argument("--restart", type=_setting, action="append", default=[], metavar="K=V",
+                   help="a [restart] setting for this engine only, like max_restarts=3 "
+                        "(repeat for more)")
     p.add_argument("--wait", type=seconds, metavar="S",
                    help="return once the engine is healthy; fail after S seconds")
     p.usage = ("%(prog)s ENGINE --url URL [--gpus 0,1] [--env K=V]... [--tp-size N] "
-               "[--restart-policy P] [--wait S] [--control EP | --coordinator EP [--key FILE "
-               "--coordinator-key FILE] [--node NODE]] [--timeout S] -- COMMAND...")
+               "[--restart-policy P] [--probe K=V]... [--restart K=V]... [--wait S] "
+               "[--control EP | --coordinator EP [--key FILE --coordinator-key FILE] "
+               "[--node NODE]] [--timeout S] -- COMMAND...")
     p.epilog = "COMMAND: the engine's command line (its argv), after --."
 
 
@@ -82,7 +100,8 @@ def _spec(args: argparse.Namespace, engine_id: str) -> EngineSpec:
         raise ControlError("give the engine's command after --, like: launch e0 --url "
                            "http://127.0.0.1:30000 -- python -m sglang.launch_server ...")
     return EngineSpec(engine_id, args.url, argv, gpus=args.gpus, env=dict(args.env) or None,
-                      tp_size=args.tp_size, restart_policy=args.restart_policy)
+                      tp_size=args.tp_size, restart_policy=args.restart_policy,
+                      probe=dict(args.probe) or None, restart=dict(args.restart) or None)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
