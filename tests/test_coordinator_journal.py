@@ -14,7 +14,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
 from rollout_watchdog.agent.journal import JOURNAL, Journal
-from rollout_watchdog.agent.relay import Relayed, batch_items
+from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
@@ -30,7 +30,7 @@ def test_the_journal_keeps_the_newest_events_across_a_restart(tmp_path: Path) ->
     assert journal.load() == []
     items = [relayed("n1", "b1", seq) for seq in range(1, 21)]
     for item in items:
-        journal.append([item], items[:item.seq][-5:])
+        journal.append([item], lambda seq=item.seq: items[:seq][-5:])
     assert journal.path.stat().st_size < 2_000 + 200           # compacted, not grown
     journal.close()
     with open(journal.path, "ab") as file:
@@ -40,31 +40,29 @@ def test_the_journal_keeps_the_newest_events_across_a_restart(tmp_path: Path) ->
     again.close()
 
 
-def test_a_nodes_batch_or_run_is_one_line_and_comes_back_as_its_events(tmp_path: Path) -> None:
+def test_a_nodes_batch_or_run_is_one_line_and_comes_back_as_one_item(tmp_path: Path) -> None:
     """What came as a node's "run" or "events" frame, all relayed, is journaled as that frame
-    (one line, nothing encoded again) and loaded back as its events, still relayed whole; a
-    batch the compaction cut is written event by event."""
+    (one line, nothing encoded again) and loaded back as one item, still relayed whole; an
+    "events" line whose events are not one node's run of seqs comes back event by event."""
     run = protocol.Run("n1", "b1", 1, [{"kind": "paused", "n": n} for n in range(3)])
     events = protocol.Events([protocol.Event("n2", "b1", seq, {"kind": "x"}) for seq in (7, 8)])
-    items = [*batch_items("n1", "b1", range(1, 4), protocol.encode(run), is_run=True),
-             relayed("n3", "b1", 1),
-             *batch_items("n2", "b1", range(7, 9), protocol.encode(events))]
+    items = [Relayed("n1", "b1", 1, protocol.encode(run), 3, "run"), relayed("n3", "b1", 1),
+             Relayed("n2", "b1", 7, protocol.encode(events), 2, "events")]
     journal = Journal(str(tmp_path), keep=100)
     journal.load()
-    journal.append(items, items)
-    assert journal.path.read_bytes().splitlines() == [
-        protocol.encode(run), items[3].frame, protocol.encode(events)]
-    assert all(item.encoded is None for item in items if item.batch is not None)  # not split
+    journal.append(items, lambda: items)
+    assert journal.path.read_bytes().splitlines() == [i.frame for i in items]
     journal.close()
     again = Journal(str(tmp_path), keep=100)
     loaded = again.load()
-    assert [(i.node_id, i.seq) for i in loaded] == [(i.node_id, i.seq) for i in items]
-    assert [i.frame for i in loaded] == [i.frame for i in items]   # each event, when split
-    assert loaded[0].batch is not None and loaded[0].batch.is_run
-    assert loaded[-1].batch is not None and not loaded[-1].batch.is_run
-    again._rewrite(loaded[1:], 10_000)   # the run's first event left the buffer
+    assert [(i.node_id, i.boot, i.seq, i.frame, i.count, i.kind) for i in loaded] == [
+        (i.node_id, i.boot, i.seq, i.frame, i.count, i.kind) for i in items]
     again.close()
-    assert len(again.path.read_bytes().splitlines()) == 4       # 2 + 1 events, then the batch
+    mixed = protocol.Events([protocol.Event("n1", "b1", 4, {}), protocol.Event("n2", "b1", 1, {})])
+    journal.path.write_bytes(protocol.encode(mixed) + b"\n")
+    split = Journal(str(tmp_path), keep=100).load()
+    assert [(i.node_id, i.seq, i.count, i.frame) for i in split] == [
+        (e.node_id, e.seq, 1, protocol.encode(e)) for e in mixed.events]
 
 
 def test_a_failing_disk_turns_the_journal_off_without_stopping(tmp_path: Path) -> None:
@@ -73,10 +71,10 @@ def test_a_failing_disk_turns_the_journal_off_without_stopping(tmp_path: Path) -
     os.chmod(tmp_path, 0o500)  # compaction cannot write its temporary file
     try:
         journal.max_bytes = 0
-        journal.append([relayed("n1", "b1", 1)], [relayed("n1", "b1", 1)])
+        journal.append([relayed("n1", "b1", 1)], lambda: [relayed("n1", "b1", 1)])
         if os.geteuid() != 0:   # root writes anyway: then nothing failed
             assert journal.failed is not None and "relay" in journal.failed
-        journal.append([relayed("n1", "b1", 2)], [])              # never raises
+        journal.append([relayed("n1", "b1", 2)], list)            # never raises
     finally:
         os.chmod(tmp_path, 0o700)
 
@@ -144,7 +142,7 @@ def test_the_journal_stays_within_its_byte_bound_and_is_not_rewritten_on_every_a
     rewrites = 0
     for item in buffer:
         before = journal.path.stat().st_ino
-        journal.append([item], buffer[:item.seq])
+        journal.append([item], lambda seq=item.seq: buffer[:seq])
         rewrites += journal.path.stat().st_ino != before
         assert journal.path.stat().st_size <= 1_000 + line
     assert rewrites <= 100 * line // 500 + 1      # each rewrite follows 500 bytes appended

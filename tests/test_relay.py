@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_watchdog.agent import relay as relay_module
-from rollout_watchdog.agent.relay import Relay, Relayed, batch_items
+from rollout_watchdog.agent.relay import Relay, Relayed
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.protocol import ResumePoint, Subscribe
 
@@ -201,10 +201,11 @@ def test_a_client_still_taking_events_is_not_expired_for_late_heartbeats() -> No
     assert relay.expire(later + relay.subscriber_timeout_s + 1) == [A]
 
 
-def node_batch(node: str, seqs: range) -> list[Relayed]:
-    """The items of one node "events" frame, as the coordinator relays it."""
+def node_batch(node: str, seqs: range) -> Relayed:
+    """The item of one node "events" frame, as the coordinator relays it."""
     events = [protocol.Event(node, "b1", s, {"kind": "state", "n": s}) for s in seqs]
-    return batch_items(node, "b1", seqs, protocol.encode(protocol.Events(events)))
+    return Relayed(node, "b1", seqs[0], protocol.encode(protocol.Events(events)), len(seqs),
+                   "events")
 
 
 def seqs_in(frames: list[bytes]) -> list[tuple[str, int]]:
@@ -224,7 +225,7 @@ def test_batches_are_spliced_whole_or_split_as_each_client_takes_them() -> None:
     batch = node_batch("n1", range(1, 5))
     alone = [Relayed("n2", "b1", s, protocol.encode(protocol.Event("n2", "b1", s, {})))
              for s in (1, 2)]
-    relay, clients = filled(*batch, *alone), Clients()
+    relay, clients = filled(batch, *alone), Clients()
     relay.subscribe(A, Subscribe({}, batches=True), T0)            # all of it
     relay.subscribe(B, Subscribe({"n1": ResumePoint("b1", 2)}, batches=True), T0)
     relay.subscribe(C, Subscribe({}), T0)                          # no batches
@@ -235,14 +236,16 @@ def test_batches_are_spliced_whole_or_split_as_each_client_takes_them() -> None:
     whole = [("n1", s) for s in range(1, 5)] + [("n2", 1), ("n2", 2)]
     assert seqs_in(clients.got[A]) == whole and seqs_in(clients.got[C]) == whole
     assert seqs_in(clients.got[B]) == whole[2:]
-    assert clients.got[C][:4] == frames(*batch)   # split into the events' own frames
+    assert clients.got[C][:4] == [batch.event_frame(part) for part in range(4)]   # split
+    assert clients.got[C][:4] == [protocol.encode(e)
+                                  for e in protocol.decode(batch.frame).events]  # type: ignore[union-attr]
 
 
 def test_a_fleet_wide_burst_reaches_a_client_in_few_frames() -> None:
     """A thousand nodes' batches of 8 (a fleet-wide pause) go out joined, each frame within
     RELAYED_BATCH_EVENTS and protocol.BATCH_BYTES, every event once and in order."""
     batches = [node_batch(f"n{i:04d}", range(1, 9)) for i in range(1000)]
-    relay, clients = filled(*(i for batch in batches for i in batch), capacity=8000), Clients()
+    relay, clients = filled(*batches, capacity=8000), Clients()
     relay.subscribe(A, Subscribe({}, batches=True), T0)
     while relay.pump(clients.send, T0):
         pass
@@ -259,8 +262,8 @@ def test_a_run_goes_whole_to_a_client_taking_runs_and_split_to_the_others() -> N
     spliced in as its own "event" message; one without batches gets each alone."""
     run = protocol.Run("n1", "b1", 1, [{"kind": "paused", "n": s} for s in range(1, 4)])
     frame = protocol.encode(run)
-    items = batch_items("n1", "b1", range(1, 4), frame, is_run=True)
-    relay, clients = filled(*items, *node_batch("n2", range(1, 3))), Clients()
+    relay, clients = filled(Relayed("n1", "b1", 1, frame, 3, "run"),
+                            node_batch("n2", range(1, 3))), Clients()
     relay.subscribe(A, Subscribe({}, batches=True, runs=True), T0)
     relay.subscribe(B, Subscribe({}, batches=True), T0)
     relay.subscribe(C, Subscribe({}), T0)
@@ -278,8 +281,8 @@ def test_a_batch_of_another_protocol_version_goes_as_it_came() -> None:
     old_frame = protocol.encode(protocol.Events([protocol.Event("n1", "b1", s, {})
                                                  for s in (1, 2)])).replace(
         b'{"v":[%d,%d],"kind":"events"' % protocol.VERSION, b'{"v":[1,1],"kind":"events"', 1)
-    old = batch_items("n1", "b1", range(1, 3), old_frame)
-    relay, clients = filled(*node_batch("n0", range(1, 3)), *old, *node_batch("n2", range(1, 3))
+    old = Relayed("n1", "b1", 1, old_frame, 2, "events")
+    relay, clients = filled(node_batch("n0", range(1, 3)), old, node_batch("n2", range(1, 3))
                             ), Clients()
     relay.subscribe(A, Subscribe({}, batches=True), T0)
     assert relay.pump(clients.send, T0) is False
@@ -290,7 +293,7 @@ def test_a_batch_of_another_protocol_version_goes_as_it_came() -> None:
 def test_a_batch_is_not_forwarded_whole_past_a_clients_share(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(relay_module, "SENDS_PER_TURN", 3)
-    relay, clients = filled(*node_batch("n1", range(1, 6))), Clients()
+    relay, clients = filled(node_batch("n1", range(1, 6))), Clients()
     relay.subscribe(A, Subscribe({}, batches=True), T0)
     assert relay.pump(clients.send, T0) is True                  # 3 this turn, 2 the next
     assert seqs_in(clients.got[A]) == [("n1", s) for s in range(1, 4)]
@@ -338,17 +341,18 @@ def test_one_event_bigger_than_the_byte_bound_is_still_relayed() -> None:
     assert len(clients.got[A]) == 1 and len(relay.buffer) == 1
 
 
-def test_a_batch_added_at_once_is_bounded_as_its_events_added_one_by_one() -> None:
-    """add_all (a node's batch, the coordinator's hot path) keeps both bounds as add does."""
-    for capacity, max_bytes in ((10, 1 << 20), (1_000, 2_000)):
-        whole = Relay(capacity=capacity, max_bytes=max_bytes)
-        alone = Relay(capacity=capacity, max_bytes=max_bytes)
-        for first in range(1, 40, 8):
-            whole.add_all(node_batch("n1", range(first, first + 8)))
-            for one in node_batch("n1", range(first, first + 8)):
-                alone.add(one)
-            assert ([(i.seq, i.size) for i in whole.buffer]
-                    == [(i.seq, i.size) for i in alone.buffer])
-            assert (whole.first, whole.bytes) == (alone.first, alone.bytes)
-            assert len(whole.buffer) <= capacity and whole.bytes <= max(
-                max_bytes, whole.buffer[-1].size)
+def test_batches_leave_the_buffer_whole_and_keep_both_bounds() -> None:
+    """A node's batch is one item: it leaves whole, oldest first, while the buffer is over
+    either bound, and the counts (events, bytes, the first relay index) stay exact."""
+    for capacity, max_bytes in ((20, 1 << 20), (1_000, 3_000)):
+        relay = Relay(capacity=capacity, max_bytes=max_bytes)
+        batches = [node_batch("n1", range(first, first + 8)) for first in range(1, 80, 8)]
+        for batch in batches:
+            relay.add(batch)
+            kept = relay.buffer
+            assert relay.events == sum(i.count for i in kept) == relay.end - relay.first
+            assert relay.bytes == sum(i.size for i in kept)
+            assert relay.events <= capacity and relay.bytes <= max(max_bytes, batch.size)
+            assert kept[0].first == relay.first and kept[-1] is batch
+            assert kept == batches[batches.index(batch) + 1 - len(kept):batches.index(batch) + 1]
+        assert relay.first == 8 * (len(batches) - len(relay.buffer))

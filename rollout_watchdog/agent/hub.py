@@ -28,7 +28,7 @@ from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
 from rollout_watchdog.agent.hub_socket import NodeRoutes, bind_hub
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.pipe import RELOAD, STOP, Pipe
-from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed, batch_items
+from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import NamedKeyAuthenticator
 from rollout_watchdog.common import frames, protocol
 from rollout_watchdog.common.events import Event
@@ -172,7 +172,7 @@ class Hub:
                 self.bad_messages["internal_error"] += 1
                 log.exception("coordinator: failed to handle a message")
         if self.journal is not None and self._unjournaled:
-            self.journal.append(self._unjournaled, self.relay.buffer)  # before the ACKs
+            self.journal.append(self._unjournaled, lambda: self.relay.buffer)  # before ACKs
         self._unjournaled.clear()
         for node_id in self._acks:
             record = self.view.nodes[node_id]
@@ -275,17 +275,16 @@ class Hub:
             if own is not None:
                 self.own_events(own)
                 self._acks.add(peer)
-                seqs = range(msg.seq, msg.seq + len(msg.events))
-                self._relay_all(batch_items(peer, msg.boot, seqs, frame, is_run=True))
+                self._relay(Relayed(peer, msg.boot, msg.seq, frame, len(msg.events), msg.KIND))
                 return
-        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, is_run=True)
+        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND)
 
     def _events(self, msg: protocol.PlainEvents | protocol.Events, frame: bytes, peer: str,
-                now: float, wall: float, is_run: bool = False) -> None:
-        """A batch (or the events of a run, `is_run`): each event taken as if it came alone (a
-        refused one is counted), relayed as the node's frame when all are new (one ACK for
-        all, as for any turn's events). A plain batch (FleetView.batch) is taken whole, with
-        no object per event."""
+                now: float, wall: float, kind: str = protocol.Events.KIND) -> None:
+        """A batch (or the events of a run: `kind`, the frame's): each event taken as if it
+        came alone (a refused one is counted), relayed as the node's frame when all are new
+        (one ACK for all, as for any turn's events). A plain batch (FleetView.batch) is taken
+        whole, with no object per event."""
         small = _reencodes_small(frame)   # (one scan of the frame for both paths)
         if (isinstance(msg, protocol.PlainEvents) and small
                 and len(frame) <= protocol.MAX_EVENT_BYTES):
@@ -294,16 +293,17 @@ class Hub:
                 self.own_events(own)
                 self._acks.add(peer)
                 record = self.view.nodes[peer]
-                last = record.received_seq   # (the batch's seqs run up to it)
-                seqs = range(last - len(msg.items) + 1, last + 1)
-                self._relay_all(batch_items(peer, record.boot, seqs, frame))
+                count = len(msg.items)   # (its seqs run up to the last received)
+                self._relay(Relayed(peer, record.boot, record.received_seq - count + 1, frame,
+                                    count, kind))
                 return
         events = msg.events() if isinstance(msg, protocol.PlainEvents) else msg.events
         new: list[protocol.Event] = []
         restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
         taken = False
         # (never a batch or run from this package's nodes: each event then is checked alone)
-        big = len(frame) > (protocol.MAX_RUN_BYTES if is_run else protocol.MAX_EVENT_BYTES)
+        big = len(frame) > (protocol.MAX_RUN_BYTES if kind == protocol.Run.KIND
+                            else protocol.MAX_EVENT_BYTES)
         for event in events:
             try:
                 if big:
@@ -320,9 +320,9 @@ class Hub:
                 restarts += [(event, target) for target in self.policy.restarts(peer, event)]
         if taken:
             self._acks.add(peer)
-        if len(new) == len(events) and small:   # kept together: relayed as it came
-            for item in batch_items(peer, new[0].boot, [e.seq for e in new], frame, is_run):
-                self._relay(item)
+        if len(new) == len(events) and small and all(   # kept together: relayed as it came
+                e.seq == new[0].seq + i for i, e in enumerate(new)):
+            self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind))
         else:
             for event in new:   # encoded now: one that cannot be sent is never relayed
                 try:
@@ -419,13 +419,6 @@ class Hub:
         self.relay.add(item)
         if self.journal is not None:
             self._unjournaled.append(item)
-
-    def _relay_all(self, items: list[Relayed]) -> None:
-        """_relay() each of them (a node's batch)."""
-        self.policy.changed()
-        self.relay.add_all(items)
-        if self.journal is not None:
-            self._unjournaled += items
 
     def send(self, peer: bytes, frame: bytes) -> bool:
         """Send without blocking; False if the peer is gone or its queue is full."""

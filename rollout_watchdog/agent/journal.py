@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator, Reversible
+from collections.abc import Callable, Iterable, Reversible
 from pathlib import Path
 from typing import IO
 
-from rollout_watchdog.agent.relay import Relayed, batch_items
+from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,11 @@ class Journal:
         self._size = 0
 
     def load(self) -> list[Relayed]:
-        """The newest events of the journal, at most `keep` and `max_bytes` of them, oldest
-        first (a bad line is skipped)."""
+        """The newest events of the journal, at most about `keep` and `max_bytes` of them (by
+        whole lines), oldest first (a bad line is skipped)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         items: deque[Relayed] = deque()
-        held = skipped = 0
+        held = events = skipped = 0
         try:
             with open(self.path, "rb") as file:
                 for line in file:
@@ -52,10 +52,12 @@ class Journal:
                     except protocol.ProtocolError:
                         skipped += 1  # a line cut short by a crash mid-write
                         continue
-                    items += loaded
-                    held += sum(item.frame_bytes + 1 for item in loaded)
-                    while len(items) > self.keep or held > self.max_bytes:
-                        held -= items.popleft().frame_bytes + 1
+                    for item in loaded:
+                        items.append(item)
+                        held, events = held + len(item.frame) + 1, events + item.count
+                        while len(items) > 1 and (events > self.keep or held > self.max_bytes):
+                            gone = items.popleft()
+                            held, events = held - len(gone.frame) - 1, events - gone.count
         except FileNotFoundError:
             pass
         if skipped:
@@ -63,18 +65,19 @@ class Journal:
         self._rewrite(items, self.max_bytes)
         return list(items)
 
-    def append(self, items: Iterable[Relayed], buffer: Reversible[Relayed]) -> None:
-        """Write events (before their ACK goes out); compact to the newest of `buffer` (the
+    def append(self, items: Iterable[Relayed], buffer: Callable[[], Reversible[Relayed]]
+               ) -> None:
+        """Write items (before their ACK goes out); compact to the newest of `buffer()` (the
         relay's, oldest first) when too big."""
         if self._file is None:
             return
         try:
-            for line in lines_of(items):
-                self._file.write(line + b"\n")
-                self._size += len(line) + 1
+            for item in items:
+                self._file.write(item.frame + b"\n")
+                self._size += len(item.frame) + 1
             self._file.flush()   # to the kernel: a SIGKILL of the coordinator loses nothing
             if self._size > self.max_bytes:
-                self._rewrite(buffer, self.max_bytes // 2)
+                self._rewrite(buffer(), self.max_bytes // 2)
         except OSError as exc:
             self._fail(exc)
 
@@ -89,18 +92,16 @@ class Journal:
         self.close()
         kept: list[Relayed] = []
         size = 0
-        for item in reversed(items):   # (a batch cut here is written event by event)
-            if size + item.frame_bytes + 1 > budget:
+        for item in reversed(items):
+            if size + len(item.frame) + 1 > budget:
                 break
             kept.append(item)
-            size += item.frame_bytes + 1
+            size += len(item.frame) + 1
         tmp = self.path.with_suffix(".tmp")
         try:
-            size = 0
             with open(tmp, "wb") as file:
-                for line in lines_of(reversed(kept)):
-                    file.write(line + b"\n")
-                    size += len(line) + 1
+                for item in reversed(kept):
+                    file.write(item.frame + b"\n")
             os.replace(tmp, self.path)
             self._file, self._size = open(self.path, "ab"), size  # noqa: SIM115 (kept open)
         except OSError as exc:
@@ -114,36 +115,18 @@ class Journal:
                   self.failed)
 
 
-def lines_of(items: Iterable[Relayed]) -> Iterator[bytes]:
-    """The journal's lines for `items` (oldest first): a node's batch or run all of whose
-    events are there is the one frame it came in (nothing encoded: a fleet-wide pause is a
-    thousand lines, not 8,000 events encoded again); any other event its own frame."""
-    listed = list(items)
-    i = 0
-    while i < len(listed):
-        item, batch = listed[i], listed[i].batch
-        if (batch is not None and item.part == 0 and i + batch.size <= len(listed)
-                and listed[i + batch.size - 1].batch is batch):
-            yield batch.frame
-            i += batch.size
-        else:
-            yield item.frame
-            i += 1
-
-
 def _items_of(line: bytes) -> list[Relayed]:
     """The relay items of one journal line: an event, or a node's batch or run (ProtocolError
     for a line that is neither, or cut short)."""
     msg = protocol.decode(line)
     if isinstance(msg, protocol.Event):
         return [Relayed(msg.node_id, msg.boot, msg.seq, line)]
-    if not isinstance(msg, (protocol.Events, protocol.Run)):
+    if isinstance(msg, protocol.Run):
+        return [Relayed(msg.node_id, msg.boot, msg.seq, line, len(msg.events), msg.KIND)]
+    if not isinstance(msg, protocol.Events):
         raise protocol.ProtocolError(f"a {msg.KIND!r} message, not events")
-    events = msg.as_events() if isinstance(msg, protocol.Run) else msg.events
-    first = events[0]
-    seqs = range(first.seq, first.seq + len(events))
-    if all(e.node_id == first.node_id and e.boot == first.boot and e.seq == seq
-           for e, seq in zip(events, seqs, strict=True)):
-        return batch_items(first.node_id, first.boot, seqs, line,
-                           is_run=isinstance(msg, protocol.Run))
-    return [Relayed(e.node_id, e.boot, e.seq, protocol.encode(e)) for e in events]
+    first = msg.events[0]
+    if all(e.node_id == first.node_id and e.boot == first.boot and e.seq == first.seq + i
+           for i, e in enumerate(msg.events)):
+        return [Relayed(first.node_id, first.boot, first.seq, line, len(msg.events), msg.KIND)]
+    return [Relayed(e.node_id, e.boot, e.seq, protocol.encode(e)) for e in msg.events]

@@ -1,33 +1,36 @@
 """Relaying events to subscribed clients, in order, each once, at each client's own pace.
 
-Every event the coordinator relays goes into one buffer, numbered by the coordinator, bounded
-both by count (`BUFFER_EVENTS`) and by bytes (`BUFFER_BYTES`, counting each event's frame and
-`ITEM_OVERHEAD` for its objects): the oldest events leave first. A subscriber is a cursor into
-that buffer: the coordinator sends from its cursor until the socket would block (the client's
-high-water mark) and carries on at the next turn, so one slow client neither blocks the loop nor
-loses events, as long as it stays within the buffer. One that falls out of it is counted
-(`skipped_behind`) and, before anything else, sent a "gap" event saying how many it lost (made
-by the coordinator: `gap_frame`). A resuming subscriber starts at the oldest buffered event and
-skips what its resume points say it has (docs/protocol.md, "The coordinator's side").
+Every event the coordinator relays goes into one buffer, numbered by the coordinator, in items
+of one frame each (an event alone, or a node's batch or run: one object per frame, not per
+event), bounded both by count (`BUFFER_EVENTS`) and by bytes (`BUFFER_BYTES`, counting each
+item's frame and `ITEM_OVERHEAD` for each of its events): the oldest items leave first. A
+subscriber is a cursor into that numbering: the coordinator sends from its cursor until the
+socket would block (the client's high-water mark) and carries on at the next turn, so one slow
+client neither blocks the loop nor loses events, as long as it stays within the buffer. One
+that falls out of it is counted (`skipped_behind`) and, before anything else, sent a "gap"
+event saying how many it lost (made by the coordinator: `gap_frame`). A resuming subscriber
+starts at the oldest buffered event and skips what its resume points say it has
+(docs/protocol.md, "The coordinator's side").
 
 A subscriber that set `batches` gets runs of events as "events" frames (RELAYED_BATCH_EVENTS
 and protocol.BATCH_BYTES at most): the events of nodes' "events" frames it wants whole spliced
-from them (no encoding at all), others' own frames spliced in between. One frame per event for
-the others. An event that came in a node's batch is encoded on its own only when needed (a
-subscriber resumed mid-batch, one without `batches`, the journal).
+from them (no encoding at all), nodes' "run" frames whole inside them for one that set `runs`,
+others' own frames spliced in between. One frame per event for the others. A node's batch is
+split into its events' own frames only when needed (a subscriber resumed mid-batch, one
+without `batches`, a run for one without `runs`).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Sequence
+from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout_watchdog.common import frames, protocol
 
 BUFFER_EVENTS = 50_000
 BUFFER_BYTES = 64 << 20
-ITEM_OVERHEAD = 200      # bytes of Python objects per buffered event, besides its frame
+ITEM_OVERHEAD = 200      # bytes counted per buffered event for its objects, besides the frame
 SUBSCRIBER_TIMEOUT_S = 10.0
 SENDS_PER_TURN = 5_000   # per subscriber and turn: as many as a turn takes in (MESSAGES_PER_TURN)
 # The most events in one "events" frame to a subscriber (and protocol.BATCH_BYTES): nodes'
@@ -36,88 +39,49 @@ SENDS_PER_TURN = 5_000   # per subscriber and turn: as many as a turn takes in (
 RELAYED_BATCH_EVENTS = 256
 
 
-@dataclass(eq=False)
-class Batch:
-    """A node's "events" frame whose events are all relayed, one after the other. Only the
-    frame is kept (decoded events cost several times its size in memory); it is split into
-    the events' own frames when first needed."""
+@dataclass(eq=False, slots=True)
+class Relayed:
+    """The events of one frame in the relay buffer: an event alone ("event", `count` 1), or a
+    node's "events" or "run" frame all of whose events are relayed (seqs `seq` to
+    seq + count - 1 of one boot). One object per frame, not per event (a fleet-wide pause is
+    8,000 events in 1,000 frames): the frame is kept as it came, and split into its events' own
+    frames only when a subscriber needs them alone."""
 
+    node_id: str
+    boot: str
+    seq: int                    # of its first event
     frame: bytes
-    size: int
-    # A node's "run" frame (1.4), not an "events" one: it goes whole, as an item of an "events"
-    # frame, to a client that takes runs only.
-    is_run: bool = False
-    _frames: list[bytes] | None = None
-    # The bytes each of its events is counted for in the buffer, objects included (split, the
-    # frames take about as much again)
-    item_size: int = field(init=False)
+    count: int = 1
+    kind: str = protocol.Event.KIND
+    first: int = 0              # the relay index of its first event (the relay numbers it)
+    _split: list[bytes] | None = None
 
-    def __post_init__(self) -> None:
-        self.item_size = -(-len(self.frame) // self.size) + ITEM_OVERHEAD
+    @property
+    def size(self) -> int:
+        """What it is counted for in the relay buffer's byte bound (its frame, and the objects
+        of each event once split)."""
+        return len(self.frame) + ITEM_OVERHEAD * self.count
 
     def event_frame(self, part: int) -> bytes:
-        if self._frames is None:
+        """Its event number `part` (from 0) alone, as an "event" frame."""
+        if self.kind == protocol.Event.KIND:
+            return self.frame
+        if self._split is None:
             message = protocol.decode(self.frame)
             assert isinstance(message, (protocol.Events, protocol.Run))
             events = message.as_events() if isinstance(message, protocol.Run) else message.events
-            self._frames = [protocol.encode(event) for event in events]
-        return self._frames[part]
+            self._split = [protocol.encode(event) for event in events]
+        return self._split[part]
 
     def join(self, packed: frames.EventsFrame) -> bool:
         """Add all of its events to `packed` as they came, if they fit (False: they do not,
         or an "events" frame of another version's envelope, which goes alone as it came)."""
-        if self.is_run:
-            if not packed.fits(self.frame, self.size):
-                return False
-            packed.add(self.frame, self.size)
-            return True
-        return packed.add_batch(self.frame, self.size)
-
-
-@dataclass(slots=True)
-class Relayed:
-    """One buffered event: its frame, encoded once for every subscriber (for one that came in
-    a batch, when first needed)."""
-
-    node_id: str
-    boot: str
-    seq: int
-    encoded: bytes | None = None
-    batch: Batch | None = None   # the batch it came in, and its place there
-    part: int = 0
-
-    @property
-    def size(self) -> int:
-        """What it is counted for in the relay buffer's byte bound."""
-        if self.batch is not None:
-            return self.batch.item_size
-        assert self.encoded is not None, "a relayed event needs its frame or its batch"
-        return len(self.encoded) + ITEM_OVERHEAD
-
-    @property
-    def frame_bytes(self) -> int:
-        """The bytes of its frame (its share of its batch's: not split for this)."""
-        if self.batch is not None:
-            return -(-len(self.batch.frame) // self.batch.size)
-        assert self.encoded is not None, "a relayed event needs its frame or its batch"
-        return len(self.encoded)
-
-    @property
-    def frame(self) -> bytes:
-        """The event alone as an "event" frame."""
-        if self.encoded is None:
-            assert self.batch is not None, "a relayed event needs its frame or its batch"
-            self.encoded = self.batch.event_frame(self.part)
-        return self.encoded
-
-
-def batch_items(node_id: str, boot: str, seqs: Sequence[int], frame: bytes,
-                is_run: bool = False) -> list[Relayed]:
-    """The items for a node's "events" (or "run") frame (`frame`) all of whose events (of
-    `node_id` and `boot`, numbered `seqs`) are relayed. The coordinator checked that each event,
-    encoded again alone, fits in a frame."""
-    batch = Batch(frame, len(seqs), is_run)
-    return [Relayed(node_id, boot, seq, None, batch, i) for i, seq in enumerate(seqs)]
+        if self.kind == protocol.Events.KIND:
+            return packed.add_batch(self.frame, self.count)
+        if not packed.fits(self.frame, self.count):
+            return False
+        packed.add(self.frame, self.count)
+        return True
 
 
 @dataclass
@@ -132,12 +96,17 @@ class Subscriber:
     runs: bool = False              # ... with "run" messages in them (1.4)
     lost: int = 0                   # events it fell behind by, not yet told in a "gap" event
 
-    def has(self, item: Relayed, index: int) -> bool:
-        """Whether this client has the event already (by its resume points)."""
-        if index <= self.skip_until.get(item.node_id, -1):
+    def has(self, item: Relayed, part: int) -> bool:
+        """Whether this client has event `part` of `item` already (by its resume points)."""
+        if item.first + part <= self.skip_until.get(item.node_id, -1):
             return True
         point = self.resume.get(item.node_id)
-        return point is not None and item.boot == point.boot and item.seq <= point.seq
+        return point is not None and item.boot == point.boot and item.seq + part <= point.seq
+
+    def has_none(self, item: Relayed) -> bool:
+        """Whether it lacks every event of `item`."""
+        return not (self.resume or self.skip_until) or not any(
+            self.has(item, part) for part in range(item.count))
 
 
 # Sends one frame to one client; False when it would block (come back later). Raises
@@ -151,38 +120,51 @@ class Relay:
     def __init__(self, capacity: int = BUFFER_EVENTS,
                  subscriber_timeout_s: float = SUBSCRIBER_TIMEOUT_S,
                  max_bytes: int = BUFFER_BYTES, gap_frame: GapFrame | None = None) -> None:
-        self.buffer: deque[Relayed] = deque()
+        # The buffered items, oldest first, from _items[_head] on (a list, not a deque: a
+        # subscriber's place is found by bisection; the items that left are cut off in bulk).
+        self._items: list[Relayed] = []
+        self._head = 0
         self.capacity, self.max_bytes = capacity, max_bytes
+        self.events = 0               # buffered events
         self.bytes = 0                # what the buffered events are counted for
         self.gap_frame = gap_frame
-        self.first = 0                # relay index of buffer[0]
+        self.first = 0                # relay index of the oldest buffered event
         self.subscribers: dict[bytes, Subscriber] = {}
         self.subscriber_timeout_s = subscriber_timeout_s
         self.skipped_behind = 0       # events a subscriber missed by falling out of the buffer
 
     @property
     def end(self) -> int:
-        return self.first + len(self.buffer)
+        """The relay index after the newest buffered event (every event relayed so far)."""
+        return self.first + self.events
+
+    @property
+    def buffer(self) -> list[Relayed]:
+        """The buffered items, oldest first (a copy)."""
+        return self._items[self._head:]
 
     def add(self, item: Relayed) -> None:
-        """Buffer an event; the oldest leave while over either bound (the newest one stays)."""
-        self.buffer.append(item)
+        """Buffer an item (an event, or a node's batch); the oldest items leave while over
+        either bound (the newest one stays)."""
+        item.first = self.end
+        self._items.append(item)
+        self.events += item.count
         self.bytes += item.size
-        self._trim()
+        while len(self._items) - self._head > 1 and (self.events > self.capacity
+                                                     or self.bytes > self.max_bytes):
+            gone = self._items[self._head]
+            self._head += 1
+            self.first += gone.count
+            self.events -= gone.count
+            self.bytes -= gone.size
+        if self._head > 1024 and self._head * 2 > len(self._items):
+            del self._items[:self._head]
+            self._head = 0
 
-    def add_all(self, items: list[Relayed]) -> None:
-        """add() each of them (a node's batch: batch_items), the bounds kept once."""
-        self.buffer.extend(items)
-        self.bytes += sum([item.size for item in items])
-        self._trim()
-
-    def _trim(self) -> None:
-        buffer, capacity, max_bytes = self.buffer, self.capacity, self.max_bytes
-        held, dropped = self.bytes, 0   # (a full buffer drops as many as come: 8,000 a pause)
-        while len(buffer) > 1 and (len(buffer) > capacity or held > max_bytes):
-            held -= buffer.popleft().size
-            dropped += 1
-        self.bytes, self.first = held, self.first + dropped
+    def _at(self, index: int) -> int:
+        """The position in _items of the item holding the event at relay index `index`
+        (buffered: first <= index < end)."""
+        return bisect_right(self._items, index, lo=self._head, key=_first_of) - 1
 
     def subscribe(self, client: bytes, msg: protocol.Subscribe, now: float) -> None:
         """(Re)subscribe: from now on, or from the buffer's start minus what it has."""
@@ -192,10 +174,11 @@ class Relay:
             return
         sub = Subscriber(client, self.first, now, resume=dict(msg.resume), batches=msg.batches,
                          runs=msg.runs)
-        for index, item in enumerate(self.buffer, self.first):
+        for item in self.buffer:
             point = sub.resume.get(item.node_id)
-            if point is not None and (item.boot, item.seq) == (point.boot, point.seq):
-                sub.skip_until[item.node_id] = index
+            if (point is not None and item.boot == point.boot
+                    and item.seq <= point.seq < item.seq + item.count):
+                sub.skip_until[item.node_id] = item.first + point.seq - item.seq
         self.subscribers[client] = sub
 
     def heard(self, client: bytes, now: float) -> None:
@@ -258,39 +241,39 @@ class Relay:
         how many events the frame holds, the cursor after them)."""
         packed = frames.EventsFrame(min(most, RELAYED_BATCH_EVENTS) if sub.batches else 1,
                                     protocol.BATCH_BYTES)
-        index = sub.cursor
+        index, position = sub.cursor, self._at(sub.cursor)
         while index < self.end:
-            item = self.buffer[index - self.first]
-            if sub.has(item, index):
-                index += 1
-                continue
-            batch = item.batch
-            if sub.batches and self._whole_batch(sub, item, index, packed.max_events):
-                assert batch is not None
-                if batch.join(packed):   # spliced in whole
-                    index += batch.size
+            item = self._items[position]
+            part = index - item.first
+            if part == 0 and sub.batches and self._whole(sub, item, packed.max_events):
+                if item.join(packed):   # spliced in whole
+                    index += item.count
+                    position += 1
                     continue
                 if not packed.frames:   # a frame of another protocol version: as it came
-                    return batch.frame, batch.size, index + batch.size
+                    return item.frame, item.count, index + item.count
                 break                   # what is packed goes first
-            frame = item.frame
-            if not packed.fits(frame):
-                break
-            packed.add(frame)
-            index += 1
+            while part < item.count:    # event by event
+                if not sub.has(item, part):
+                    frame = item.event_frame(part)
+                    if not packed.fits(frame):
+                        count = packed.count
+                        return packed.take(), count, index
+                    packed.add(frame)
+                part += 1
+                index += 1
+            position += 1
         count = packed.count
         return (packed.take() if count else None), count, index
 
-    def _whole_batch(self, sub: Subscriber, item: Relayed, index: int, most: int) -> bool:
-        """Whether `item` starts a node's batch that `sub` lacks all of, within `most` events."""
-        batch = item.batch
-        if (batch is None or item.part != 0 or batch.size > most
-                or len(batch.frame) > protocol.BATCH_BYTES or index + batch.size > self.end
-                or (batch.is_run and not sub.runs)):
-            return False
-        if self.buffer[index + batch.size - 1 - self.first].batch is not batch:
-            return False
-        if not (sub.resume or sub.skip_until):   # (has() is false for every item then)
-            return True
-        items = [self.buffer[i - self.first] for i in range(index, index + batch.size)]
-        return not any(sub.has(other, i) for i, other in enumerate(items, index))
+    @staticmethod
+    def _whole(sub: Subscriber, item: Relayed, most: int) -> bool:
+        """Whether `sub` gets all of the node batch `item` as it came: it lacks every event of
+        it, takes its kind, and it fits in `most` events and a frame."""
+        return (item.kind != protocol.Event.KIND and item.count <= most
+                and len(item.frame) <= protocol.BATCH_BYTES
+                and (item.kind != protocol.Run.KIND or sub.runs) and sub.has_none(item))
+
+
+def _first_of(item: Relayed) -> int:
+    return item.first

@@ -148,7 +148,7 @@ class Coordinator:
         of their journaled events is not new."""
         for item in items:
             if not item.boot.startswith(COORDINATOR_BOOT_PREFIX):
-                self.view.journaled[item.node_id] = (item.boot, item.seq)
+                self.view.journaled[item.node_id] = (item.boot, item.seq + item.count - 1)
                 self.view.expected.add(item.node_id)
 
     def changed(self) -> None:
