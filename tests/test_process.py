@@ -21,6 +21,7 @@ from rollout_watchdog.watchdog.process import (
     port_bindable,
     proc_key,
     read_stat,
+    signal_proc,
 )
 
 
@@ -48,6 +49,23 @@ def test_identity_is_pid_plus_start_time() -> None:
     assert me is not None and is_alive(me)
     assert not is_alive(ProcKey(me.pid, me.start_time - 50))  # same pid, another process
     assert open_pidfd(ProcKey(me.pid, me.start_time - 50)) is None
+
+
+def test_a_signal_reaches_only_the_process_it_names() -> None:
+    """signal_proc sends to the process of that pid and start time, never to another process
+    holding the pid, and says whether it sent."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        key = proc_key(child.pid)
+        assert key is not None
+        assert not signal_proc(ProcKey(key.pid, key.start_time - 50), signal.SIGKILL)
+        assert child.poll() is None                     # another incarnation's key: untouched
+        assert signal_proc(key, signal.SIGKILL)
+        assert child.wait(10) == -signal.SIGKILL
+        assert not signal_proc(key, signal.SIGKILL)     # reaped: gone
+    finally:
+        child.kill()
+        child.wait()
 
 
 def _exe(pid: int) -> str:

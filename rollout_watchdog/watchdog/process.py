@@ -172,14 +172,29 @@ def descendants(roots: Iterable[int], table: dict[int, ProcStat] | None = None
 
 
 def signal_proc(key: ProcKey, sig: int) -> bool:
-    """Signal one process if it is still the one we know; True if the signal was sent."""
-    if not is_alive(key):
+    """Signal one process if it is still the one we know; True if the signal was sent. Through
+    a pidfd opened before the identity check, so that a pid taken by another process in
+    between is never signalled (kill() after the check could hit it); with no descriptor
+    left, the check and kill()."""
+    try:
+        fd = open_pidfd(key)
+    except OSError:
+        fd = -1
+    if fd is None:
         return False
     try:
-        os.kill(key.pid, sig)
+        if fd >= 0:
+            signal.pidfd_send_signal(fd, sig)
+        elif is_alive(key):
+            os.kill(key.pid, sig)
+        else:
+            return False
         return True
     except ProcessLookupError:
         return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def signal_group(pgid: int, sig: int) -> bool:
