@@ -13,6 +13,7 @@ from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.watchdog.commands import dispatcher
 from rollout_watchdog.watchdog.control import ControlServer
 from rollout_watchdog.watchdog.daemon import Daemon, ParticipantFactory
+from rollout_watchdog.watchdog.status import engine_status
 
 
 def control_socket(daemon: Daemon) -> ControlServer:
@@ -27,15 +28,16 @@ def fleet_link(daemon: Daemon) -> NodeLink:
     assert config.coordinator is not None
     supervisor = daemon.supervisor
 
-    def engine_status(engine_id: str) -> dict[str, Any] | None:
+    def status_of(engine_id: str) -> dict[str, Any] | None:
         engine = supervisor.engines.get(engine_id)
-        return supervisor.engine_status(engine) if engine is not None else None
+        return (None if engine is None else
+                engine_status(engine, supervisor.clock, supervisor.kernel_boot))
 
     link = NodeLink(zmq.Context.instance(), endpoint=config.coordinator,
                     node_id=config.node_id, boot=daemon.boot_id,
                     snapshot=lambda: list(daemon.status()["engines"]),
                     dispatch=dispatcher(supervisor), clock=daemon.clock,
-                    engine_status=engine_status, key=config.key,
+                    engine_status=status_of, key=config.key,
                     coordinator_key=config.coordinator_key, metrics=daemon.metrics,
                     metrics_port=config.metrics_port)
     daemon.publisher.subscribe(link.on_event)

@@ -1,4 +1,5 @@
-"""Restart policy as pure functions: backoff with jitter, restart budget, probe threshold."""
+"""Restart policy as pure functions: backoff with jitter, restart budget, probe threshold,
+probe interval, progress stall."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import statistics
 
 import pytest
 
-from rollout_watchdog.config import RestartConfig
+from rollout_watchdog.common.states import EngineState
+from rollout_watchdog.config import ProbeConfig, RestartConfig
 from rollout_watchdog.watchdog.policy import (
     ProbeVerdict,
+    ProgressVerdict,
     backoff_delay,
     budget_exhausted,
     judge_probe,
+    judge_progress,
+    probe_interval,
     relaunches_in_window,
 )
 
@@ -185,3 +190,25 @@ def test_threshold_of_one_declares_on_the_first_failure() -> None:
 
 def test_failures_beyond_threshold_stay_declared() -> None:
     assert judge_probe(False, 5, 3).declare_failed
+
+
+@pytest.mark.parametrize(("state", "interval", "expected"), [
+    (EngineState.STARTING, 5.0, 1.0),      # boot completion seen within a second
+    (EngineState.STARTING, 0.5, 0.5),      # a shorter interval stands
+    (EngineState.HEALTHY, 5.0, 5.0),
+    (EngineState.SUSPECT, 5.0, 0.0),       # probe again at once: timeouts back to back
+])
+def test_probe_interval_by_state(state: EngineState, interval: float, expected: float) -> None:
+    assert probe_interval(state, ProbeConfig(health_interval_s=interval)) == expected
+
+
+def test_progress_count_starts_on_the_first_reading_a_move_or_an_idle_engine() -> None:
+    assert judge_progress(10, 2, None, 0.0, 100.0, 60.0) == ProgressVerdict(10, 100.0, None)
+    assert judge_progress(11, 2, 10, 0.0, 100.0, 60.0) == ProgressVerdict(11, 100.0, None)
+    assert judge_progress(10, 0, 10, 0.0, 100.0, 60.0) == ProgressVerdict(10, 100.0, None)
+
+
+def test_progress_stalls_once_the_counter_stood_still_for_the_timeout() -> None:
+    assert judge_progress(10, 2, 10, 50.0, 109.9, 60.0) == ProgressVerdict(10, 50.0, None)
+    stalled = judge_progress(10, 2, 10, 50.0, 110.0, 60.0)
+    assert stalled == ProgressVerdict(10, 50.0, 60.0)

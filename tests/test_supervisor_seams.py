@@ -398,7 +398,7 @@ def test_a_daemon_not_yet_running_kills_only_escapees_of_its_own_node(tmp_path: 
         ops.pids.update(p.pid for p in procs.values())
         wait_until(lambda: all(read_marker(p.pid) == m for m, p in procs.items()), 30,
                    what="both markers to be readable")
-        sup.take_in_escapees(ops.process_table())
+        sup.escapees.take_in(ops.process_table())
         assert procs[stale].wait(timeout=30) == -9
         assert procs[other].poll() is None, "another daemon's engine was killed"
         killed = [e.detail for _, e in sup.events.since(0) if e.kind == "escapee_killed"]
@@ -425,12 +425,12 @@ def test_leftover_cgroups_of_another_daemon_under_the_same_root_are_not_killed(
             path, [sys.executable, "-c", "import time; time.sleep(60)"]))
         wait_until(lambda p=path: CgroupManager.populated(p), 30, what=f"{name} to join")
     try:
-        sup.clean_cgroups()
+        sup.escapees.clean_cgroups(sup.cgroups)
         assert procs["ours"].wait(timeout=30) == -9   # a launch of ours that is over
         assert procs["other"].poll() is None, "another daemon's engine was killed"
 
         def cleaned() -> bool:
-            sup.clean_cgroups()   # each sweep's: removed once empty
+            sup.escapees.clean_cgroups(sup.cgroups)   # each sweep's: removed once empty
             return sup.cgroups is not None and sup.cgroups.existing() == []
         wait_until(cleaned, 30, what="our leftover cgroup to be removed")
         assert procs["other"].poll() is None

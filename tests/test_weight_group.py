@@ -309,7 +309,7 @@ def test_abort_frees_a_trainer_blocked_on_an_alive_member(
 
     def deadline() -> None:
         stalled.wait_line("in-update")
-        wait_until(lambda: group.members[0] in group.pending(), 10.0, what="a pending call")
+        wait_until(lambda: group.members[0] in group.calls.pending(), 10.0, what="a pending call")
         aborted_at.append(time.monotonic())
         group.abort("refit deadline")
 
@@ -453,7 +453,7 @@ def test_emulator_wedged_in_the_update_is_named_pending_at_abort(
     group.build()
     inject_fault(wedged, "hang_weight_update")
     def deadline() -> None:
-        wait_until(lambda: group.members[0] in group.pending(), 10.0, what="a pending call")
+        wait_until(lambda: group.members[0] in group.calls.pending(), 10.0, what="a pending call")
         group.abort("refit deadline")
 
     watcher = threading.Thread(target=deadline)

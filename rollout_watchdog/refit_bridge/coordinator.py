@@ -26,7 +26,7 @@ from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.agent.security import check_bind
 from rollout_watchdog.common import protocol
-from rollout_watchdog.refit_bridge import queries
+from rollout_watchdog.refit_bridge import membership, queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, node_event
@@ -222,7 +222,7 @@ class Coordinator:
         elif not self._view_changed:   # (a sweep must not walk every engine for nothing)
             return
         self._view_changed = False
-        members = self.refit.router_members(self.view)
+        members = membership.router_members(self.view, self.refit.book)
         if members != self._router_members:
             first = self._router_members is None
             self._router_members = members

@@ -1,17 +1,17 @@
 """The trainer's side (rank 0) of an SGLang weight-update group, and the only way out of it
 that does not wait for the group timeout (DESIGN.md, "Refit bridge"; SGLANG.md, "Weight refit").
 
-Every engine call that blocks until a collective completes is sent from its own thread, the
-trainer's own part (the rendezvous, the broadcasts) runs beside them, and the calling thread
-only ever waits on an event that completions, failures and :meth:`WeightUpdateGroup.abort` all
-set. So the caller is never stuck inside torch: ``abort()`` from another thread (the refit's
-watcher or deadline) makes it raise at once, and then tears the group down so that torch's own
-threads and the engines' blocked calls are freed too (gloo: its sockets; NCCL: its abort).
+Every engine call that blocks until a collective completes is sent from its own thread
+(member_calls.py), the trainer's own part (the rendezvous, the broadcasts) runs beside them,
+and the calling thread only ever waits on an event that completions, failures and
+:meth:`WeightUpdateGroup.abort` all set. So the caller is never stuck inside torch:
+``abort()`` from another thread (the refit's watcher or deadline) makes it raise at once, and
+then tears the group down so that torch's own threads and the engines' blocked calls are freed
+too (gloo: its sockets; NCCL: its abort).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import logging
@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from rollout_watchdog.common.torch_group import (
 )
 from rollout_watchdog.refit_bridge import engine_calls, sockets
 from rollout_watchdog.refit_bridge.buckets import buckets, dtype_name, with_last
+from rollout_watchdog.refit_bridge.member_calls import MemberCalls, unanswered
 
 if TYPE_CHECKING:
     import torch
@@ -104,13 +105,6 @@ def _free_port(address: str) -> int:
         return port
 
 
-def _gone(fut: Future[Any]) -> bool:
-    """A finished call that got no HTTP answer at all: its engine is likely dead."""
-    exc = fut.exception()
-    return exc is not None and not (isinstance(exc, engine_calls.EngineCallError)
-                                    and exc.answered)
-
-
 class WeightUpdateGroup:
     """Rank 0 of one weight-update group over ``members``; build once, update, destroy.
 
@@ -151,15 +145,13 @@ class WeightUpdateGroup:
         self._session_given = session
         self.session: dict[GroupMember, bool] = {}
         self._pg: ProcessGroup | None = None
-        self._pool = ThreadPoolExecutor(max_workers=len(members) + 1,
-                                        thread_name_prefix=f"wug-{self.group_name}")
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self.calls: MemberCalls[GroupMember] = MemberCalls(
+            f"wug-{self.group_name}", len(members) + 1, self._wake,
+            http_timeout_s=http_timeout_s, blocking_timeout_s=init_timeout_s)
         self._abort_reason: str | None = None
         self._pending_at_abort: list[GroupMember] = []   # as abort() found them
-        self._inflight: dict[GroupMember, Future[dict[str, Any]]] = {}
-        self._http_socks: dict[int, socket.socket] = {}  # inode -> socket of a call under way
-        self._http_inodes: set[int] = set()  # every HTTP socket ever opened: not the group's
         self._before: set[int] | None = None  # sockets open before the group was built
         self._own_sockets: set[int] | None = None  # the group's, once built
         self._destroyed = False
@@ -191,16 +183,15 @@ class WeightUpdateGroup:
                       "rank_offset": self.rank_offsets[m], "world_size": self.world_size,
                       "group_name": self.group_name, "backend": self.backend}
                   for m in self.members}
-        calls = self._post_all("/init_weights_update_group", bodies, blocking=True)
-        local = self._pool.submit(own_side)
+        calls = self.calls.post_all("/init_weights_update_group", bodies, blocking=True)
+        local = self.calls.submit(own_side)
         local.add_done_callback(lambda _f: self._wake.set())
         self._await(calls, [local], "init_weights_update_group")
         self._pg = local.result()
         # The group's own connections: what an abort shuts down later (not whatever else the
         # trainer opens meanwhile: Ray, NCCL, other clients).
-        with self._lock:
-            http = set(self._http_inodes)
-        self._own_sockets = sockets.connected_tcp_inodes() - self._before - http
+        self._own_sockets = (sockets.connected_tcp_inodes() - self._before
+                             - self.calls.inodes())
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        weight_version: str | None = None,
@@ -248,7 +239,7 @@ class WeightUpdateGroup:
             self._in_session.discard(m)
             begun = m in self._open_sessions
         if begun:
-            self._call(m, "POST", "/end_weight_update", {}, False)
+            self.calls.call(m, "POST", "/end_weight_update", {}, False)
             with self._lock:
                 self._open_sessions.remove(m)
 
@@ -257,11 +248,6 @@ class WeightUpdateGroup:
         """Torn down by abort(): never to be used again."""
         return self._abort_reason is not None
 
-    def pending(self) -> list[GroupMember]:
-        """Members whose current call has not completed (at a deadline: the wedged ones)."""
-        with self._lock:
-            return [m for m, f in self._inflight.items() if not f.done()]
-
     def abort(self, reason: str = "aborted") -> None:
         """Free the thread that waits in build() or update_weights() (it raises GroupAborted),
         then tear the group down. Safe from any thread, any number of times; never blocks on
@@ -269,7 +255,7 @@ class WeightUpdateGroup:
         also fails the members' pending collectives, so their calls return."""
         if self._mark_aborted(reason):
             self._teardown_group()
-        self._release_calls()
+        self.calls.release()
 
     def destroy(self, wait_s: float = 2.0, skip: Iterable[GroupMember] = ()) -> None:
         """Destroy the trainer's group and ask every member but `skip` (stuck ones, to be
@@ -291,12 +277,12 @@ class WeightUpdateGroup:
         self._ask_all("/destroy_weights_update_group",
                       {m: {"group_name": self.group_name} for m in self.members
                        if m not in skipped}, deadline)
-        self._pool.shutdown(wait=False)
+        self.calls.shutdown()
 
     def _ask_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],
                  deadline: float) -> None:
         """Best effort, until `deadline`: errors are logged, not raised."""
-        calls = self._post_all(path, bodies, blocking=False, cleanup=True)
+        calls = self.calls.post_all(path, bodies, blocking=False, cleanup=True)
         for m, fut in calls.items():
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -316,7 +302,7 @@ class WeightUpdateGroup:
         if self._session_given is not None:
             self.session = {m: self._session_given for m in self.members}
             return
-        infos = {m: self._pool.submit(self._call, m, "GET", "/server_info", None, False)
+        infos = {m: self.calls.submit(self.calls.call, m, "GET", "/server_info", None, False)
                  for m in self.members}
         failed: list[GroupMember] = []
         gone: list[GroupMember] = []
@@ -327,7 +313,7 @@ class WeightUpdateGroup:
             except (engine_calls.EngineCallError, ValueError) as exc:
                 failed.append(m)
                 why = f"{exc} (pass session= to say the server kind)"
-                if _gone(fut):
+                if unanswered(fut):
                     gone.append(m)
                 else:
                     refused[m] = why
@@ -350,8 +336,8 @@ class WeightUpdateGroup:
             "abort_all_requests": False, "weight_version": version,
             "load_format": "flattened_bucket" if flattened else None,
         }
-        calls = self._post_all("/update_weights_from_distributed",
-                               {m: body for m in self.members}, blocking=True)
+        calls = self.calls.post_all("/update_weights_from_distributed",
+                                    {m: body for m in self.members}, blocking=True)
         if flattened:
             tensors = [torch.cat([t.flatten().view(torch.uint8) for t in tensors])]
         works: list[Future[Any]] = []
@@ -375,50 +361,10 @@ class WeightUpdateGroup:
             fut.set_exception(exc)
         self._wake.set()
 
-    def _call(self, m: GroupMember, method: str, path: str, body: dict[str, Any] | None,
-              blocking: bool, cleanup: bool = False) -> dict[str, Any]:
-        """One call to one member; its socket is tracked while under way (abort shuts it,
-        except a `cleanup` call's: those are what comes after an abort)."""
-        inode = 0
-
-        def track(sock: socket.socket) -> None:
-            nonlocal inode
-            inode = sockets.inode_of(sock)
-            with self._lock:
-                self._http_inodes.add(inode)
-                if cleanup:
-                    return
-                self._http_socks[inode] = sock
-                aborted = self._abort_reason is not None
-            if aborted:
-                sock.shutdown(socket.SHUT_RDWR)
-
-        try:
-            return engine_calls.call(
-                m.url, method, path, body, connect_timeout_s=self.http_timeout_s,
-                read_timeout_s=self.init_timeout_s if blocking else self.http_timeout_s,
-                on_socket=track)
-        finally:
-            with self._lock:
-                self._http_socks.pop(inode, None)
-
-    def _post_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],
-                  blocking: bool, cleanup: bool = False
-                  ) -> dict[GroupMember, Future[dict[str, Any]]]:
-        calls: dict[GroupMember, Future[dict[str, Any]]] = {}
-        for m, body in bodies.items():
-            fut = self._pool.submit(self._call, m, "POST", path, body, blocking, cleanup)
-            fut.add_done_callback(lambda _f: self._wake.set())
-            calls[m] = fut
-        if blocking:
-            with self._lock:
-                self._inflight = dict(calls)
-        return calls
-
     def _quick_all(self, members: list[GroupMember], path: str) -> None:
         if members:
-            self._await(self._post_all(path, {m: {} for m in members}, blocking=False), [],
-                        path.strip("/"))
+            self._await(self.calls.post_all(path, {m: {} for m in members}, blocking=False),
+                        [], path.strip("/"))
 
     def _await(self, calls: dict[GroupMember, Future[dict[str, Any]]], local: list[Future[Any]],
                what: str) -> None:
@@ -437,7 +383,7 @@ class WeightUpdateGroup:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                pending = self.pending() or list(calls)
+                pending = self.calls.pending() or list(calls)
                 self.abort(f"{what} did not complete within {self.init_timeout_s:g} s")
                 raise GroupMemberFailed(pending, f"{what}: no answer within the group timeout")
             self._wake.wait(min(left, 1.0))
@@ -455,17 +401,17 @@ class WeightUpdateGroup:
         while time.monotonic() < grace:  # until every call ended or one is plainly gone
             self._wake.clear()
             ended = [f for f in calls.values() if f.done()]
-            if len(ended) == len(calls) or any(_gone(f) for f in ended):
+            if len(ended) == len(calls) or any(unanswered(f) for f in ended):
                 break
             self._wake.wait(max(0.0, grace - time.monotonic()))
-        self._release_calls()
+        self.calls.release()
         gone: list[GroupMember] = []
         refused: dict[GroupMember, str] = {}
         for m, fut in calls.items():
             exc = fut.exception() if fut.done() else None
             if exc is None:
                 continue
-            if _gone(fut):
+            if unanswered(fut):
                 gone.append(m)
             else:
                 refused[m] = f"{what}: {exc}"
@@ -484,7 +430,7 @@ class WeightUpdateGroup:
                 return False
             self._abort_reason = reason
             # now, not when the waiter wakes: the teardown that follows ends these calls
-            self._pending_at_abort = [m for m, f in self._inflight.items() if not f.done()]
+            self._pending_at_abort = self.calls.abort()
         self._wake.set()
         log.warning("aborting weight-update group %s: %s", self.group_name, reason)
         return True
@@ -498,18 +444,9 @@ class WeightUpdateGroup:
                 log.warning("NCCL abort of %s failed: %s", self.group_name, exc)
         if self._before is None:
             return
-        with self._lock:
-            keep = set(self._http_inodes)
-        count = sockets.shutdown_new_sockets(self._before, keep, only=self._own_sockets)
+        count = sockets.shutdown_new_sockets(self._before, self.calls.inodes(),
+                                             only=self._own_sockets)
         log.info("weight-update group %s: %d sockets shut down", self.group_name, count)
-
-    def _release_calls(self) -> None:
-        """Shut the sockets of the calls under way, so their threads end now."""
-        with self._lock:
-            http = list(self._http_socks.values())
-        for sock in http:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
 
     def _destroy_pg_bounded(self, pg: ProcessGroup) -> None:
         """destroy_process_group, given http_timeout_s: a group with a hung collective may hang

@@ -1,4 +1,4 @@
-"""The coordinator's refit commands: the lock, membership and the weight book.
+"""The coordinator's refit commands: the lock, membership (membership.py) and the weight book.
 
 The wire spec (each a COMMAND to the coordinator; every reply carries status and reason). A
 refit-scoped call carries the `holder` that took the lock and its `token`, an opaque string
@@ -68,8 +68,7 @@ from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.commands import Arg, Registry, flag, number, rule, text
 from rollout_watchdog.common.replies import CommandError
-from rollout_watchdog.common.states import EngineState
-from rollout_watchdog.refit_bridge import member_pages
+from rollout_watchdog.refit_bridge import member_pages, membership
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.lock import (
@@ -225,7 +224,7 @@ class RefitService:
             raise RefitError(str(exc), {"holder": held.holder, "version": held.version,
                                         "expires_in_s": exc.expires_in_s},
                              protocol.LOCK_HELD) from None
-        lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self.members(core)]
+        lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self._listing(core)]
         self._save()
 
         def saved(to: bytes, error: str | None) -> None:
@@ -260,7 +259,7 @@ class RefitService:
                                           {"owner": lease.pause_owner}, node_id, engine,
                                           RELEASE_TIMEOUT_S)
                 core.gather(None, resume, [node_id], time.monotonic())
-            lease.listing = self.members(core, lease)
+            lease.listing = self._listing(core, lease)
             reply = protocol.Reply(cmd.request_id, "ok", None, {
                 "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
                 **member_pages.page(lease.listing, None, paged),
@@ -297,7 +296,7 @@ class RefitService:
         lease = self.lock.check(call.args["token"], call.args["holder"], call.now)
         after: member_pages.Cursor | None = call.args["after"]
         if after is None:
-            lease.listing = self.members(call.core, lease)
+            lease.listing = self._listing(call.core, lease)
             lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in lease.listing]
             self._save()
         return member_pages.page(lease.listing, after, call.args["paged"] or after is not None)
@@ -407,7 +406,7 @@ class RefitService:
             return
         # Neither committed nor aborted: its weights are unknown, and its holder may have left
         # their generation paused. Put them back in service before their probes resume.
-        urls = self._urls(core, lease.members)
+        urls = membership.member_urls(core.view, lease.members)
         self.book.stale(lease.members)
         core.weights_changed()
         self._save()
@@ -423,58 +422,14 @@ class RefitService:
                                   RELEASE_TIMEOUT_S)
         core.gather(None, resume, core.view.reachable(), now)
 
-    @staticmethod
-    def _urls(core: Core, members: list[Member]) -> list[str]:
-        """The URLs of those incarnations still in the view (a replaced one is not paused)."""
-        urls = []
-        for node, engine, incarnation in members:
-            record = core.view.nodes.get(node)
-            view = record.engines.get(engine) if record is not None else None
-            if view is not None and view.get("incarnation") == incarnation and view.get("url"):
-                urls.append(str(view["url"]))
-        return urls
-
     # ------------------------------------------------------------------ questions
 
-    def members(self, core: Core, lease: Lease | None = None) -> list[dict[str, Any]]:
-        """The engines a refit updates: healthy on reachable nodes; once the lock is held,
-        only those known at its start and the deferred engines it relaunched. In the order of
-        their pages (node id, then engine id); each names its main process (`process`: a
-        trainer's cached group is rebuilt for a new one)."""
-        allowed = None
-        if lease is not None:
-            allowed = {(n, e) for n, e, _ in lease.members} | set(self.relaunched)
-        out = []
-        for node_id, record in core.view.nodes.items():
-            if not record.reachable:
-                continue
-            for engine in record.engines.values():
-                if engine.get("state") != EngineState.HEALTHY:
-                    continue
-                if allowed is not None and (node_id, engine["id"]) not in allowed:
-                    continue
-                out.append({"node_id": node_id, "id": engine["id"],
-                            "incarnation": engine.get("incarnation"), "url": engine.get("url"),
-                            "tp_size": engine.get("tp_size"), "process": engine.get("process"),
-                            "weight_version": self.book.version_of(
-                                node_id, engine["id"], engine.get("incarnation"),
-                                engine.get("process"))})
-        return sorted(out, key=member_pages.member_key)
-
-    def router_members(self, view: FleetView) -> dict[str, str | None]:
-        """What the router must hold: every serving engine of a reachable node, with the
-        version it must report before it is added (checked by the router's thread; None
-        before any refit)."""
-        members: dict[str, str | None] = {}
-        for node_id, record in view.nodes.items():
-            if not record.reachable:   # its engines may be dead: nobody would tell the router
-                continue
-            for engine in record.engines.values():
-                url = engine.get("url")
-                if url and self.book.serving(node_id, engine):
-                    members[url] = self.book.version_of(node_id, engine["id"],
-                                                        engine.get("incarnation"))
-        return members
+    def _listing(self, core: Core, lease: Lease | None = None) -> list[dict[str, Any]]:
+        """The engines a refit updates (membership.refit_members); once the lock is held,
+        only those known at its start and the deferred engines it relaunched."""
+        allowed = None if lease is None else (
+            {(n, e) for n, e, _ in lease.members} | set(self.relaunched))
+        return membership.refit_members(core.view, self.book, allowed)
 
     def status(self, now: float) -> dict[str, Any]:
         lease = self.lock.lease
@@ -487,17 +442,12 @@ class RefitService:
         return {"current_version": self.book.current, "holder": holder}
 
     def _relaunch_deferred(self, core: Core, now: float) -> list[tuple[str, str]]:
-        out = []
-        for node_id in core.view.reachable():
-            for engine in core.view.nodes[node_id].engines.values():
-                if engine.get("deferred_waiting") or (
-                        engine.get("restart_policy") == "deferred"
-                        and engine.get("state") == EngineState.BACKOFF):
-                    out.append((node_id, engine["id"]))
-                    cmd = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "restart", {},
-                                           node_id, engine["id"], RELEASE_TIMEOUT_S)
-                    core.gather(None, cmd, [node_id], now)
-        return out
+        waiting = membership.deferred_waiting(core.view)
+        for node_id, engine_id in waiting:
+            cmd = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "restart", {},
+                                   node_id, engine_id, RELEASE_TIMEOUT_S)
+            core.gather(None, cmd, [node_id], now)
+        return waiting
 
     def _save(self) -> None:
         self.saves.submit(self._content())

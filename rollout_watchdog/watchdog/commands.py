@@ -17,7 +17,6 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.commands import (
     Arg,
     Registry,
@@ -36,6 +35,7 @@ from rollout_watchdog.config import EngineConfig, NodeConfig, url_port
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.launched import LaunchedSpecs
 from rollout_watchdog.watchdog.process import ProcessOps
+from rollout_watchdog.watchdog.status import Reported, node_status
 from rollout_watchdog.watchdog.timers import PROBE_SLACK_S
 
 S = EngineState
@@ -46,22 +46,17 @@ MAX_PAUSE_S = 86400.0
 REFUSED_WHILE_STOPPING = frozenset({"restart", "reset", "register", "launch", "remove"})
 
 
-class Node(Protocol):
-    """What the commands need of the node: the supervisor, seen from the command layer."""
+class Node(Reported, Protocol):
+    """What the commands need of the node: the supervisor, seen from the command layer (what
+    its status is made of, and more)."""
 
-    node_id: str
-    boot_id: str
-    engines: dict[str, EngineRuntime]
     events: EventLog
     stopping: bool
     dirty: bool
-    clock: Clock
     ops: ProcessOps
     config: NodeConfig
     launched: LaunchedSpecs
 
-    def status(self) -> dict[str, Any]: ...
-    def engine_status(self, engine: EngineRuntime) -> dict[str, Any]: ...
     def launch_when_released(self, engine: EngineRuntime, cause: Cause, detail: str) -> None: ...
     def emit(self, engine: EngineRuntime | None, kind: str, **fields: Any) -> None: ...
     def transition(self, engine: EngineRuntime, new: EngineState, cause: Cause,
@@ -132,7 +127,7 @@ def status(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     plus, with a coordinator configured, "link": {"coordinator", "connected", "outbox",
     "unsent", "dropped", "bad_messages"}
     """
-    return node.status()
+    return node_status(node)
 
 
 @command("events", Arg("since", number(0), 0.0), Arg("boot", text()),

@@ -43,6 +43,7 @@ from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, is_alive, pro
 from rollout_watchdog.watchdog.publish import Publisher, log_event, metrics_subscriber
 from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
 from rollout_watchdog.watchdog.statefile import load_state, make_reserve, save_state
+from rollout_watchdog.watchdog.status import node_status
 from rollout_watchdog.watchdog.supervisor import Supervisor
 from rollout_watchdog.watchdog.tracker import ProcessTracker, pidfd_budget
 
@@ -345,9 +346,9 @@ class Daemon:
         table = self.ops.process_table()
         if self.tracker.sweep([e for e in self.engines.values() if e.state.running], table):
             sup.dirty = True
-        if sup.take_in_escapees(table):
+        if sup.escapees.take_in(table):
             sup.dirty = True
-        sup.clean_cgroups()
+        sup.escapees.clean_cgroups(sup.cgroups)
         self.log_rotator.paths = [engine_log_path(self.state_dir, e) for e in self.engines]
         self.log_rotator.check()
         self.metrics.set_log_lines_dropped(dropped_log_lines())
@@ -389,7 +390,7 @@ class Daemon:
     # ------------------------------------------------------------------ reporting
 
     def status(self) -> dict[str, Any]:
-        return self.supervisor.status()
+        return node_status(self.supervisor)
 
     def _notify_systemd(self, now: float) -> None:
         """WATCHDOG=1 only from here, so systemd restarts a daemon whose loop is stuck."""

@@ -1,5 +1,5 @@
-"""Supervision decisions as pure functions: backoff, the restart budget, the probe threshold,
-and which processes of an engine are fatal."""
+"""Supervision decisions as pure functions: backoff, the restart budget, the probe interval and
+threshold, the progress stall, and which processes of an engine are fatal."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rollout_watchdog.config import RestartConfig
+from rollout_watchdog.common.states import EngineState
+from rollout_watchdog.config import ProbeConfig, RestartConfig
 from rollout_watchdog.watchdog.process import ProcKey, ProcStat
 
 JITTER = 0.2
@@ -51,6 +52,35 @@ def judge_probe(ok: bool, failures_before: int, threshold: int) -> ProbeVerdict:
         return ProbeVerdict(0, False, False)
     failures = failures_before + 1
     return ProbeVerdict(failures, True, failures >= threshold)
+
+
+def probe_interval(state: EngineState, probe: ProbeConfig) -> float:
+    """While starting, probe at least every second: boot completion should be seen quickly.
+    While suspect, probe again as soon as the last probe ended: a hang is declared after
+    `failure_threshold` timeouts, with no interval in between."""
+    if state == EngineState.SUSPECT:
+        return 0.0
+    interval = probe.health_interval_s
+    return min(interval, 1.0) if state == EngineState.STARTING else interval
+
+
+@dataclass(frozen=True)
+class ProgressVerdict:
+    tokens: float              # the token counter to remember
+    since: float               # since when it has not moved
+    stalled_s: float | None    # how long it stood still with requests running, once that is
+                               # progress_timeout_s or more; else None
+
+
+def judge_progress(tokens: float, running: float, last_tokens: float | None, since: float,
+                   now: float, timeout_s: float) -> ProgressVerdict:
+    """The progress probe: a token counter that does not move while requests run means a
+    stuck engine, even one whose health probe still passes. The count starts again whenever
+    the counter moves or nothing runs."""
+    if last_tokens is None or tokens != last_tokens or running == 0:
+        return ProgressVerdict(tokens, now, None)
+    stuck_s = now - since
+    return ProgressVerdict(tokens, since, stuck_s if stuck_s >= timeout_s else None)
 
 
 # SGLang names its own processes (sglang::scheduler, sglang::detokenizer,

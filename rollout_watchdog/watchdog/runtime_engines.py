@@ -22,6 +22,7 @@ from rollout_watchdog.config import ConfigError, read_engine
 from rollout_watchdog.watchdog.commands import ENGINE, Node, command
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime
 from rollout_watchdog.watchdog.launched import conflicts
+from rollout_watchdog.watchdog.status import engine_status
 
 MAX_REMOVE_WAIT_S = 600.0
 
@@ -73,7 +74,8 @@ def launch(node: Node, args: dict[str, Any]) -> dict[str, Any]:
                               "waiting for the engine's ports and GPUs to be free")
     action = (f"launched, incarnation {engine.incarnation}" if engine.incarnation else
               "waiting for its ports and GPUs to be free before its first launch")
-    return {"engine": cfg.id, "action": action, "status": node.engine_status(engine)}
+    status = engine_status(engine, node.clock, node.kernel_boot)
+    return {"engine": cfg.id, "action": action, "status": status}
 
 
 @command("remove", Arg("engine", ENGINE.kind, required=True),

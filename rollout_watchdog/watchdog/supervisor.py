@@ -2,9 +2,10 @@
 exit, a probe result) and timers (`tick(engine, now)`), with every process operation going
 through one `ProcessOps` and every clock reading through one `Clock`.
 
-It owns the engines' runtime records; the daemon feeds it, the tracker tells it about exits, and
-the command layer calls its public methods. Nothing here blocks: the kill is a sequence of phases
-(kill.py), probes run on the probe pool.
+It owns the engines' runtime records (status.py describes them, escapees.py sweeps for what left
+them); the daemon feeds it, the tracker tells it about exits, and the command layer calls its
+public methods. Nothing here blocks: the kill is a sequence of phases (kill.py), probes run on the
+probe pool.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import hashlib
 import logging
 import os
 import random
-import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -24,22 +24,17 @@ from rollout_watchdog.common.events import EventLog
 from rollout_watchdog.common.states import Cause, EngineState, check_transition
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
-from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager, mode_of
-from rollout_watchdog.watchdog.containment import (
-    marker_prefix,
-    marker_value,
-    parse_marker,
-    with_marker,
-)
+from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager
+from rollout_watchdog.watchdog.containment import marker_prefix, marker_value, with_marker
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
 from rollout_watchdog.watchdog.engine_env import engine_environment
 from rollout_watchdog.watchdog.enginelog import open_engine_output
+from rollout_watchdog.watchdog.escapees import EscapeeSweep
 from rollout_watchdog.watchdog.gpu import GpuInspector
 from rollout_watchdog.watchdog.incarnations import Incarnations
 from rollout_watchdog.watchdog.launched import LAUNCHED_FILE, LaunchedSpecs
-from rollout_watchdog.watchdog.policy import long_lived
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
-from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, ProcStat, describe_exit
+from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, describe_exit
 from rollout_watchdog.watchdog.publish import Publisher
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 from rollout_watchdog.watchdog.timers import Timer, due_timer
@@ -80,14 +75,13 @@ class Supervisor:
         self.stopping = False          # the daemon is stopping: nothing is launched any more
         self.dirty = True              # the state file is behind
         self.save_now: Any = None      # set by the daemon: saves the state file at once
-        # More objects of `status`, by key, from the daemon's parts (the node link's "link")
-        self.status_parts: dict[str, Callable[[], Any]] = {}
+        self.status_parts: dict[str, Callable[[], Any]] = {}   # status.Reported
         # The incarnations handed out per engine id, kept in the state file, never forgotten
         self.incarnations = Incarnations()
         self.launched = LaunchedSpecs(self.state_dir / LAUNCHED_FILE)   # `launch`ed engines
         self.kernel_boot = kernel_boot_id()[:8]
         self._probe_ids = 0
-        self._escapees_killed: set[ProcKey] = set()
+        self.escapees = EscapeeSweep(self.engines, tracker, ops, publisher)
         self.killing = kill.KillContext(ops, inspector, tracker.live_groups,
                                         self._refresh_for_kill, self._signalled)
 
@@ -186,7 +180,7 @@ class Supervisor:
         engine.procs = {engine.main: True}
         engine.launched_at = now
         self.transition(engine, S.STARTING, cause, f"pid {popen.pid}")
-        engine.next_probe = now + probe_interval(engine)
+        engine.next_probe = now + policy.probe_interval(engine.state, engine.cfg.probe)
         if self.save_now is not None:
             self.save_now()  # a daemon crash from here on must find this process to adopt
         self.tracker.watch(engine, engine.main)
@@ -268,52 +262,8 @@ class Supervisor:
         parent is dead, so a last look that finds nothing new finds everything)."""
         table = self.ops.process_table()
         alive = engine.main is not None and self.ops.is_alive(engine.main)
-        if (alive and self.tracker.refresh([engine], table)) | self.take_in_escapees(table):
+        if (alive and self.tracker.refresh([engine], table)) | self.escapees.take_in(table):
             self.dirty = True
-
-    def take_in_escapees(self, table: dict[int, ProcStat]) -> bool:
-        """Processes of this node's engines that left their trees: one of a current
-        incarnation is taken back into it (so the kill reaches it); one of an incarnation that
-        is over (an escape before the kill, a copy a crashed daemon never recorded) is killed
-        with its descendants. True if any was taken in."""
-        taken = False
-        self._escapees_killed &= {s.key for s in table.values()}
-        for stat, marker in self.tracker.escapees(table):
-            subtree = [stat.key, *self.ops.descendants([stat.pid], table)[stat.pid]]
-            owner = next((e for e in self.engines.values() if e.marker == marker
-                          and (e.state.running or e.state == S.STOPPING)), None)
-            if owner is not None:
-                for key in subtree:
-                    if key not in owner.procs:
-                        owner.procs[key] = False
-                        self.tracker.watch(owner, key)
-                taken = True
-                continue
-            killed = [k.pid for k in subtree if self.ops.signal_proc(k, signal.SIGKILL)]
-            if stat.key in self._escapees_killed:
-                continue  # said once; the signal is sent again while it lingers
-            self._escapees_killed.add(stat.key)
-            parsed = parse_marker(marker)
-            self.emit(self.engines.get(parsed.engine_id) if parsed else None, "escapee_killed",
-                      detail=f"SIGKILL to pid(s) {killed}: marked {marker}, an incarnation "
-                             "that is over")
-        return taken
-
-    def clean_cgroups(self) -> None:
-        """Engine cgroups of launches that are over: killed if anything is left in them
-        (a copy a crashed daemon never recorded), removed once empty."""
-        if self.cgroups is None:
-            return
-        current = {e.cgroup for e in self.engines.values() if e.cgroup}
-        try:
-            leftovers = [p for p in self.cgroups.existing() if str(p) not in current]
-        except CgroupError as exc:
-            log.warning("cannot look for leftover engine cgroups: %s", exc)
-            return
-        for path in leftovers:
-            if not self.ops.cgroup_remove(path) and self.ops.cgroup_kill(path):
-                self.emit(None, "escapee_killed",
-                          detail=f"cgroup.kill of {path}: a launch that is over")
 
     # ------------------------------------------------------------------ deep probes
 
@@ -325,7 +275,7 @@ class Supervisor:
                                   engine.cfg.url + engine.cfg.probe.health_path,
                                   engine.cfg.probe.health_timeout_s,
                                   engine.cfg.url + progress if progress else None):
-            engine.next_probe = now + probe_interval(engine)
+            engine.next_probe = now + policy.probe_interval(engine.state, engine.cfg.probe)
             return
         engine.probe_started = now
         engine.probes_out.add(engine.probe_id)
@@ -345,7 +295,8 @@ class Supervisor:
             return
         engine.last_probe = result.detail
         if engine.state == S.STARTING:
-            engine.next_probe = self.clock.monotonic() + probe_interval(engine)
+            engine.next_probe = self.clock.monotonic() + policy.probe_interval(
+                engine.state, engine.cfg.probe)
             if result.ok:
                 self.become_healthy(engine, f"first passing probe ({result.detail})")
             return  # failures while starting are expected; the startup deadline rules
@@ -353,7 +304,8 @@ class Supervisor:
             return
         if not result.ok and engine.main is not None and self.ops.has_exited(engine.main):
             # dying: its sockets are closed before its exit is seen, which names the cause
-            engine.next_probe = self.clock.monotonic() + probe_interval(engine)
+            engine.next_probe = self.clock.monotonic() + policy.probe_interval(
+                engine.state, engine.cfg.probe)
             return
         verdict = policy.judge_probe(result.ok, engine.probe_failures,
                                      engine.cfg.probe.failure_threshold)
@@ -372,21 +324,23 @@ class Supervisor:
                 return
             if engine.state == S.HEALTHY:
                 self.transition(engine, S.SUSPECT, Cause.PROBE_FAILED, detail)
-        engine.next_probe = self.clock.monotonic() + probe_interval(engine)
+        engine.next_probe = self.clock.monotonic() + policy.probe_interval(
+            engine.state, engine.cfg.probe)
 
     def fail_if_stalled(self, engine: EngineRuntime, result: ProbeResult) -> bool:
-        """The progress probe: a token counter that does not move while requests run means a
-        stuck engine, even one whose health probe still passes. Fails it and says so."""
+        """Fails an engine whose token counter stands still while requests run
+        (`policy.judge_progress`), and says so."""
         assert result.progress is not None
         tokens, running = result.progress.tokens, result.progress.running
-        if engine.progress_tokens is None or tokens != engine.progress_tokens or running == 0:
-            engine.progress_tokens, engine.progress_since = tokens, result.finished
-            return False
-        stuck_s = result.finished - engine.progress_since
-        if stuck_s < engine.cfg.probe.progress_timeout_s:
+        verdict = policy.judge_progress(tokens, running, engine.progress_tokens,
+                                        engine.progress_since, result.finished,
+                                        engine.cfg.probe.progress_timeout_s)
+        engine.progress_tokens, engine.progress_since = verdict.tokens, verdict.since
+        if verdict.stalled_s is None:
             return False
         self.fail(engine, Cause.STALLED, f"token counter stuck at {tokens:g} for "
-                  f"{stuck_s:.0f} s with {running:g} request(s) running", engine.progress_since)
+                  f"{verdict.stalled_s:.0f} s with {running:g} request(s) running",
+                  verdict.since)
         return True
 
     def become_healthy(self, engine: EngineRuntime, detail: str) -> None:
@@ -399,8 +353,8 @@ class Supervisor:
             started_for = self.clock.since_boot() - engine.main.start_time
             for key in engine.alive_procs():
                 stat = table.get(key.pid)
-                if stat is not None and stat.key == key and long_lived(stat, engine.main,
-                                                                       started_for):
+                if stat is not None and stat.key == key and policy.long_lived(
+                        stat, engine.main, started_for):
                     engine.procs[key] = True
         engine.healthy_since = self.clock.monotonic()
         self.transition(engine, S.HEALTHY, Cause.PROBE_PASSED, detail)
@@ -517,48 +471,3 @@ class Supervisor:
 
     def release_problems(self, engine: EngineRuntime) -> list[str]:
         return kill.release_problems(engine, self.inspector, self.ops)
-
-    # ------------------------------------------------------------------ reporting
-
-    def status(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "boot_id": self.boot_id,
-                "containment": mode_of(self.cgroups),
-                "engines": [self.engine_status(e) for e in self.engines.values()],
-                **{key: part() for key, part in self.status_parts.items()}}
-
-    def engine_status(self, e: EngineRuntime) -> dict[str, Any]:
-        running = (e.state.running or e.state == S.STOPPING) and e.main not in e.dead
-        next_launch = None
-        if e.backoff_until is not None and e.state == S.BACKOFF:
-            next_launch = self.clock.to_wall(e.backoff_until)
-        return {
-            "id": e.id, "state": str(e.state), "paused": e.paused is not None,
-            "pid": e.main.pid if e.main and running else None,
-            "process": self.process_identity(e.main) if e.main and running else None,
-            "incarnation": e.incarnation, "restarts": e.restarts, "url": e.cfg.url,
-            "last_failure": e.last_failure.to_json() if e.last_failure else None,
-            "since": e.state_since, "external": e.external,
-            "restart_policy": e.cfg.restart_policy, "deferred_waiting": e.deferred_waiting,
-            "next_launch": next_launch,
-            "pause_deadline": e.paused.deadline if e.paused else None,
-            "gpus": list(e.cfg.gpus), "ports": list(e.cfg.ports),
-            "group": e.cfg.group, "tp_size": e.cfg.tp_size, "origin": e.origin,
-            "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
-            if e.kill else None,
-        }
-
-    def process_identity(self, key: ProcKey) -> str:
-        """Names the incarnation's main process, never another one (pid, its start time and
-        the kernel's boot): the coordinator keys the weights a refit gave on it, so a fresh
-        process can never inherit them, even from a daemon that lost its state file."""
-        return f"{self.kernel_boot}:{key.pid}:{key.start_time!r}"
-
-
-def probe_interval(engine: EngineRuntime) -> float:
-    """While starting, probe at least every second: boot completion should be seen quickly.
-    While suspect, probe again as soon as the last probe ended: a hang is declared after
-    `failure_threshold` timeouts, with no interval in between."""
-    if engine.state == S.SUSPECT:
-        return 0.0
-    interval = engine.cfg.probe.health_interval_s
-    return min(interval, 1.0) if engine.state == S.STARTING else interval

@@ -1,0 +1,76 @@
+"""Who a refit updates, what the router must hold, and which engines wait for a refit: questions
+put to the fleet view and the weight book.
+
+They exist apart from the refit commands (service.py) because they are questions, not commands:
+functions of the view and the book that change nothing, asked by the commands (a lease's members,
+the deferred engines to relaunch, an uncommitted lease's URLs to put back in service) and by the
+coordinator (the router's membership), and testable with a view built by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_watchdog.common.states import EngineState
+from rollout_watchdog.refit_bridge import member_pages
+from rollout_watchdog.refit_bridge.fleet import FleetView
+from rollout_watchdog.refit_bridge.weights import Member, WeightBook
+
+
+def refit_members(view: FleetView, book: WeightBook,
+                  allowed: set[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+    """The engines a refit updates: healthy on reachable nodes (and, given `allowed`, only
+    those (node, engine)). In the order of their pages (node id, then engine id); each names
+    its main process (`process`: a trainer's cached group is rebuilt for a new one)."""
+    out = []
+    for node_id, record in view.nodes.items():
+        if not record.reachable:
+            continue
+        for engine in record.engines.values():
+            if engine.get("state") != EngineState.HEALTHY:
+                continue
+            if allowed is not None and (node_id, engine["id"]) not in allowed:
+                continue
+            out.append({"node_id": node_id, "id": engine["id"],
+                        "incarnation": engine.get("incarnation"), "url": engine.get("url"),
+                        "tp_size": engine.get("tp_size"), "process": engine.get("process"),
+                        "weight_version": book.version_of(
+                            node_id, engine["id"], engine.get("incarnation"),
+                            engine.get("process"))})
+    return sorted(out, key=member_pages.member_key)
+
+
+def router_members(view: FleetView, book: WeightBook) -> dict[str, str | None]:
+    """What the router must hold: every serving engine of a reachable node, with the version
+    it must report before it is added (checked by the router's thread; None before any
+    refit)."""
+    members: dict[str, str | None] = {}
+    for node_id, record in view.nodes.items():
+        if not record.reachable:   # its engines may be dead: nobody would tell the router
+            continue
+        for engine in record.engines.values():
+            url = engine.get("url")
+            if url and book.serving(node_id, engine):
+                members[url] = book.version_of(node_id, engine["id"], engine.get("incarnation"))
+    return members
+
+
+def member_urls(view: FleetView, members: list[Member]) -> list[str]:
+    """The URLs of those incarnations still in the view (a replaced one is not paused)."""
+    urls = []
+    for node, engine, incarnation in members:
+        record = view.nodes.get(node)
+        seen = record.engines.get(engine) if record is not None else None
+        if seen is not None and seen.get("incarnation") == incarnation and seen.get("url"):
+            urls.append(str(seen["url"]))
+    return urls
+
+
+def deferred_waiting(view: FleetView) -> list[tuple[str, str]]:
+    """(node, engine) of each `deferred` engine of a reachable node that waits for a refit to
+    be relaunched."""
+    return [(node_id, engine["id"]) for node_id in view.reachable()
+            for engine in view.nodes[node_id].engines.values()
+            if engine.get("deferred_waiting") or (
+                engine.get("restart_policy") == "deferred"
+                and engine.get("state") == EngineState.BACKOFF)]
