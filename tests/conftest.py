@@ -23,15 +23,12 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
 )
 
 # scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-3} xdist workers;
-# then the `heavy` ones two at a time, beside nothing else: they load the whole machine (a Ray
-# cluster, the demos and examples, the benchmarks' smoke runs), and the Ray ones share one worker
-# (xdist_group "ray": one local Ray cluster at a time, as they share /tmp/ray); then, alone, the
-# `serial` ones: a flood of connections or descriptors, or a bound another test's load would blur
-# (a probe in flight, trickling engines).
+# then the `heavy` ones, a module to a worker on 2 workers and beside nothing else: they load the
+# whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs); then, alone,
+# the `serial` ones: a flood of connections or descriptors, or a bound another test's load would
+# blur (a probe in flight, trickling engines).
 HEAVY_MODULES = frozenset({
     "test_ray_fleet", "test_demo", "test_demo_fleet", "test_examples", "test_bench_smoke"})
-RAY_TESTS = frozenset({
-    "test_ray_start_quick_runs", "test_the_ray_grpo_loop_runs_under_churn_with_no_stale_response"})
 SERIAL_MODULES = frozenset({
     "test_hostile_run", "test_coordinator_hostile", "test_control_hardening",
     "test_node_link_robust", "test_refit_scale", "test_probe"})
@@ -45,7 +42,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "heavy: loads the machine; run beside one other at most")
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist's, which reads xdist_group into the nodeid
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__ if item.module is not None else ""
@@ -54,8 +50,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.serial)
         elif module in HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
-            if module == "test_ray_fleet" or name in RAY_TESTS:
-                item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture
