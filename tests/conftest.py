@@ -22,11 +22,14 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     own_cgroup,
 )
 
-# Run alone (scripts/test.sh: `-m serial` after the `-n 2` pass of the rest): tests that load
-# the whole machine (a Ray cluster, the demos, a flood of connections or descriptors) or that
-# measure a bound another worker's load would blur (a probe in flight, trickling engines).
+# scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-3} xdist workers;
+# then the `heavy` ones, a module to a worker on 2 workers and beside nothing else: they load the
+# whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs); then, alone,
+# the `serial` ones: a flood of connections or descriptors, or a bound another test's load would
+# blur (a probe in flight, trickling engines).
+HEAVY_MODULES = frozenset({
+    "test_ray_fleet", "test_demo", "test_demo_fleet", "test_examples", "test_bench_smoke"})
 SERIAL_MODULES = frozenset({
-    "test_ray_fleet", "test_demo", "test_demo_fleet", "test_examples", "test_bench_smoke",
     "test_hostile_run", "test_coordinator_hostile", "test_control_hardening",
     "test_node_link_robust", "test_refit_scale", "test_probe"})
 SERIAL_TESTS = frozenset({
@@ -36,13 +39,17 @@ SERIAL_TESTS = frozenset({
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "serial: run alone, not beside another xdist worker")
+    config.addinivalue_line("markers", "heavy: loads the machine; run beside one other at most")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__ if item.module is not None else ""
-        if module in SERIAL_MODULES or item.name.split("[")[0] in SERIAL_TESTS:
+        name = item.name.split("[")[0]
+        if module in SERIAL_MODULES or name in SERIAL_TESTS:
             item.add_marker(pytest.mark.serial)
+        elif module in HEAVY_MODULES:
+            item.add_marker(pytest.mark.heavy)
 
 
 @pytest.fixture

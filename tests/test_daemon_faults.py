@@ -101,10 +101,18 @@ def test_sigterm_ignored_escalates_to_sigkill(make_node: MakeNode) -> None:
     assert "SIGKILL" in stopped["detail"]
 
 
+def orphan_of(node: Node) -> int:
+    """The engine's orphan, once spawned: the emulator spawns it just after it reports ready,
+    so a passing probe may come first (a loaded host)."""
+    pids: list[int] = wait_for(lambda: node.emulator("e0", "/_emulator/info").json()[
+        "orphan_pids"], 30, "the orphan spawned")
+    return pids[0]
+
+
 def test_orphan_is_killed_before_the_relaunch(make_node: MakeNode) -> None:
     node = make_node([EngineSpec("e0", flags=("--orphan",))]).start()
     first = node.wait_state("e0", "healthy")
-    orphan = node.emulator("e0", "/_emulator/info").json()["orphan_pids"][0]
+    orphan = orphan_of(node)
     assert os.getsid(orphan) != os.getsid(first["pid"])  # it left the engine's session
     os.kill(first["pid"], signal.SIGKILL)
     node.wait_state("e0", "healthy", incarnation=2)
@@ -122,7 +130,7 @@ def test_orphan_is_killed_before_the_relaunch(make_node: MakeNode) -> None:
                    and e["to"] == "starting" and e["incarnation"] == 2)
     assert killed < done < started
     # the new incarnation has its own orphan, which the daemon now tracks
-    new_orphan = node.emulator("e0", "/_emulator/info").json()["orphan_pids"][0]
+    new_orphan = orphan_of(node)
     node.client.call("stop", {"engine": "e0"})
     node.wait_state("e0", "stopped")
     assert pid_gone(new_orphan)

@@ -84,9 +84,12 @@ def test_fleet_demo_tells_the_story_and_leaves_nothing() -> None:
 def test_fleet_demo_interrupted_leaves_nothing() -> None:
     """Ctrl-C while node-b's engines are orphaned (its daemon SIGKILLed): all gone all the same."""
     tag = uuid.uuid4().hex
+    # SIGINT's default action back in the demo: a suite started as a background job (`... &`)
+    # inherits SIGINT ignored, and Python then leaves it ignored (the demo ran on and exited 0)
     proc = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "demo", "--fleet"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=demo_env(tag))
+                            env=demo_env(tag),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or ()],
                      daemon=True).start()
