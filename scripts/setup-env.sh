@@ -7,7 +7,10 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import rollout_watchdog, torch, numpy, pdoc, pytest, zmq, psutil, mypy, importlinter, ray' 2>/dev/null \
+# -I: not from the working directory (nor PYTHONPATH); the package must be this checkout's (an
+# editable install made from another copy of the tree points there).
+if ! .venv/bin/python -I -c 'import sys, rollout_watchdog, torch, numpy, pdoc, pytest, zmq, psutil, mypy, importlinter, ray
+sys.exit(not rollout_watchdog.__file__.startswith(sys.argv[1]))' "$PWD/" 2>/dev/null \
    || [ setup.cfg -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
