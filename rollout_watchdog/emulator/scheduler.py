@@ -52,6 +52,7 @@ from rollout_watchdog.emulator.common import (
     SLOT_NUM_RUNNING,
     SLOT_STALL,
     SLOT_TOKEN_LATENCY_MS,
+    WARMUP_RID_PREFIX,
     WEIGHT_SESSION_SINCE,
     decode,
     version_tuple,
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from rollout_watchdog.emulator.weight_sync import WeightSync
 
 PR_SET_PDEATHSIG = 1
-HEALTH_TOKEN_ID = ord(" ")   # what a health probe generates before the model is first used
+HEALTH_TOKEN_ID = ord(" ")   # what a probe or the warm-up generates before the model's first use
 PR_SET_NAME = 15
 ALL_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 WEIGHT_OPS = (
@@ -131,8 +132,9 @@ class Scheduler:
     def load(self) -> None:
         """'Load the model': the configured start-up delay. The tiny model itself (torch: about
         1.6 s of CPU) is built at its first use (`_loaded`: a generation, a weight operation,
-        a release of the weights), not here: a health probe needs no forward pass, and most
-        emulated engines never serve anything else (a test suite starts hundreds)."""
+        a release of the weights), not here: a health probe and the server's warm-up request
+        need no forward pass, and most emulated engines never serve anything else (a test
+        suite starts hundreds)."""
         deadline = time.monotonic() + float(self.config.get("startup_delay", 0.0))
         while time.monotonic() < deadline:
             self._apply_flags()
@@ -384,8 +386,9 @@ class Scheduler:
         if latency > 0:
             time.sleep(latency)
         reqs = list(self.running.values())
-        if self.model is None and all(r.is_health for r in reqs):
-            tokens = [HEALTH_TOKEN_ID] * len(reqs)   # no forward pass for a health probe
+        if self.model is None and all(r.is_health or r.rid.startswith(WARMUP_RID_PREFIX)
+                                      for r in reqs):
+            tokens = [HEALTH_TOKEN_ID] * len(reqs)   # a probe or the warm-up: no forward pass
         else:
             self._loaded()
             tokens = self._model_mod.next_tokens(

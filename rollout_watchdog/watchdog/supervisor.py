@@ -254,6 +254,11 @@ class Supervisor:
             self.fail(engine, Cause.EXITED,
                       f"main process {key.pid} exited ({describe_exit(engine.returncode)})", now)
         elif fatal:
+            main = engine.main
+            if main is not None and main not in engine.dead and self.ops.has_exited(main):
+                # The main process is dying too (its children die with it: PDEATHSIG, a closed
+                # pipe): its own exit, seen next, is the cause and says how.
+                return
             self.fail(engine, Cause.EXITED, f"process {key.pid} of the engine tree exited", now)
 
     def _refresh_for_kill(self, engine: EngineRuntime) -> None:
@@ -400,6 +405,8 @@ class Supervisor:
             return
         engine.kill = None
         self.dirty = True
+        if engine.returncode is None and engine.popen is not None and engine.main is not None:
+            engine.returncode = self.ops.peek_exit(engine.main.pid)   # its exit not taken yet
         if engine.cgroup and outcome != kill.Outcome.UNKILLABLE:
             self.ops.cgroup_remove(Path(engine.cgroup))  # empty now; a sweep retries if not
         if outcome != kill.Outcome.DONE:
