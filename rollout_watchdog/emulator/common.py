@@ -19,7 +19,6 @@ CONTEXT_LENGTH = 4096
 MAX_RUNNING_REQUESTS = 256
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
-WARMUP_RID_PREFIX = "warmup_"   # the server's own warm-up request (server.py)
 
 # In the argv of orphan processes (fault "orphan"), so cleanup code can recognise them.
 ORPHAN_MARKER = "rollout-watchdog-emulator-orphan"

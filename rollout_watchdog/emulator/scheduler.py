@@ -1,8 +1,7 @@
 """The emulator's scheduler child process (stands in for ``sglang::scheduler``).
 
 Started by the main process with the multiprocessing "spawn" context. It loads the tiny torch
-model (torch is imported here, never in the main process; at its first use, as a health probe
-needs no forward pass), then runs an event loop: read
+model (torch is imported here, never in the main process), then runs an event loop: read
 requests and control messages from the main process, run one decode step for every running
 request, send the new tokens back. Like SGLang's scheduler it sets PR_SET_PDEATHSIG=SIGKILL so
 it dies with the main process, and on an internal error it sends SIGQUIT to its parent, which
@@ -52,7 +51,6 @@ from rollout_watchdog.emulator.common import (
     SLOT_NUM_RUNNING,
     SLOT_STALL,
     SLOT_TOKEN_LATENCY_MS,
-    WARMUP_RID_PREFIX,
     WEIGHT_SESSION_SINCE,
     decode,
     version_tuple,
@@ -63,7 +61,6 @@ if TYPE_CHECKING:
     from rollout_watchdog.emulator.weight_sync import WeightSync
 
 PR_SET_PDEATHSIG = 1
-HEALTH_TOKEN_ID = ord(" ")   # what a probe or the warm-up generates before the model's first use
 PR_SET_NAME = 15
 ALL_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 WEIGHT_OPS = (
@@ -118,8 +115,7 @@ class Scheduler:
         self.pause_mode: str | None = None
         self.released: set[str] = set()
         self.weights_backup: Any = None
-        self.model: Any = None          # the tiny torch model, once built (_loaded)
-        self._model_mod: Any = None     # its module (it imports torch)
+        self.model: Any = None
         self.weight_sync: WeightSync | None = None  # made at the first weight op
         self.version = version_tuple(str(config["sglang_version"]))
         self.control_wedged = False  # a weight update hangs (fault): no control call answers
@@ -130,31 +126,22 @@ class Scheduler:
     # ---- start-up -------------------------------------------------------------------------
 
     def load(self) -> None:
-        """'Load the model': the configured start-up delay. The tiny model itself (torch: about
-        1.6 s of CPU) is built at its first use (`_loaded`: a generation, a weight operation,
-        a release of the weights), not here: a health probe and the server's warm-up request
-        need no forward pass, and most emulated engines never serve anything else (a test
-        suite starts hundreds)."""
+        """'Load the model': the configured start-up delay, then torch and the tiny model."""
         deadline = time.monotonic() + float(self.config.get("startup_delay", 0.0))
         while time.monotonic() < deadline:
             self._apply_flags()
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        import warnings
 
-    def _loaded(self) -> Any:
-        """The tiny model, built now if this is its first use."""
-        if self.model is None:
-            import warnings
+        warnings.filterwarnings("ignore", message=".*NumPy.*")
+        import torch
 
-            warnings.filterwarnings("ignore", message=".*NumPy.*")
-            import torch
+        torch.set_num_threads(1)
+        from rollout_watchdog.emulator import model as model_mod
 
-            torch.set_num_threads(1)
-            from rollout_watchdog.emulator import model as model_mod
-
-            self._model_mod = model_mod
-            self.model = model_mod.build_model(
-                hidden_size=int(self.config.get("hidden_size", model_mod.HIDDEN_SIZE)))
-        return self.model
+        self._model_mod = model_mod
+        self.model = model_mod.build_model(
+            hidden_size=int(self.config.get("hidden_size", model_mod.HIDDEN_SIZE)))
 
     def info(self) -> dict[str, Any]:
         """Scheduler info merged into /server_info (like SGLang's scheduler_info)."""
@@ -329,8 +316,7 @@ class Scheduler:
 
             spec = self.config.get("weight_spec", TINY)
             held = None if spec == TINY else HeldWeights(None if spec == LEARN else spec)
-            self.weight_sync = WeightSync(self._loaded(), self.version >= WEIGHT_SESSION_SINCE,
-                                          held)
+            self.weight_sync = WeightSync(self.model, self.version >= WEIGHT_SESSION_SINCE, held)
         return self.weight_sync
 
     def _update_weights(self, args: dict[str, Any]) -> tuple[bool, str] | None:
@@ -364,7 +350,6 @@ class Scheduler:
                 f"(running={len(self.running)}, waiting={len(self.waiting)})"
             )
         if "weights" in tags and "weights" not in self.released:
-            self._loaded()
             self.weights_backup = self._model_mod.backup_weights(self.model)
             self._model_mod.zero_weights(self.model)
         self.released.update(tags)
@@ -386,16 +371,11 @@ class Scheduler:
         if latency > 0:
             time.sleep(latency)
         reqs = list(self.running.values())
-        if self.model is None and all(r.is_health or r.rid.startswith(WARMUP_RID_PREFIX)
-                                      for r in reqs):
-            tokens = [HEALTH_TOKEN_ID] * len(reqs)   # a probe or the warm-up: no forward pass
-        else:
-            self._loaded()
-            tokens = self._model_mod.next_tokens(
-                self.model,
-                [r.input_ids + r.output_ids for r in reqs],
-                [r.temperature for r in reqs],
-            )
+        tokens = self._model_mod.next_tokens(
+            self.model,
+            [r.input_ids + r.output_ids for r in reqs],
+            [r.temperature for r in reqs],
+        )
         items: list[tuple[str, list[int], dict[str, Any] | None]] = []
         for req, tok in zip(reqs, tokens, strict=True):
             req.output_ids.append(tok)

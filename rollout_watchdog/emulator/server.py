@@ -28,7 +28,6 @@ from rollout_watchdog.emulator import faults, protocol
 from rollout_watchdog.emulator import scheduler as scheduler_mod
 from rollout_watchdog.emulator.common import (
     SLOT_TOKEN_LATENCY_MS,
-    WARMUP_RID_PREFIX,
     encode,
     log,
 )
@@ -153,7 +152,7 @@ class EmulatorServer(Engine):
     def _warm_up(self) -> None:
         """Like SGLang's warm-up request: the server is 'Starting' until it completes."""
         state = ReqState(
-            rid=f"{WARMUP_RID_PREFIX}{uuid.uuid4().hex}",
+            rid=f"warmup_{uuid.uuid4().hex}",
             input_ids=encode("The capital city of France is"),
             sampling={"max_new_tokens": 8, "temperature": 0.0},
         )
