@@ -34,6 +34,7 @@ class Peer:
             self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = curve
         self.sock.connect(endpoint)
         self.events: list[protocol.Event] = []
+        self.frames: list[bytes] = []   # every frame received, as it came
 
     def close(self) -> None:
         self.sock.close(0)
@@ -71,7 +72,8 @@ class Peer:
 
     def pump(self, wait_s: float) -> None:
         while self.sock.poll(int(wait_s * 1000)):
-            message = protocol.decode(self.sock.recv())
+            self.frames.append(self.sock.recv())
+            message = protocol.decode(self.frames[-1])
             if isinstance(message, protocol.Event):
                 self.events.append(message)
             elif isinstance(message, protocol.Events):
@@ -95,6 +97,34 @@ class Peer:
 
 def engines_of(fleet: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {f"{n['node_id']}/{e['id']}": e for n in fleet["nodes"] for e in n["engines"]}
+
+
+class RawNode:
+    """A node speaking the wire protocol directly (a DEALER with its routing id)."""
+
+    def __init__(self, endpoint: str, node_id: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger, self.sock.routing_id = 0, node_id.encode()
+        self.sock.connect(endpoint)
+
+    def send(self, message: protocol.Message) -> None:
+        self.sock.send(protocol.encode(message))
+
+    def acked(self, seq: int) -> protocol.Ack:
+        """The coordinator's ACK of `seq` (waited for)."""
+        def ack() -> protocol.Ack | None:
+            while self.sock.poll(50):
+                message = protocol.decode(self.sock.recv())
+                if isinstance(message, protocol.Ack) and message.seq == seq:
+                    return message
+            return None
+        found: protocol.Ack = wait_for(ack, 10, f"the ACK of seq {seq}")
+        return found
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
 
 
 @pytest.fixture
@@ -291,32 +321,19 @@ def test_a_batch_with_a_replayed_event_relays_each_new_event_once(
     and counted, the rest relayed (to a client taking batches) and acknowledged at once."""
     client.sock.send(protocol.encode(protocol.Subscribe(batches=True)))
     assert client.call("ping") is not None   # same connection: the subscription is in place
-    ctx = zmq.Context()
-    node = ctx.socket(zmq.DEALER)
-    node.linger, node.routing_id = 0, b"n1"
-    node.connect(coordinator.endpoint)
-
-    def acked(seq: int) -> protocol.Ack:
-        def ack() -> protocol.Ack | None:
-            while node.poll(50):
-                message = protocol.decode(node.recv())
-                if isinstance(message, protocol.Ack) and message.seq == seq:
-                    return message
-            return None
-        found: protocol.Ack = wait_for(ack, 10, f"the ACK of seq {seq}")
-        return found
+    node = RawNode(coordinator.endpoint, "n1")
 
     def event(seq: int) -> protocol.Event:
         state = "healthy" if seq % 2 else "suspect"
         return protocol.Event("n1", "b1", seq, {"kind": "state", "engine": "e0", "to": state},
                               {"id": "e0", "state": state})
     try:
-        node.send(protocol.encode(protocol.Hello("n1", "b1", [{"id": "e0"}], 0)))
-        assert acked(0).batches   # the coordinator takes batches
-        node.send(protocol.encode(protocol.Events([event(1), event(2), event(3)])))
-        acked(3)
-        node.send(protocol.encode(protocol.Events([event(3), event(4)])))
-        acked(4)
+        node.send(protocol.Hello("n1", "b1", [{"id": "e0"}], 0))
+        assert node.acked(0).batches   # the coordinator takes batches
+        node.send(protocol.Events([event(1), event(2), event(3)]))
+        node.acked(3)
+        node.send(protocol.Events([event(3), event(4)]))
+        node.acked(4)
         reply = client.call("ping")
         assert reply is not None and reply.result["bad_messages"].get("replayed") == 1
         wait_for(lambda: client.pump(0.05) or len(
@@ -325,8 +342,7 @@ def test_a_batch_with_a_replayed_event_relays_each_new_event_once(
         assert [e.seq for e in client.events if e.boot == "b1"] == [1, 2, 3, 4]
         assert engines_of(client.fleet())["n1/e0"]["state"] == "suspect"   # event 4's status
     finally:
-        node.close(0)
-        ctx.term()
+        node.close()
 
 
 def test_a_nodes_runs_are_taken_whole_and_reach_each_client_as_it_takes_them(
@@ -339,46 +355,24 @@ def test_a_nodes_runs_are_taken_whole_and_reach_each_client_as_it_takes_them(
     runs.sock.send(protocol.encode(protocol.Subscribe(batches=True, runs=True)))
     batches.sock.send(protocol.encode(protocol.Subscribe(batches=True)))
     assert runs.call("ping") is not None and batches.call("ping") is not None
-    ctx = zmq.Context()
-    node = ctx.socket(zmq.DEALER)
-    node.linger, node.routing_id = 0, b"n1"
-    node.connect(coordinator.endpoint)
-
-    def acked(seq: int) -> protocol.Ack:
-        def ack() -> protocol.Ack | None:
-            while node.poll(50):
-                message = protocol.decode(node.recv())
-                if isinstance(message, protocol.Ack) and message.seq == seq:
-                    return message
-            return None
-        found: protocol.Ack = wait_for(ack, 10, f"the ACK of seq {seq}")
-        return found
+    node = RawNode(coordinator.endpoint, "n1")
 
     def paused(engine: str) -> dict[str, Any]:
         return {"kind": "paused", "engine": engine, "deadline": 1e9 + 60}
 
-    raw: dict[str, list[bytes]] = {"runs": [], "batches": []}
-    for name, peer in (("runs", runs), ("batches", batches)):
-        original = peer.sock.recv
-
-        def keep_raw(*args: Any, _original: Any = original, _name: str = name) -> Any:
-            data = _original(*args)
-            raw[_name].append(data)
-            return data
-        peer.sock.recv = keep_raw   # type: ignore[method-assign]
     try:
         engines = [{"id": e, "state": "healthy", "paused": False} for e in ("e0", "e1")]
-        node.send(protocol.encode(protocol.Hello("n1", "b1", engines, 0)))
-        assert acked(0).runs   # the coordinator takes runs
+        node.send(protocol.Hello("n1", "b1", engines, 0))
+        assert node.acked(0).runs   # the coordinator takes runs
         first = protocol.Run("n1", "b1", 1, [paused("e0"), paused("e1")])
-        node.send(protocol.encode(first))
-        acked(2)
+        node.send(first)
+        node.acked(2)
         stopping = {"kind": "state", "engine": "e1", "from": "healthy", "to": "stopping",
                     "cause": "probe_failed"}
         again = protocol.Run("n1", "b1", 2, [paused("e1"), stopping],
                              [None, {"id": "e1", "state": "stopping"}])
-        node.send(protocol.encode(again))
-        acked(3)
+        node.send(again)
+        node.acked(3)
         reply = runs.call("ping")
         assert reply is not None and reply.result["bad_messages"].get("replayed") == 1
         view = engines_of(runs.fleet())
@@ -389,11 +383,10 @@ def test_a_nodes_runs_are_taken_whole_and_reach_each_client_as_it_takes_them(
                 [e for e in p.events if e.boot == "b1"]) >= 3, 10, "three events")
             peer.pump(0.2)
             assert [e.seq for e in peer.events if e.boot == "b1"] == [1, 2, 3]
-        assert any(protocol.encode(first) in data for data in raw["runs"])   # as it came
-        assert not any(b'"kind":"run"' in data for data in raw["batches"])   # split
+        assert any(protocol.encode(first) in data for data in runs.frames)   # as it came
+        assert not any(b'"kind":"run"' in data for data in batches.frames)   # split
     finally:
-        node.close(0)
-        ctx.term()
+        node.close()
         runs.close()
         batches.close()
 
