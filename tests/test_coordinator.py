@@ -17,6 +17,7 @@ import zmq.auth
 from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
+from rollout_watchdog.agent.acks import ACK_AFTER_EVENTS
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.keys import keygen
 from rollout_watchdog.emulator.testing import emulator_info, free_port, inject_fault
@@ -111,12 +112,12 @@ class RawNode:
     def send(self, message: protocol.Message) -> None:
         self.sock.send(protocol.encode(message))
 
-    def acked(self, seq: int) -> protocol.Ack:
-        """The coordinator's ACK of `seq` (waited for)."""
+    def acked(self, seq: int | None = None) -> protocol.Ack:
+        """The coordinator's ACK of `seq` (waited for); with None, its next ACK."""
         def ack() -> protocol.Ack | None:
             while self.sock.poll(50):
                 message = protocol.decode(self.sock.recv())
-                if isinstance(message, protocol.Ack) and message.seq == seq:
+                if isinstance(message, protocol.Ack) and seq in (None, message.seq):
                     return message
             return None
         found: protocol.Ack = wait_for(ack, 10, f"the ACK of seq {seq}")
@@ -318,7 +319,7 @@ def test_garbage_is_dropped_and_counted_and_the_coordinator_carries_on(
 def test_a_batch_with_a_replayed_event_relays_each_new_event_once(
         coordinator: Coordinator, client: Peer) -> None:
     """A node's "events" frame is taken event by event: the one already received is dropped
-    and counted, the rest relayed (to a client taking batches) and acknowledged at once."""
+    and counted, the rest relayed (to a client taking batches) and acknowledged."""
     client.sock.send(protocol.encode(protocol.Subscribe(batches=True)))
     assert client.call("ping") is not None   # same connection: the subscription is in place
     node = RawNode(coordinator.endpoint, "n1")
@@ -389,6 +390,43 @@ def test_a_nodes_runs_are_taken_whole_and_reach_each_client_as_it_takes_them(
         node.close()
         runs.close()
         batches.close()
+
+
+def test_events_are_acknowledged_with_the_next_heartbeat_or_at_once_past_a_bound() -> None:
+    """A node's events are ACKed in place of the coordinator's next heartbeat (a fleet-wide
+    pause costs no ACK of its own); its HELLO, and events owed past ACK_AFTER_EVENTS, at the
+    end of the turn that took them."""
+    def run(seq: int, count: int) -> protocol.Run:
+        return protocol.Run("n1", "b1", seq, [{"kind": "paused", "engine": "e0",
+                                               "deadline": 1e9} for _ in range(count)])
+
+    with Coordinator(bind="tcp://127.0.0.1:0", heartbeat_s=3600.0) as coord:  # no beat due
+        node = RawNode(coord.endpoint, "n1")
+        try:
+            node.send(protocol.Hello("n1", "b1", [{"id": "e0", "state": "healthy"}], 0))
+            assert node.acked(0).runs
+            node.send(run(1, 2))   # owed, not ACKed: the next ACK covers it with the rest
+            client = Peer(coord.endpoint)
+            try:   # taken, in a turn of its own
+                wait_for(lambda: engines_of(client.fleet())["n1/e0"].get("paused"), 10, "the run")
+            finally:
+                client.close()
+            seq = 3
+            while seq <= ACK_AFTER_EVENTS:
+                node.send(run(seq, protocol.BATCH_EVENTS))
+                seq += protocol.BATCH_EVENTS
+            assert node.acked().seq >= ACK_AFTER_EVENTS   # the first ACK since the HELLO's
+        finally:
+            node.close()
+    with Coordinator(bind="tcp://127.0.0.1:0", heartbeat_s=0.2) as coord:
+        node = RawNode(coord.endpoint, "n1")
+        try:
+            node.send(protocol.Hello("n1", "b1", [{"id": "e0", "state": "healthy"}], 0))
+            node.acked(0)
+            node.send(run(1, 2))
+            node.acked(2)   # with a heartbeat
+        finally:
+            node.close()
 
 
 def test_a_non_loopback_bind_without_keys_is_refused() -> None:

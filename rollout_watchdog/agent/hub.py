@@ -2,7 +2,8 @@
 (DESIGN.md, "Agent"; docs/protocol.md, "The coordinator's side").
 
 It receives and decodes every message and checks who sent it (`hub_socket.NodeRoutes`), ACKs
-node events once taken (journaled first, with a state dir: `journal.Journal`), relays them to
+node events once taken (journaled first, with a state dir: `journal.Journal`; most ACKs ride
+the next heartbeat: `acks.AckSchedule`), relays them to
 subscribed clients (`relay.Relay`), fans commands out to nodes and gathers their replies
 (`fanout.Fanout`), and heartbeats. What a node's message means is the fleet view's to say, and
 everything else is the policy's to decide (`hub_policy`: commands, group restarts, the refit
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 import zmq
 
+from rollout_watchdog.agent.acks import AckSchedule
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
 from rollout_watchdog.agent.hub_socket import NodeRoutes, bind_hub
@@ -63,7 +65,7 @@ class Hub:
         self.own_seq = 0
         self.sock: zmq.Socket[bytes] | None = None
         self._unjournaled: list[Relayed] = []
-        self._acks: set[str] = set()      # the nodes whose events this turn took
+        self.acks = AckSchedule()
         self._next_heartbeat = self._next_sweep = 0.0
         self._auth: NamedKeyAuthenticator | None = None
 
@@ -174,10 +176,13 @@ class Hub:
         if self.journal is not None and self._unjournaled:
             self.journal.append(self._unjournaled, lambda: self.relay.buffer)  # before ACKs
         self._unjournaled.clear()
-        for node_id in self._acks:
-            record = self.view.nodes[node_id]
-            self._send_node(node_id, frames.ack_frame(record.boot, record.received_seq))
-        self._acks.clear()
+        for node_id in self.acks.due_now():
+            self._ack(node_id)
+
+    def _ack(self, node_id: str) -> None:
+        record = self.view.nodes[node_id]
+        self._send_node(node_id, frames.ack_frame(record.boot, record.received_seq))
+        self.acks.sent(node_id)
 
     def _recv(self) -> tuple[bytes, bytes, str | None] | None:
         """(peer, message, name of its CURVE key); None for a bad frame count. Frame objects
@@ -252,14 +257,14 @@ class Hub:
         self.policy.changed()   # a snapshot: engines may differ, no event says so
         self.own_events(self.view.hello(msg, msg.node_id, now, wall))
         self.routes.bind(route, msg.node_id)
-        self._acks.add(msg.node_id)
+        self.acks.hello(msg.node_id)
 
     def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
                ) -> None:
         _check_size(msg, len(frame), peer)
         new, own = self.view.event(msg, peer, now, wall)
         self.own_events(own)
-        self._acks.add(peer)
+        self.acks.took(peer, 1)
         if not new:
             return
         self._relay(Relayed(msg.node_id, msg.boot, msg.seq, frame))
@@ -274,7 +279,7 @@ class Hub:
             own = self.view.run(msg, peer, now, wall)
             if own is not None:
                 self.own_events(own)
-                self._acks.add(peer)
+                self.acks.took(peer, len(msg.events))
                 self._relay(Relayed(peer, msg.boot, msg.seq, frame, len(msg.events), msg.KIND))
                 return
         self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND)
@@ -290,10 +295,10 @@ class Hub:
                 and len(frame) <= protocol.MAX_EVENT_BYTES):
             own = self.view.batch(msg, peer, now, wall)
             if own is not None:
-                self.own_events(own)
-                self._acks.add(peer)
-                record = self.view.nodes[peer]
                 count = len(msg.items)   # (its seqs run up to the last received)
+                self.own_events(own)
+                self.acks.took(peer, count)
+                record = self.view.nodes[peer]
                 self._relay(Relayed(peer, record.boot, record.received_seq - count + 1, frame,
                                     count, kind))
                 return
@@ -319,7 +324,7 @@ class Hub:
                 new.append(event)
                 restarts += [(event, target) for target in self.policy.restarts(peer, event)]
         if taken:
-            self._acks.add(peer)
+            self.acks.took(peer, len(events))
         if len(new) == len(events) and small and all(   # kept together: relayed as it came
                 e.seq == new[0].seq + i for i, e in enumerate(new)):
             self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind))
@@ -353,7 +358,10 @@ class Hub:
             self._next_heartbeat = now + self.heartbeat_s
             beat = protocol.encode(protocol.Heartbeat(wall))
             for node in self.view.reachable():
-                self._send_node(node, beat)
+                if self.acks.owed(node):   # an ACK stands for the heartbeat
+                    self._ack(node)
+                else:
+                    self._send_node(node, beat)
             for client in list(self.relay.subscribers):
                 self.send(client, beat)
 

@@ -57,7 +57,9 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
     ack        coordinator -> node: boot, seq (>= 0): every event of that boot up to seq is
                received; the node may drop them from its outbox. batches? (1.1; default
                false): the coordinator takes "events" from this node. runs? (1.4; default
-               false): and "run".
+               false): and "run". A coordinator may ACK late (this package's does so with
+               its next heartbeat, in place of it; a HELLO, and 512 events owed, at once):
+               a node keeps what is not ACKed, nothing more.
     heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
                Any message keeps its sender reachable: a node sends one only after a
                second in which it sent nothing else.
