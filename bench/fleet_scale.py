@@ -120,7 +120,7 @@ class Subscriber(threading.Thread):
         self.kinds: Counter[str] = Counter()   # events received, by kind
         self.baseline = 0   # events the nodes had made when the subscription began
         self.stopping = threading.Event()
-        self.conn.send(protocol.Subscribe(batches=True, runs=True))
+        self.conn.send(protocol.Subscribe(batches=True, runs=True, common=True))
 
     def run(self) -> None:
         next_beat = 0.0

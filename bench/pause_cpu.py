@@ -85,8 +85,8 @@ class Bench:
         for node in self.nodes:
             hello = protocol.Hello(node, f"{node}-boot", [engine(i) for i in range(engines)], 0)
             self.sock.inbox.insert(0, [node.encode(), protocol.encode(hello)])
-        self.sock.inbox.insert(0, [b"client", protocol.encode(protocol.Subscribe(batches=True,
-                                                                             runs=True))])
+        subscribe = protocol.Subscribe(batches=True, runs=True, common=True)
+        self.sock.inbox.insert(0, [b"client", protocol.encode(subscribe)])
         self.turns()
         assert len(self.coordinator.view.nodes) == nodes
 
@@ -112,7 +112,8 @@ class Bench:
                                   detail=f"deep probes {kind}", extra=extra)
                 events.append(protocol.Event(node, f"{node}-boot", self.seq[node],
                                              event.to_json()))
-            frames.insert(0, [node.encode(), protocol.encode(protocol.Run.of(events))])
+            run = protocol.Run.of(events, common=True)   # as a node sends it to a 1.5 one
+            frames.insert(0, [node.encode(), protocol.encode(run)])
             ids = [f"e{i}" for i in range(self.engines)]
             result = {"paused": ids, "deadline": deadline} if cmd == "pause" else {"resumed": ids}
             reply = protocol.Reply(node_request_id(request_id, node), "ok", None, result)

@@ -392,6 +392,39 @@ def test_a_nodes_runs_are_taken_whole_and_reach_each_client_as_it_takes_them(
         batches.close()
 
 
+def test_a_run_saying_common_fields_once_is_taken_and_relayed_as_each_client_takes_it(
+        coordinator: Coordinator) -> None:
+    """A node's run with `common` (1.5) updates the view like any run, and reaches a client
+    that set `common` as it came, and one taking only runs (a 1.4 client) as its events."""
+    common, runs = Peer(coordinator.endpoint), Peer(coordinator.endpoint)
+    common.sock.send(protocol.encode(protocol.Subscribe(batches=True, runs=True, common=True)))
+    runs.sock.send(protocol.encode(protocol.Subscribe(batches=True, runs=True)))
+    assert common.call("ping") is not None and runs.call("ping") is not None
+    node = RawNode(coordinator.endpoint, "n1")
+    try:
+        engines = [{"id": e, "state": "healthy", "paused": False} for e in ("e0", "e1")]
+        node.send(protocol.Hello("n1", "b1", engines, 0))
+        assert node.acked(0).common   # the coordinator takes runs with common
+        events = [protocol.Event("n1", "b1", 1 + i, {"kind": "paused", "engine": e,
+                                                     "deadline": 1e9 + 60})
+                  for i, e in enumerate(("e0", "e1"))]
+        run = protocol.Run.of(events, common=True)
+        assert run.common is not None
+        node.send(run)
+        wait_for(lambda: all(engines_of(common.fleet())[f"n1/{e}"].get("pause_deadline")
+                             == 1e9 + 60 for e in ("e0", "e1")), 10, "both paused in the view")
+        for peer in (common, runs):
+            wait_for(lambda p=peer: p.pump(0.05) or len(  # type: ignore[misc]
+                [e for e in p.events if e.boot == "b1"]) >= 2, 10, "two events")
+            assert [e for e in peer.events if e.boot == "b1"] == events
+        assert any(protocol.encode(run) in data for data in common.frames)   # as it came
+        assert not any(b'"common"' in data for data in runs.frames)
+    finally:
+        node.close()
+        common.close()
+        runs.close()
+
+
 def test_events_are_acknowledged_with_the_next_heartbeat_or_at_once_past_a_bound() -> None:
     """A node's events are ACKed in place of the coordinator's next heartbeat (a fleet-wide
     pause costs no ACK of its own); its HELLO, and events owed past ACK_AFTER_EVENTS, at the

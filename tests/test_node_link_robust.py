@@ -515,5 +515,12 @@ def test_a_turns_events_go_as_runs_once_the_coordinator_takes_them(harness: Harn
     assert [len(r.events) for r in runs] == [32, 8]
     assert all(len(protocol.encode(r)) <= protocol.MAX_RUN_BYTES for r in runs)
     assert not any(isinstance(m, protocol.Run) for m in frames()[3:])   # the big turn
-    harness.router.send(protocol.Ack("boot-1", 44, batches=True, runs=True))
+    assert all(r.common is None for r in runs)   # not asked for
+    harness.router.send(protocol.Ack("boot-1", 44, batches=True, runs=True, common=True))
     harness.until("the outbox acknowledged", lambda: not harness.link.outbox)
+    turn(4, "shared")   # (1.5) the fields the 4 share said once: all but "ts"
+    harness.until("the run at the coordinator", lambda: len(events()) >= 48)
+    last = frames()[-1]
+    assert isinstance(last, protocol.Run) and last.common is not None
+    assert "ts" not in last.common and last.common["detail"] == "shared"
+    assert [e.seq for e in events()] == list(range(1, 49))

@@ -37,15 +37,15 @@ EVERY_KIND: list[Message] = [
     Hello(node_id="n1", boot="b-77", engines=[ENGINE, {**ENGINE, "id": "e1"}], last_seq=12),
     Event(node_id="n1", boot="b-77", seq=13, event=EVENT),
     Run(node_id="n1", boot="b-77", seq=14, events=[EVENT, {**EVENT, "kind": "paused"}],
-        statuses=[ENGINE, None]),
-    Ack(boot="b-77", seq=13, batches=True, runs=True),
+        statuses=[ENGINE, None], common={"ts": 1700000001.25, "node_id": "n1"}),
+    Ack(boot="b-77", seq=13, batches=True, runs=True, common=True),
     Heartbeat(sent_at=1700000002.5),
     Command(request_id="r-1", cmd="pause", args={"timeout_s": 30}, node="n1", engine="e0",
             timeout_s=2.5),
     Reply(request_id="r-1", status="error", reason="no engine e9", result={"n1": [1, "x"]},
           code="BAD_ARGS"),
     Subscribe(resume={"n1": ResumePoint(boot="b-77", seq=13), "n2": ResumePoint("b-1", 0)},
-              batches=True, runs=True),
+              batches=True, runs=True, common=True),
 ]
 
 
@@ -64,7 +64,7 @@ def test_every_kind_round_trips_with_every_field(msg: Message) -> None:
     data = encode(msg)
     assert decode(data) == msg
     sent = json.loads(data)
-    assert sent["v"] == [1, 4] and sent["kind"] == msg.KIND
+    assert sent["v"] == [1, 5] and sent["kind"] == msg.KIND
 
 
 def test_a_reply_code_is_understood_both_ways_with_a_1_1_peer() -> None:
@@ -234,8 +234,9 @@ def test_the_event_s_own_json_mapping_is_the_generic_one() -> None:
 def test_the_hub_s_batch_encoders_write_what_encode_writes() -> None:
     """ack_frame and command_frames (a fleet-wide pause's 1,000 ACKs and commands, encoded
     together) must write the very frames encode() would, whatever the ids and args hold."""
-    assert ack_frame("b-77 ü\"", 13) == encode(Ack("b-77 ü\"", 13, batches=True, runs=True))
-    assert ack_frame("b", 0) == encode(Ack("b", 0, batches=True, runs=True))
+    for boot, seq in (("b-77 ü\"", 13), ("b", 0)):
+        assert ack_frame(boot, seq) == encode(Ack(boot, seq, batches=True, runs=True,
+                                                  common=True))
     targets = [("r-1/n1", "n1"), ("r-1/nœud \"2\"", "nœud \"2\"")]
     for args in ({"all": True, "deadline_s": 60}, {"x": "\x00request", "y": "\x00node"}):
         template = Command("r-1", "pause", args, None, None, 2.5)
@@ -268,6 +269,27 @@ def test_a_run_stands_for_its_events_in_order_alone_or_inside_an_events_frame() 
         == [("n2", 1), ("n1", 14), ("n1", 15), ("n1", 3), ("n1", 4)]
 
 
+def test_a_run_says_the_scalar_fields_its_events_share_once_to_a_peer_that_takes_that() -> None:
+    """With `common` (1.5), a run's frame says once each scalar field that every event has with
+    one value of one type (1 is not 1.0 or true), and each event only the rest; it decodes to
+    the whole events, an event's own field winning over common's."""
+    paused = [{"ts": 1700000001.25 + i, "node_id": "n1", "engine": f"e{i}", "incarnation": 1,
+               "kind": "paused", "from": None, "deadline": 1700000061.5,
+               "mixed": [1, 1.0][i % 2], "nested": {"a": 1}} for i in range(3)]
+    events = [Event("n1", "b-1", 5 + i, body) for i, body in enumerate(paused)]
+    run = Run.of(events, common=True)
+    assert run.common == {"node_id": "n1", "incarnation": 1, "kind": "paused", "from": None,
+                          "deadline": 1700000061.5}
+    sent = json.loads(encode(run))
+    assert sent["common"] == run.common and sent["events"][1] == {
+        "ts": 1700000002.25, "engine": "e1", "mixed": 1.0, "nested": {"a": 1}}
+    assert decode(encode(run)) == run and run.as_events() == events
+    assert len(encode(run)) < len(encode(Run.of(events))) < len(encode(Events(events)))
+    assert Run.of(events).common is None and Run.of(events[:1], common=True).common is None
+    own = dict(sent, events=[{"kind": "resumed"}, {}, {}])
+    assert [e["kind"] for e in decode(frame(own)).events] == ["resumed", "paused", "paused"]
+
+
 @pytest.mark.parametrize(("fields", "error"), [
     ({"node_id": ""}, "run: field 'node_id' must be a non-empty string"),
     ({"seq": 0}, "run: field 'seq' must be an integer >= 1"),
@@ -276,6 +298,8 @@ def test_a_run_stands_for_its_events_in_order_alone_or_inside_an_events_frame() 
     ({"seq": (1 << 63) - 1}, "run: field 'the last seq': integer does not fit in 64 bits"),
     ({"statuses": [None]}, "run: field 'statuses' must be null or a list of 2"),
     ({"statuses": [None, {"id": 5}]}, "run: field 'statuses[1].id' must be a non-empty string"),
+    ({"common": 5}, "run: field 'common' must be an object"),
+    ({"common": {}, "events": [{}, 7]}, "run: field 'events[1]' must be an object"),
 ])
 def test_a_bad_run_is_refused_naming_the_field(fields: dict[str, Any], error: str) -> None:
     body = {"v": [1, 4], "kind": "run", "node_id": "n1", "boot": "b", "seq": 1,

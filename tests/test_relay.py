@@ -275,6 +275,24 @@ def test_a_run_goes_whole_to_a_client_taking_runs_and_split_to_the_others() -> N
     assert clients.got[C][:3] == [protocol.encode(e) for e in run.as_events()]
 
 
+def test_a_run_saying_common_fields_once_goes_whole_only_to_a_client_taking_that() -> None:
+    """A run with `common` (1.5) goes as it came only to a client that set `common`; a client
+    taking runs without it (a 1.4 FleetClient) gets the whole events it stands for."""
+    events = [protocol.Event("n1", "b1", s, {"kind": "paused", "engine": f"e{s}"})
+              for s in range(1, 4)]
+    run = protocol.Run.of(events, common=True)
+    assert run.common == {"kind": "paused"}
+    frame = protocol.encode(run)
+    relay, clients = filled(Relayed("n1", "b1", 1, frame, 3, "run", common=True)), Clients()
+    relay.subscribe(A, Subscribe({}, batches=True, runs=True, common=True), T0)
+    relay.subscribe(B, Subscribe({}, batches=True, runs=True), T0)
+    assert relay.pump(clients.send, T0) is False
+    assert clients.got[A] == [b'{"v":[%d,%d],"kind":"events","events":[' % protocol.VERSION
+                              + frame + b"]}"]
+    assert b'"common"' not in clients.got[B][0]
+    assert protocol.decode(clients.got[B][0]).events == events  # type: ignore[union-attr]
+
+
 def test_a_batch_of_another_protocol_version_goes_as_it_came() -> None:
     """A node batch this package did not write (another minor version's envelope) is not
     spliced: it goes alone, as it came, between the runs spliced around it."""

@@ -280,12 +280,15 @@ class Hub:
             if own is not None:
                 self.own_events(own)
                 self.acks.took(peer, len(msg.events))
-                self._relay(Relayed(peer, msg.boot, msg.seq, frame, len(msg.events), msg.KIND))
+                self._relay(Relayed(peer, msg.boot, msg.seq, frame, len(msg.events), msg.KIND,
+                                    msg.common is not None))
                 return
-        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND)
+        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND,
+                     msg.common is not None)
 
     def _events(self, msg: protocol.PlainEvents | protocol.Events, frame: bytes, peer: str,
-                now: float, wall: float, kind: str = protocol.Events.KIND) -> None:
+                now: float, wall: float, kind: str = protocol.Events.KIND, common: bool = False
+                ) -> None:
         """A batch (or the events of a run: `kind`, the frame's): each event taken as if it
         came alone (a refused one is counted), relayed as the node's frame when all are new
         (one ACK for all, as for any turn's events). A plain batch (FleetView.batch) is taken
@@ -327,7 +330,7 @@ class Hub:
             self.acks.took(peer, len(events))
         if len(new) == len(events) and small and all(   # kept together: relayed as it came
                 e.seq == new[0].seq + i for i, e in enumerate(new)):
-            self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind))
+            self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind, common))
         else:
             for event in new:   # encoded now: one that cannot be sent is never relayed
                 try:

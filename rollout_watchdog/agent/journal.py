@@ -122,7 +122,8 @@ def _items_of(line: bytes) -> list[Relayed]:
     if isinstance(msg, protocol.Event):
         return [Relayed(msg.node_id, msg.boot, msg.seq, line)]
     if isinstance(msg, protocol.Run):
-        return [Relayed(msg.node_id, msg.boot, msg.seq, line, len(msg.events), msg.KIND)]
+        return [Relayed(msg.node_id, msg.boot, msg.seq, line, len(msg.events), msg.KIND,
+                        msg.common is not None)]
     if not isinstance(msg, protocol.Events):
         raise protocol.ProtocolError(f"a {msg.KIND!r} message, not events")
     first = msg.events[0]

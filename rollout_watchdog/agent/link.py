@@ -107,6 +107,7 @@ class NodeLink:
         self._sent_seq = 0       # the outbox's events up to this seq went out on this connection
         self._batches = False    # the coordinator on this connection takes "events" frames
         self._runs = False       # ... and "run" frames (1.4)
+        self._common = False     # ... saying their events' shared fields once (1.5)
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
         curve = bool(key and coordinator_key)
@@ -273,7 +274,7 @@ class NodeLink:
         MAX_RUN_BYTES; else as event frames (each cut to fit when too big)."""
         if len(events) > 1:
             try:
-                frame: bytes | None = protocol.encode(protocol.Run.of(events))
+                frame: bytes | None = protocol.encode(protocol.Run.of(events, self._common))
             except protocol.ProtocolError:   # not JSON (a bug): each event on its own, logged
                 frame = None
             if frame is not None and len(frame) <= protocol.MAX_RUN_BYTES:
@@ -379,11 +380,12 @@ class NodeLink:
                                         self.metrics_port),
                          *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
         self._sent_seq = 0
-        self._batches = self._runs = False   # until this connection's coordinator says so
+        self._batches = self._runs = self._common = False   # until this coordinator says so
 
     def _receive(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Ack):
-            self._batches, self._runs = message.batches, message.runs
+            self._batches, self._runs, self._common = (message.batches, message.runs,
+                                                       message.common)
             if message.boot == self.boot:
                 while self.outbox and self.outbox[0].seq <= message.seq:
                     self.outbox.popleft()

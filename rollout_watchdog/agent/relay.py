@@ -14,10 +14,11 @@ starts at the oldest buffered event and skips what its resume points say it has
 
 A subscriber that set `batches` gets runs of events as "events" frames (RELAYED_BATCH_EVENTS
 and protocol.BATCH_BYTES at most): the events of nodes' "events" frames it wants whole spliced
-from them (no encoding at all), nodes' "run" frames whole inside them for one that set `runs`,
-others' own frames spliced in between. One frame per event for the others. A node's batch is
-split into its events' own frames only when needed (a subscriber resumed mid-batch, one
-without `batches`, a run for one without `runs`).
+from them (no encoding at all), nodes' "run" frames whole inside them for one that set `runs`
+(and `common`, for a run that says its events' shared fields once), others' own frames spliced
+in between. One frame per event for the others. A node's batch is split into its events' own
+frames only when needed (a subscriber resumed mid-batch, one without `batches`, a run for one
+without `runs` or `common`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Relayed:
     frame: bytes
     count: int = 1
     kind: str = protocol.Event.KIND
+    common: bool = False        # a run that says its events' shared fields once (1.5)
     first: int = 0              # the relay index of its first event (the relay numbers it)
     _split: list[bytes] | None = None
 
@@ -94,6 +96,7 @@ class Subscriber:
     resume: dict[str, protocol.ResumePoint] = field(default_factory=dict)
     batches: bool = False           # it takes "events" frames
     runs: bool = False              # ... with "run" messages in them (1.4)
+    common: bool = False            # ... and runs with `common` (1.5)
     lost: int = 0                   # events it fell behind by, not yet told in a "gap" event
 
     def has(self, item: Relayed, part: int) -> bool:
@@ -170,10 +173,10 @@ class Relay:
         """(Re)subscribe: from now on, or from the buffer's start minus what it has."""
         if msg.resume is None:
             self.subscribers[client] = Subscriber(client, self.end, now, batches=msg.batches,
-                                                  runs=msg.runs)
+                                                  runs=msg.runs, common=msg.common)
             return
         sub = Subscriber(client, self.first, now, resume=dict(msg.resume), batches=msg.batches,
-                         runs=msg.runs)
+                         runs=msg.runs, common=msg.common)
         for item in self.buffer:
             point = sub.resume.get(item.node_id)
             if (point is not None and item.boot == point.boot
@@ -272,7 +275,8 @@ class Relay:
         it, takes its kind, and it fits in `most` events and a frame."""
         return (item.kind != protocol.Event.KIND and item.count <= most
                 and len(item.frame) <= protocol.BATCH_BYTES
-                and (item.kind != protocol.Run.KIND or sub.runs) and sub.has_none(item))
+                and (item.kind != protocol.Run.KIND or sub.runs)
+                and (sub.common or not item.common) and sub.has_none(item))
 
 
 def _first_of(item: Relayed) -> int:

@@ -118,10 +118,12 @@ class Subscribe(_Message):
     resume: dict[str, ResumePoint] | None = None
     batches: bool = False
     runs: bool = False   # 1.4
+    common: bool = False   # 1.5
 
     def __post_init__(self) -> None:
         _check_bool(self.KIND, "batches", self.batches)
         _check_bool(self.KIND, "runs", self.runs)
+        _check_bool(self.KIND, "common", self.common)
         if self.resume is None:
             return
         _check_object(self.KIND, "resume", self.resume)
@@ -136,9 +138,10 @@ class Subscribe(_Message):
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Subscribe:
-        raw, batches, runs = obj.get("resume"), obj.get("batches", False), obj.get("runs", False)
+        raw, flags = obj.get("resume"), [obj.get(name, False)
+                                         for name in ("batches", "runs", "common")]
         if raw is None:
-            return cls(None, batches, runs)
+            return cls(None, *flags)
         _check_object(cls.KIND, "resume", raw)
         points = {}
         for node_id, point in raw.items():
@@ -147,4 +150,4 @@ class Subscribe(_Message):
                 if name not in point:
                     raise ProtocolError(f"subscribe: resume[{node_id!r}] lacks {name!r}")
             points[node_id] = ResumePoint(point["boot"], point["seq"])
-        return cls(points, batches, runs)
+        return cls(points, *flags)

@@ -72,10 +72,10 @@ def batch_inner(frame: bytes) -> bytes | None:
 
 
 def ack_frame(boot: str, seq: int) -> bytes:
-    """encode(Ack(boot, seq, batches=True, runs=True)), for a coordinator that acknowledges a
-    thousand nodes in one loop turn: `boot` and `seq` come from events it accepted already."""
+    """encode(Ack(boot, seq, batches=True, runs=True, common=True)), for a coordinator that
+    acknowledges a thousand nodes at once: `boot` and `seq` come from events it took already."""
     return b"".join((_ACK_OPEN, _ENCODER.encode(boot).encode("ascii"), b',"seq":',
-                     str(seq).encode("ascii"), b',"batches":true,"runs":true}'))
+                     str(seq).encode("ascii"), b',"batches":true,"runs":true,"common":true}'))
 
 
 def command_frames(template: Command, targets: list[tuple[str, str]]) -> list[bytes]:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, TypeVar
 from rollout_watchdog.common.json_frame import ProtocolError
 
 MAJOR = 1
-MINOR = 4
+MINOR = 5
 VERSION = (MAJOR, MINOR)
 _INT_LIMIT = 1 << 63
 

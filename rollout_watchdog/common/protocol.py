@@ -4,7 +4,7 @@ This docstring is the spec (docs/protocol.md says the same for people).
 
 Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX_MESSAGE_BYTES
 (1 MiB: a HELLO snapshot of a node with hundreds of engines fits). Every message has
-    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 4)
+    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 5)
     "kind": one of "hello", "event", "events", "run", "ack", "heartbeat", "command", "reply",
             "subscribe"
 and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR and
@@ -14,7 +14,8 @@ uses a newer kind only towards a peer that asked for it (1.1: "events", asked fo
 older peer ignores and an older peer's reply lacks; 1.3 only the paging of the refit's members,
 asked for by the `paged` argument of `refit_acquire` and `refit_members`, which an older
 coordinator ignores and answers with every member at once: refit_bridge/service.py; 1.4:
-"run", asked for by the `runs` flag of "ack" and "subscribe"). Numbers
+"run", asked for by the `runs` flag of "ack" and "subscribe"; 1.5: a run's `common`, asked for
+by the `common` flag of "ack" and "subscribe"). Numbers
 are finite
 (no NaN/Infinity); the protocol's own integers (seq, last_seq) fit in a signed 64-bit int.
 Sequence numbers count from 1 within one boot of a node daemon; 0 means "none yet".
@@ -53,11 +54,17 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                turn (BATCH_EVENTS and MAX_RUN_BYTES at most; "events" frames for a bigger
                turn), only to a coordinator whose "ack" set `runs`; a coordinator relays it
                as it came, inside "events" frames, only to a client that set `runs`, and as
-               its events to any other.
+               its events to any other. common? (1.5): an object of fields that every event
+               has, left out of each: event i is common's fields, then events[i]'s (events[i]'s
+               win). A node says its events' shared scalar fields once (a pause's run of 8
+               "paused" events: all but "engine" and "ts"), only to a coordinator whose "ack"
+               set `common`; a coordinator relays such a run as it came only to a client that
+               set `common`, and as its events to any other.
     ack        coordinator -> node: boot, seq (>= 0): every event of that boot up to seq is
                received; the node may drop them from its outbox. batches? (1.1; default
                false): the coordinator takes "events" from this node. runs? (1.4; default
-               false): and "run". A coordinator may ACK late (this package's does so with
+               false): and "run". common? (1.5; default false): and runs with `common`.
+               A coordinator may ACK late (this package's does so with
                its next heartbeat, in place of it; a HELLO, and 512 events owed, at once):
                a node keeps what is not ACKed, nothing more.
     heartbeat  both ways, about once a second: sent_at (sender's clock, seconds since epoch).
@@ -94,7 +101,8 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
     subscribe  client -> coordinator: resume? (null = from now on, else
                {node_id: {"boot": ..., "seq": ...}}: the last event the client has per node,
                so none is sent twice). batches? (1.1; default false): the client takes
-               "events". runs? (1.4; default false): and "run" messages in them.
+               "events". runs? (1.4; default false): and "run" messages in them. common?
+               (1.5; default false): and runs with `common`.
 
 decode() refuses any bad frame with one ProtocolError (a ValueError) whose message names the
 problem; it never raises anything else, so a receiver can drop and count bad input.
@@ -139,6 +147,7 @@ from rollout_watchdog.common.message_base import (
     _fail,
     _Message,
 )
+from rollout_watchdog.common.run_fields import expanded, own_fields, plain_run, shared_fields
 
 # What the modules of the messages define, and the protocol's users take from here.
 __all__ = ["BAD_ARGS", "CODES", "INTERNAL", "LEASE_LOST", "LOCK_HELD", "MAX_CODE_CHARS",
@@ -270,7 +279,8 @@ class Events(_Message):
 @dataclass(frozen=True)
 class Run(_Message):
     """(1.4) A node's consecutive events with their envelope said once: one object per frame
-    where "events" holds a whole message per event (a fleet-wide pause is 8,000 events)."""
+    where "events" holds a whole message per event (a fleet-wide pause is 8,000 events). In
+    memory, `events` are whole; `common` (1.5) only says which fields the frame says once."""
 
     KIND: ClassVar[str] = "run"
     node_id: str
@@ -278,9 +288,11 @@ class Run(_Message):
     seq: int
     events: list[dict[str, Any]]
     statuses: list[dict[str, Any] | None] | None = None
+    common: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if _plain_run(self.node_id, self.boot, self.seq, self.events, self.statuses):
+        if plain_run(self.node_id, self.boot, self.seq, self.events, self.statuses,
+                     self.common):
             return   # the common case, checked in one go
         _check_str(self.KIND, "node_id", self.node_id)
         _check_str(self.KIND, "boot", self.boot)
@@ -290,6 +302,8 @@ class Run(_Message):
         for i, event in enumerate(self.events):
             _check_object(self.KIND, f"events[{i}]", event)
         _check_int(self.KIND, "the last seq", self.seq + len(self.events) - 1, 1)
+        if self.common is not None:
+            _check_object(self.KIND, "common", self.common)
         if self.statuses is None:
             return
         if not isinstance(self.statuses, list) or len(self.statuses) != len(self.events):
@@ -301,9 +315,14 @@ class Run(_Message):
                 _check_str(self.KIND, f"statuses[{i}].id", status.get("id"))
 
     def to_json(self) -> dict[str, Any]:
-        """Without `statuses` when no event has one."""
+        """Without `statuses` when no event has one; with `common`, each event without it."""
         body = {"v": list(VERSION), "kind": self.KIND, "node_id": self.node_id,
-                "boot": self.boot, "seq": self.seq, "events": self.events}
+                "boot": self.boot, "seq": self.seq}
+        if self.common is None:
+            body["events"] = self.events
+        else:
+            body["common"] = self.common
+            body["events"] = [own_fields(event, self.common) for event in self.events]
         if self.statuses is not None:
             body["statuses"] = self.statuses
         return body
@@ -311,8 +330,11 @@ class Run(_Message):
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Run:
         try:   # (_Message's, written out: a fleet-wide pause is a thousand of them)
-            return cls(obj["node_id"], obj["boot"], obj["seq"], obj["events"],
-                       obj.get("statuses"))
+            events, common = obj["events"], obj.get("common")
+            if common is not None:
+                events = expanded(common, events)
+            return cls(obj["node_id"], obj["boot"], obj["seq"], events, obj.get("statuses"),
+                       common)
         except KeyError as exc:   # the first missing one, in field order, as _Message says
             raise ProtocolError(f"{cls.KIND}: missing required field {exc.args[0]!r}") from None
 
@@ -323,29 +345,15 @@ class Run(_Message):
                 for i, (event, status) in enumerate(zip(self.events, statuses, strict=True))]
 
     @classmethod
-    def of(cls, events: list[Event]) -> Run:
-        """The run of `events` (one node's boot, consecutive seqs: the caller's outbox)."""
+    def of(cls, events: list[Event], common: bool = False) -> Run:
+        """The run of `events` (one node's boot, consecutive seqs: the caller's outbox); with
+        `common` (a peer that set it), the fields they share said once."""
         first = events[0]
         statuses = [e.engine_status for e in events]
-        return cls(first.node_id, first.boot, first.seq, [e.event for e in events],
-                   statuses if any(s is not None for s in statuses) else None)
-
-
-_DICT = {dict}
-
-
-def _plain_run(node_id: object, boot: object, seq: object, events: object, statuses: object
-               ) -> bool:
-    """Whether a run's fields are plainly valid (the coordinator's hot path: one check per
-    event, that it is an object); anything else gets Run's full checks and their exact error."""
-    return (type(node_id) is str and node_id != "" and type(boot) is str and boot != ""
-            and type(seq) is int and type(events) is list and events != []
-            and 1 <= seq <= _INT_LIMIT - len(events) and set(map(type, events)) == _DICT
-            and (statuses is None or (type(statuses) is list and len(statuses) == len(events)
-                                      and all(s is None or (type(s) is dict
-                                                            and type(s.get("id")) is str
-                                                            and s["id"] != "")
-                                              for s in statuses))))
+        bodies = [e.event for e in events]
+        return cls(first.node_id, first.boot, first.seq, bodies,
+                   statuses if any(s is not None for s in statuses) else None,
+                   shared_fields(bodies) if common else None)
 
 
 def _is_event_envelope(item: object) -> bool:
@@ -414,12 +422,14 @@ class Ack(_Message):
     seq: int
     batches: bool = False
     runs: bool = False   # 1.4
+    common: bool = False   # 1.5
 
     def __post_init__(self) -> None:
         _check_str(self.KIND, "boot", self.boot)
         _check_int(self.KIND, "seq", self.seq, 0)
         _check_bool(self.KIND, "batches", self.batches)
         _check_bool(self.KIND, "runs", self.runs)
+        _check_bool(self.KIND, "common", self.common)
 
 
 @dataclass(frozen=True)

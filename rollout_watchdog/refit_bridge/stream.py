@@ -118,7 +118,7 @@ class EventStream:
         self.close()
         self._sock = self.client.socket()
         resume = dict(self.positions) if self.resume and self.subscriptions else None
-        self._send(protocol.Subscribe(resume, batches=True, runs=True))
+        self._send(protocol.Subscribe(resume, batches=True, runs=True, common=True))
         self.subscriptions += 1
         self._heard = now
         self._next_heartbeat = now + self.heartbeat_s
