@@ -35,11 +35,14 @@ def shared_fields(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     None when there are none, or a single event."""
     if len(events) < 2:
         return None
-    first, rest = events[0], events[1:]
-    shared = {key: value for key, value in first.items() if type(value) in _SCALARS and all(
-        type(other := event.get(key, _ABSENT)) is type(value) and other == value
-        for event in rest)}
-    return shared or None
+    shared = {key: value for key, value in events[0].items() if type(value) in _SCALARS}
+    for event in events[1:]:
+        for key in [key for key, value in shared.items() if _differs(event.get(key, _ABSENT),
+                                                                     value)]:
+            del shared[key]
+        if not shared:
+            return None
+    return shared
 
 
 def expanded(common: object, events: object) -> object:
@@ -55,4 +58,8 @@ def expanded(common: object, events: object) -> object:
 def own_fields(event: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     """An event's fields as a run that says `common` carries it: those common does not say."""
     return {key: value for key, value in event.items()
-            if type(shared := common.get(key, _ABSENT)) is not type(value) or shared != value}
+            if key not in common or _differs(common[key], value)}
+
+
+def _differs(value: object, other: object) -> bool:
+    return value is not other and (type(value) is not type(other) or value != other)
