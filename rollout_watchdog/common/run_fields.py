@@ -37,8 +37,9 @@ def shared_fields(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     shared = {key: value for key, value in events[0].items() if type(value) in _SCALARS}
     for event in events[1:]:
-        for key in [key for key, value in shared.items() if _differs(event.get(key, _ABSENT),
-                                                                     value)]:
+        for key in [key for key, value in shared.items()   # (inline: ~100 a run)
+                    if (other := event.get(key, _ABSENT)) is not value
+                    and (type(other) is not type(value) or other != value)]:
             del shared[key]
         if not shared:
             return None
@@ -58,8 +59,5 @@ def expanded(common: object, events: object) -> object:
 def own_fields(event: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
     """An event's fields as a run that says `common` carries it: those common does not say."""
     return {key: value for key, value in event.items()
-            if key not in common or _differs(common[key], value)}
-
-
-def _differs(value: object, other: object) -> bool:
-    return value is not other and (type(value) is not type(other) or value != other)
+            if key not in common or ((shared := common[key]) is not value
+                                     and (type(shared) is not type(value) or shared != value))}
