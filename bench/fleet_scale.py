@@ -467,6 +467,13 @@ def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: Cp
           f"{1000 * used['subscriber'] / repeat:.0f} ms (the coordinator's main thread "
           f"{1000 * loop / repeat:.0f} ms); % of one core within the round trips:")
     cpu.line("pause round trips", sum(rtts) / 1000, used)
+    idle = next(((elapsed, spent) for name, elapsed, spent in cpu.phases
+                 if name.startswith("idle fleet")), None)
+    if idle is not None:   # what the pauses cost on top of the heartbeats they ran beside
+        rate = idle[1]["coordinator"] / idle[0]
+        net = (used["coordinator"] - rate * sum(rtts) / 1000) / repeat
+        print(f"  CPU per pause, coordinator, net of its idle fleet's rate ({100 * rate:.1f} % "
+              f"of a core: heartbeats): {1000 * net:.0f} ms")
     print(f"  pause p99 {p99:.1f} ms")
     if _sequential_ms:
         ratio = statistics.median(_sequential_ms) / s.median
