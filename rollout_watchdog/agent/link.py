@@ -4,7 +4,8 @@ A DEALER whose routing id is the node id dials the configured `coordinator` (CUR
 config names `key` and `coordinator_key`). On every completed handshake it sends a HELLO with a
 full snapshot, then every event not yet acknowledged. Events wait in a bounded outbox until the
 coordinator ACKs them. The events of one loop turn go out as one "run" frame (up to
-protocol.BATCH_EVENTS and MAX_RUN_BYTES each; 1.4), or one "events" frame for a 1.1-1.3
+protocol.BATCH_EVENTS and MAX_RUN_BYTES each; 1.4; with the fields its events share said once,
+1.5), or one "events" frame for a 1.1-1.3
 coordinator (up to BATCH_EVENTS and BATCH_BYTES), once the coordinator said in an ACK on this
 connection that it takes them; until then, one frame each. A full send queue holds the rest
 back, in order, for the next turn. On outbox overflow the oldest are dropped and counted (the
