@@ -108,6 +108,30 @@ def wait_listed(client: RouterClient, urls: set[str]) -> None:
     wait_until(lambda: listed_urls(client) == urls, DEADLINE_S, what=f"router listing {urls}")
 
 
+def test_a_long_url_list_is_left_to_pages(make_sync: Callable[..., RouterSync]) -> None:
+    """`ping` shows the router's URL lists only while they are short (STATUS_URLS together):
+    past that they are null, their counts say how many, and `urls` pages every URL in
+    order with what is known of it."""
+    sync = make_sync("http://127.0.0.1:9")   # never started: the desired set alone
+    want = {f"http://10.0.0.{i}:30000": f"v{i}" for i in range(5)}
+    sync.set_desired(want)
+    short = sync.status(max_urls=5)
+    assert short["desired"] == want and short["listed"] == [] and short["desired_count"] == 5
+    long = sync.status(max_urls=4)
+    assert long["listed"] is None and long["desired"] is None and long["pending"] is None
+    assert (long["listed_count"], long["desired_count"], long["pending_count"]) == (0, 5, 0)
+    pages, after = [], None
+    while True:
+        page, after = sync.urls(after, max_urls=2)
+        pages.append(page)
+        if after is None:
+            break
+    assert [len(p) for p in pages] == [2, 2, 1]
+    assert [(e["url"], e["desired"], e["weight_version"], e["listed"], e["pending"])
+            for p in pages for e in p] == [(u, True, v, False, None)
+                                            for u, v in sorted(want.items())]
+
+
 def test_reconcile_compares_normalized_urls() -> None:
     listed = [RouterWorker("1", "http://a:1/", True), RouterWorker("2", "http://A:1", True),
               RouterWorker("3", "http://stray:9", False)]

@@ -11,6 +11,7 @@ from daemon_harness import Node
 from refit_harness import all_healthy, router_urls, start_fleet
 
 from rollout_watchdog import Coordinator, FleetClient
+from rollout_watchdog.refit_bridge import router_sync
 from rollout_watchdog.refit_bridge.router import normalize_url
 
 pytest.importorskip("sglang_router")
@@ -18,7 +19,9 @@ from router_harness import Router  # noqa: E402
 
 
 def test_wait_router_synced_returns_what_the_router_lists(make_node: Callable[..., Node],
-                                                          router: Router) -> None:
+                                                          router: Router,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
     with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
                      router_url=router.url) as coordinator:
         fleet = FleetClient(coordinator.endpoint)
@@ -29,6 +32,13 @@ def test_wait_router_synced_returns_what_the_router_lists(make_node: Callable[..
         listed = fleet.wait_router_synced(60)
         assert {normalize_url(u) for u in listed} == want
         assert router_urls(router.url) == want   # the router itself, at that moment
+
+        # A fleet too big for `ping` to list: the lists come in `router_urls` pages.
+        with monkeypatch.context() as patch:
+            patch.setattr(router_sync, "STATUS_URLS", 1)
+            shown = fleet.call("ping")[1]["router"]
+            assert shown["listed"] is None and shown["desired_count"] == 2
+            assert {normalize_url(u) for u in fleet.wait_router_synced(60)} == want
 
         # Stopped while the router is down: the router cannot drop it, the wait ends at its
         # bound and says so.

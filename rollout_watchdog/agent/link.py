@@ -33,7 +33,7 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Callable, Container, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -178,7 +178,7 @@ class NodeLink:
                 self._on_monitor_event(recv_monitor_message(self.monitor)["event"])
         if self.socket in ready:
             for _ in range(MAX_MESSAGES_PER_ROUND):
-                if not self.socket.get(_EVENTS) & _POLLIN:   # (no zmq.Again to raise: ~5 us)
+                if not cast(int, self.socket.get(_EVENTS)) & _POLLIN:   # (no zmq.Again: ~5 us)
                     break
                 data = self.socket.recv(_NOBLOCK)
                 try:

@@ -456,27 +456,9 @@ class FleetClient:
         when the coordinator has no router. TimeoutError, naming what the router listed and
         what it should list, when not in sync within `timeout_s` (a coordinator away
         meanwhile is waited for too)."""
-        from rollout_watchdog.refit_bridge.router import normalize_url
+        from rollout_watchdog.refit_bridge.router_wait import wait_router_synced
 
-        deadline = time.monotonic() + timeout_s
-        router: Any = None
-        want: set[str] = set()
-        while (left := deadline - time.monotonic()) > 0:
-            with contextlib.suppress(CoordinatorUnavailable):
-                want = {normalize_url(str(e.url)) for n in self.nodes(timeout_s=left)
-                        if n.reachable for e in n.engines if e.serving and e.url}
-                _, result = self.call("ping", timeout_s=min(self.timeout_s, left))
-                router = result.get("router") if isinstance(result, dict) else None
-                if not isinstance(router, dict):
-                    return []
-                desired = {normalize_url(str(url)) for url in router.get("desired") or ()}
-                if router.get("synced") is True and desired == want:
-                    return [str(url) for url in router.get("listed") or ()]
-            time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
-        seen = "no answer from the coordinator" if router is None else (
-            f"it lists {router.get('listed')}, the view routes {sorted(want)}, last error "
-            f"{router.get('last_error')!r}")
-        raise TimeoutError(f"the router was not in sync within {timeout_s:g} s ({seen})")
+        return wait_router_synced(self, timeout_s, interval_s)
 
 
 def _sparing_silent_nodes(fan_out: Callable[[], FleetResult]) -> FleetResult:

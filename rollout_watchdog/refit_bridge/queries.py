@@ -1,7 +1,8 @@
 """The coordinator's read-only commands, answered from its own state (nothing to remember for
-a repeat): `status` (the fleet view, a page at a time: `after`, `next`) and `ping` (its health
-and counters). Each is declared in `COMMANDS` (`common.commands`): its docstring is its wire
-spec, its arguments are checked before it runs."""
+a repeat): `status` (the fleet view, a page at a time: `after`, `next`), `ping` (its health
+and counters) and `router_urls` (the router's URLs, a page at a time). Each is declared in
+`COMMANDS` (`common.commands`): its docstring is its wire spec, its arguments are checked
+before it runs."""
 
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ def ping(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any
     args: {}. result: {"coordinator": BOOT, "nodes", "reachable", "subscribers",
     "bad_messages": {REASON: N}, "relay_skipped", "relay_behind", "refit": {"current_version",
     "holder": {"holder", "version", "expires_in_s"} | null} (never the holder's token),
-    "router": RouterSync.status() | null}
+    "router": RouterSync.status() | null}: its "listed", "desired" and "pending" are null
+    when they hold more than STATUS_URLS (2,000) URLs together ("listed_count",
+    "desired_count" and "pending_count" are always there): `router_urls` pages them.
     """
     relay = hub.relay
     return {
@@ -79,6 +82,20 @@ def ping(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any
                             default=0),
         "refit": hub.refit.status(time.monotonic()),
         "router": None if hub.router is None else hub.router.status()}
+
+
+@COMMANDS.command("router_urls", Arg("after", text()))
+def router_urls(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any]:
+    """Every URL the router lists or should list, a page at a time (STATUS_URLS), in order.
+
+    args: {"after"?: URL: the page after that URL}. result: {"urls": [{"url", "listed",
+    "desired", "weight_version", "pending"}], "next": URL | null (not null when more follow)};
+    {"urls": [], "next": null} for a coordinator without a router.
+    """
+    if hub.router is None:
+        return {"urls": [], "next": None}
+    urls, after = hub.router.urls(args["after"])
+    return {"urls": urls, "next": after}
 
 
 def error(cmd: protocol.Command, reason: str, code: str) -> protocol.Reply:

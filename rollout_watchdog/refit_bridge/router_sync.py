@@ -30,6 +30,7 @@ listing, a worker the router lists that is not desired is removed, whoever added
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -49,13 +50,16 @@ from rollout_watchdog.refit_bridge.router import (
     url_key,
 )
 
-__all__ = ["VERIFY_S", "RouterSync"]
+__all__ = ["STATUS_URLS", "VERIFY_S", "RouterSync"]
 
 log = logging.getLogger(__name__)
 # How soon the router is listed again after an addition (it registers in the background).
 CONFIRM_S = 0.1
 # How often the routed engines' own weight versions are read (one GET /model_info each).
 VERIFY_S = 10.0
+# The most URLs `ping` shows in the router's lists (about 200 KB): a bigger fleet's lists are
+# paged (`router_urls`), so that `ping` always fits in a message.
+STATUS_URLS = 2_000
 _GONE = object()  # marks an engine that is no longer desired
 
 VersionReader = Callable[[str], "str | None"]
@@ -146,18 +150,26 @@ class RouterSync:
             self._changed.notify_all()
         self._wake.set()
 
-    def status(self) -> dict[str, Any]:
+    def status(self, max_urls: int | None = None) -> dict[str, Any]:
         """What the coordinator shows: router URL, reachable (None before the first call), the
-        URLs listed and desired, why desired engines are not added yet, last error, counts
-        (``version_mismatches``: routed engines pulled for reporting another weight_version,
-        the last one described in ``last_mismatch``)."""
+        URLs listed and desired, why desired engines are not added yet (those three null when
+        they hold more than ``max_urls`` URLs together, STATUS_URLS by default: ``urls`` pages
+        them; their counts are always there), last error, counts (``version_mismatches``:
+        routed engines pulled for reporting another weight_version, the last one described in
+        ``last_mismatch``)."""
         with self._lock:
+            listed = self._listed or ()
+            most = STATUS_URLS if max_urls is None else max_urls
+            whole = len(listed) + len(self._desired) + len(self._pending) <= most
             return {
                 "router_url": self.url,
                 "reachable": self._reachable,
-                "listed": sorted(w.url for w in self._listed or ()),
-                "desired": dict(sorted(self._desired.items())),
-                "pending": dict(sorted(self._pending.items())),
+                "listed": sorted(w.url for w in listed) if whole else None,
+                "desired": dict(sorted(self._desired.items())) if whole else None,
+                "pending": dict(sorted(self._pending.items())) if whole else None,
+                "listed_count": len(listed),
+                "desired_count": len(self._desired),
+                "pending_count": len(self._pending),
                 "synced": self._synced(),
                 "last_error": self._last_error,
                 "adds": self._adds,
@@ -165,6 +177,24 @@ class RouterSync:
                 "version_mismatches": self._mismatches,
                 "last_mismatch": self._last_mismatch,
             }
+
+    def urls(self, after: str | None = None, max_urls: int | None = None
+             ) -> tuple[list[dict[str, Any]], str | None]:
+        """Every URL the router lists or should list, in order, after ``after``: at most
+        ``max_urls`` of them (STATUS_URLS by default), each {"url", "listed", "desired",
+        "weight_version" (the one it must report before it is added, when desired), "pending"
+        (why it is not added yet, or None)}; and the ``after`` of the next page (None on the
+        last)."""
+        with self._lock:
+            listed = {w.url for w in self._listed or ()}
+            desired, pending = dict(self._desired), dict(self._pending)
+        every = sorted(listed | desired.keys() | pending.keys())
+        start = 0 if after is None else bisect.bisect_right(every, after)
+        page = every[start:start + (STATUS_URLS if max_urls is None else max_urls)]
+        more = start + len(page) < len(every)
+        return [{"url": url, "listed": url in listed, "desired": url in desired,
+                 "weight_version": desired.get(url), "pending": pending.get(url)}
+                for url in page], page[-1] if more else None
 
     def wait_synced(self, timeout_s: float) -> bool:
         """Wait until the router lists exactly the desired URLs; False after ``timeout_s``."""
