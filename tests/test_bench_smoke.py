@@ -50,3 +50,15 @@ def test_ray_start_quick_runs() -> None:
     assert run.returncode in (0, 2), out
     assert "start() -> every watchdog reachable, 3 nodes" in out, out
     assert "engine SIGKILL -> client event, 3 nodes" in out and "(n=3)" in out, out
+
+
+def test_transport_floor_runs_each_variant() -> None:
+    """The transport's floor of a pause prints a figure for each variant, on a few DEALERs."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "transport_floor.py"), "--nodes", "20",
+         "--rounds", "2", "--repeat", "1"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    for variant in ("two messages ", "one message (a turn)", "two messages, with an ACK"):
+        assert f"  {variant}" in out and "libzmq's I/O thread" in out, out
