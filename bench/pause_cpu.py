@@ -28,6 +28,7 @@ import zmq
 from rollout_watchdog.agent.fanout import node_request_id
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.events import Event as NodeEvent
+from rollout_watchdog.common.gc_tuning import tune_for_service
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
 
@@ -139,23 +140,56 @@ def main() -> None:
     parser.add_argument("--journal", action="store_true",
                         help="with a state dir (in a temporary directory): every relayed "
                              "event journaled, as a coordinator with --state-dir does")
+    parser.add_argument("--default-gc", action="store_true",
+                        help="keep Python's collector settings (an embedded coordinator's), "
+                             "not the standalone coordinator's (common/gc_tuning.py)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rwbench-pause-") as state_dir:
         run(args, state_dir if args.journal else None)
 
 
+class Collections:
+    """The garbage collector's passes (gc.callbacks) while `on`: their time, and how many."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seconds: list[float] = []
+        self.full = 0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._started = time.process_time()
+            return
+        self.seconds.append(time.process_time() - self._started)
+        self.full += info["generation"] == 2
+
+
 def run(args: argparse.Namespace, state_dir: str | None) -> None:
     bench = Bench(args.nodes, args.engines, state_dir)
+    if not args.default_gc:
+        tune_for_service()   # as `rollout-watchdog coordinator` does once started
     gc.collect()
+    collections = Collections()
     pauses, resumes = [], []
     for k in range(args.repeat):
+        collections.on = True
         pauses.append(1000 * bench.round("pause", "paused", f"p{k}"))
+        collections.on = False
         resumes.append(1000 * bench.round("resume", "resumed", f"r{k}"))
+    settings = "Python's default collector" if args.default_gc else "the coordinator's collector"
     for name, values in (("pause", pauses), ("resume", resumes)):
         print(f"coordinator CPU per fleet-wide {name} ({args.nodes} x {args.engines}"
-              f"{', journaled' if state_dir else ''}), ms: "
+              f"{', journaled' if state_dir else ''}, {settings}), ms: "
               f"min {min(values):.1f} / median {statistics.median(values):.1f} / max "
               f"{max(values):.1f} (n={args.repeat})")
+    passes = collections.seconds
+    print(f"  of the pauses, garbage collection: {1000 * sum(passes) / args.repeat:.1f} ms a "
+          f"pause ({len(passes)} passes, {collections.full} of them full; the longest "
+          f"{1000 * max(passes, default=0):.1f} ms)")
 
 
 if __name__ == "__main__":

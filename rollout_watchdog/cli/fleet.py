@@ -127,6 +127,7 @@ _FLEET: dict[str, FleetCommand] = {
 def cmd_coordinator(args: argparse.Namespace) -> int:
     import zmq
 
+    from rollout_watchdog.common.gc_tuning import tune_for_service
     from rollout_watchdog.logs import setup_logging
     from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
@@ -141,6 +142,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                   metrics_host=args.metrics_host,
                                   route_after_first_refit=args.route_after_first_refit,
                                   router_verify_s=args.router_verify_interval)
+        tune_for_service()   # (after the journal's restore: frozen with start-up's objects)
         return int(coordinator.run())
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
         print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
