@@ -31,7 +31,6 @@ out per request. Verbs: endpoints, emit, flip, outbox, stats, stop.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import random
 import resource
@@ -46,6 +45,7 @@ import zmq
 from rollout_watchdog.agent.link import NodeLink
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.gc_tuning import tune_for_service
 from rollout_watchdog.common.replies import CommandError, Deferred
 from rollout_watchdog.watchdog.control import ControlServer
 
@@ -323,7 +323,9 @@ def worker_main(pipe: Connection, endpoint: str, first: int, count: int, engines
     worker = Worker(endpoint, first, count, engines, seed, control)
     # One process holds the state of hundreds of nodes: a full collection of its cyclic GC
     # would stall all of them at once (hundreds of ms), which no real node's daemon does.
-    # The nodes' long-lived state is kept out of it; young objects are collected as usual.
-    gc.freeze()
+    # The nodes' long-lived state is kept out of it, and young objects are collected as the
+    # standalone coordinator collects them (a pause is a young pass for every few nodes
+    # otherwise).
+    tune_for_service()
     pipe.send("ready")
     worker.run(pipe)
