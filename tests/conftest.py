@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon_harness import EngineSpec, Node  # noqa: E402
 
+from rollout_watchdog.emulator.common import NO_MODEL_ENV  # noqa: E402
 from rollout_watchdog.emulator.testing import free_port, wait_until  # noqa: E402
 from rollout_watchdog.refit_bridge.coordinator import Coordinator  # noqa: E402
 from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
@@ -32,6 +33,17 @@ HEAVY_MODULES = frozenset({
 SERIAL_MODULES = frozenset({
     "test_hostile_run", "test_coordinator_hostile", "test_control_hardening",
     "test_node_link_robust", "test_refit_scale", "test_probe"})
+# Modules that never update an engine's weights: their emulators start with --no-model (no torch,
+# ~1.4 s less CPU per engine start; emulator_command adds it while $RW_EMULATOR_NO_MODEL=1, set
+# below for these modules' tests only). Opt-in, so that a new module gets the real model; and
+# test_suite_marks.py fails if a module listed here names a weight operation.
+NO_MODEL_MODULES = frozenset({
+    "test_cli_fleet", "test_containment_daemon", "test_control_hardening", "test_coordinator",
+    "test_coordinator_journal", "test_daemon_faults", "test_daemon_interfaces",
+    "test_daemon_lifeline", "test_events_follower", "test_fleet_faults", "test_fleet_harness",
+    "test_generation_hooks", "test_hostile_run", "test_incarnations", "test_node_link",
+    "test_node_link_robust", "test_router", "test_runtime_engines", "test_runtime_engines_fleet",
+    "test_runtime_engines_logic", "test_sdnotify"})
 SERIAL_TESTS = frozenset({
     "test_fleet_pause_waits_for_the_inflight_probe",
     "test_pause_is_acknowledged_only_after_the_inflight_probe"})
@@ -50,6 +62,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.serial)
         elif module in HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """$RW_EMULATOR_NO_MODEL for the tests of NO_MODEL_MODULES only, set before any fixture of
+    the test (module-scoped ones included) starts an engine."""
+    if item.module is not None and item.module.__name__ in NO_MODEL_MODULES:
+        os.environ[NO_MODEL_ENV] = "1"
+    else:
+        os.environ.pop(NO_MODEL_ENV, None)
 
 
 @pytest.fixture
