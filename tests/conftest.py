@@ -44,9 +44,17 @@ NO_MODEL_MODULES = frozenset({
     "test_generation_hooks", "test_hostile_run", "test_incarnations", "test_node_link",
     "test_node_link_robust", "test_router", "test_runtime_engines", "test_runtime_engines_fleet",
     "test_runtime_engines_logic", "test_sdnotify"})
-SERIAL_TESTS = frozenset({
-    "test_fleet_pause_waits_for_the_inflight_probe",
-    "test_pause_is_acknowledged_only_after_the_inflight_probe"})
+SERIAL_TESTS = {   # module: its serial tests
+    "test_coordinator": frozenset({"test_fleet_pause_waits_for_the_inflight_probe"}),
+    "test_daemon_logic": frozenset({"test_pause_is_acknowledged_only_after_the_inflight_probe"})}
+# The modules each pass of scripts/test.sh (its -m expression) may find tests in; the others are
+# not even imported (every pytest process of a pass imports what it collects: torch, ray and
+# hypothesis cost seconds of CPU each time).
+PASS_MODULES: dict[str, Callable[[str], bool]] = {
+    "not serial and not heavy": lambda m: m not in SERIAL_MODULES | HEAVY_MODULES,
+    "heavy": lambda m: m in HEAVY_MODULES,
+    "serial": lambda m: m in SERIAL_MODULES or m in SERIAL_TESTS,
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,10 +66,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__ if item.module is not None else ""
         name = item.name.split("[")[0]
-        if module in SERIAL_MODULES or name in SERIAL_TESTS:
+        if module in SERIAL_MODULES or name in SERIAL_TESTS.get(module, ()):
             item.add_marker(pytest.mark.serial)
         elif module in HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under one of scripts/test.sh's -m expressions, skip the test modules that hold none of
+    that pass's tests (the marks come from the lists above only: test_suite_marks.py)."""
+    wanted = PASS_MODULES.get(str(config.getoption("markexpr", "")))
+    if wanted is None or collection_path.suffix != ".py" \
+            or not collection_path.name.startswith("test_"):
+        return None
+    return None if wanted(collection_path.stem) else True
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -19,9 +19,20 @@ WEIGHT_OPERATION = re.compile(
     r"|memory_occupation|refit_harness")
 
 
-def test_every_module_named_in_conftest_exists() -> None:
-    named = conftest.NO_MODEL_MODULES | conftest.HEAVY_MODULES | conftest.SERIAL_MODULES
+def test_every_module_and_test_named_in_conftest_exists() -> None:
+    named = (conftest.NO_MODEL_MODULES | conftest.HEAVY_MODULES | conftest.SERIAL_MODULES
+             | set(conftest.SERIAL_TESTS))
     assert sorted(m for m in named if not (TESTS / f"{m}.py").is_file()) == []
+    assert sorted(f"{m}::{t}" for m, tests in conftest.SERIAL_TESTS.items() for t in tests
+                  if f"def {t}(" not in (TESTS / f"{m}.py").read_text()) == []
+
+
+def test_the_pass_marks_come_from_conftest_only() -> None:
+    """Each pass of scripts/test.sh imports only the modules conftest lists for it, so a module
+    that marked its own tests serial or heavy would have them run by no pass."""
+    marking = sorted(p.name for p in TESTS.glob("test_*.py")
+                     if re.search(r"mark\.(serial|heavy)\b", p.read_text()))
+    assert marking == [], f"{marking}: list them in conftest.py instead"
 
 
 @pytest.mark.parametrize("module", sorted(conftest.NO_MODEL_MODULES))
