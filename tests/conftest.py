@@ -23,7 +23,7 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     own_cgroup,
 )
 
-# scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-3} xdist workers;
+# scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-4} xdist workers;
 # then the `heavy` ones, a module to a worker on 2 workers and beside nothing else: they load the
 # whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs); then, alone,
 # the `serial` ones: a flood of connections or descriptors, or a bound another test's load would
