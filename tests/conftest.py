@@ -36,10 +36,13 @@ SERIAL_MODULES = frozenset({
 # Modules that never update an engine's weights: their emulators start with --no-model (no torch,
 # ~1.4 s less CPU per engine start; emulator_command adds it while $RW_EMULATOR_NO_MODEL=1, set
 # below for these modules' tests only). Opt-in, so that a new module gets the real model; and
-# test_suite_marks.py fails if a module listed here names a weight operation.
+# test_suite_marks.py fails if a module listed here names a weight operation. Not listed, though
+# weight-free: test_daemon_faults, whose SIGTERM-ignored engine then once stopped with "exit status
+# unknown" (the daemon took the SIGKILLed group for gone 6 ms before the main's exit was waitable:
+# a supervisor race that engines which die this fast make likely).
 NO_MODEL_MODULES = frozenset({
     "test_cli_fleet", "test_containment_daemon", "test_control_hardening", "test_coordinator",
-    "test_coordinator_journal", "test_daemon_faults", "test_daemon_interfaces",
+    "test_coordinator_journal", "test_daemon_interfaces",
     "test_daemon_lifeline", "test_events_follower", "test_fleet_faults", "test_fleet_harness",
     "test_generation_hooks", "test_hostile_run", "test_incarnations", "test_node_link",
     "test_node_link_robust", "test_router", "test_runtime_engines", "test_runtime_engines_fleet",
@@ -47,13 +50,14 @@ NO_MODEL_MODULES = frozenset({
 SERIAL_TESTS = {   # module: its serial tests
     "test_coordinator": frozenset({"test_fleet_pause_waits_for_the_inflight_probe"}),
     "test_daemon_logic": frozenset({"test_pause_is_acknowledged_only_after_the_inflight_probe"})}
-# The modules each pass of scripts/test.sh (its -m expression) may find tests in; the others are
-# not even imported (every pytest process of a pass imports what it collects: torch, ray and
-# hypothesis cost seconds of CPU each time).
+# The modules the first two passes of scripts/test.sh (their -m expressions) may find tests in;
+# the others are not even imported (every pytest process of a pass imports what it collects:
+# torch, ray and hypothesis cost seconds of CPU each time). The serial pass still collects all:
+# filtered, its connection flood test (test_coordinator_hostile) timed out in 2 of 4 runs, and
+# in none of 3 before, for a cause not found yet.
 PASS_MODULES: dict[str, Callable[[str], bool]] = {
     "not serial and not heavy": lambda m: m not in SERIAL_MODULES | HEAVY_MODULES,
     "heavy": lambda m: m in HEAVY_MODULES,
-    "serial": lambda m: m in SERIAL_MODULES or m in SERIAL_TESTS,
 }
 
 
