@@ -28,8 +28,8 @@ def test_every_module_and_test_named_in_conftest_exists() -> None:
 
 
 def test_the_pass_marks_come_from_conftest_only() -> None:
-    """Each pass of scripts/test.sh imports only the modules conftest lists for it, so a module
-    that marked its own tests serial or heavy would have them run by no pass."""
+    """The first two passes of scripts/test.sh import only the modules conftest lists for them,
+    so a module that marked its own tests heavy would have them run by no pass."""
     marking = sorted(p.name for p in TESTS.glob("test_*.py")
                      if re.search(r"mark\.(serial|heavy)\b", p.read_text()))
     assert marking == [], f"{marking}: list them in conftest.py instead"
