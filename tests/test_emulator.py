@@ -16,12 +16,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import pytest
 import requests
 
 from rollout_watchdog.common import ports
 from rollout_watchdog.emulator import build_parser
+from rollout_watchdog.emulator.common import NO_MODEL_ENV
 from rollout_watchdog.emulator.testing import (
+    emulator_command,
     emulator_info,
     free_port,
     inject_fault,
@@ -407,6 +410,32 @@ def test_startup_delay_binds_port_late(spawn: Any) -> None:
     assert emu.proc.poll() is None
     assert time.monotonic() - started >= 1.5
     wait_until(lambda: emu.get("/health_generate").status_code == 200, 30, what="healthy")
+
+
+def test_no_model_starts_without_torch_generates_and_refuses_weight_updates(spawn: Any) -> None:
+    """--no-model (the test suite's speed knob): no torch in either process, placeholder text
+    by the usual rules (length, determinism), and a weight update refused, naming the flag."""
+    emu = spawn("--no-model", "--enable-memory-saver")
+    first = emu.generate(max_new_tokens=12)
+    assert len(first["output_ids"]) == 12 and first["text"].isprintable()
+    assert emu.generate(max_new_tokens=12)["output_ids"] == first["output_ids"]
+    assert emu.post("/release_memory_occupation", {"tags": None}).status_code == 200
+    assert emu.post("/resume_memory_occupation", {"tags": None}).status_code == 200
+    resp = emu.post("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+        "world_size": 2, "backend": "gloo"})
+    assert resp.status_code == 400 and "--no-model" in resp.json()["message"], resp.text
+    scheduler = psutil.Process(emu.proc.pid).children()
+    assert not any("torch" in m.path for p in [emu.proc.pid, *(c.pid for c in scheduler)]
+                   for m in psutil.Process(p).memory_maps())
+
+
+def test_emulator_command_adds_no_model_only_when_the_suite_asks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(NO_MODEL_ENV, raising=False)
+    assert "--no-model" not in emulator_command(1)
+    monkeypatch.setenv(NO_MODEL_ENV, "1")
+    assert emulator_command(1, "--x")[-2:] == ["--no-model", "--x"]
 
 
 def test_free_ports_are_never_repeated_and_avoid_the_ephemeral_range() -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from rollout_watchdog import EngineSpec
+from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.config import (
     ConfigError,
     EngineConfig,
@@ -23,6 +25,7 @@ from rollout_watchdog.refit_bridge.views import EngineView
 from rollout_watchdog.watchdog.engine import EngineRuntime
 from rollout_watchdog.watchdog.engine_env import engine_environment
 from rollout_watchdog.watchdog.launched import LaunchedSpecs, conflicts, restore
+from rollout_watchdog.watchdog.runtime_engines import remove
 
 
 def cfg(engine_id: str, port: int, *, gpus: tuple[int, ...] = (), ports: tuple[int, ...] = (),
@@ -154,3 +157,31 @@ def test_an_engine_view_of_an_older_node_has_an_origin() -> None:
     assert EngineView.from_json("n", True, {"id": "r", "external": True}).origin == "registered"
     assert EngineView.from_json("n", True, {"id": "x", "origin": "launched"}).origin == \
         "launched"
+
+
+# ---------------------------------------------------------------------- remove
+
+
+class _KillEndsAsItBegins:
+    """The node as `remove` sees it when the engine's processes exit on the SIGTERM before the
+    kill's first check (a fast engine, or one already dead): the engine is forgotten at once."""
+
+    def __init__(self, engine: EngineRuntime) -> None:
+        self.engines = {engine.cfg.id: engine}
+        self.launched = SimpleNamespace(drop=lambda engine_id: None, path=Path("launched.json"))
+
+    def start_kill(self, engine: EngineRuntime, *args: Any, **extra: Any) -> None:
+        del self.engines[engine.cfg.id]
+
+
+def test_a_remove_that_waits_says_stopped_and_forgotten_even_when_the_kill_ends_at_once() -> None:
+    """Seen in the suite: `remove --wait` answered "stopping, then forgotten" (the answer of a
+    remove that does not wait) when the engine was gone by the time the kill began."""
+    engine = EngineRuntime(cfg=cfg("x0", 30010), launched=True, state=EngineState.HEALTHY)
+    node: Any = _KillEndsAsItBegins(engine)
+    assert remove(node, {"engine": "x0", "wait_s": 30.0}) == {
+        "engine": "x0", "action": "stopped and forgotten"}
+    engine = EngineRuntime(cfg=cfg("x1", 30011), launched=True, state=EngineState.HEALTHY)
+    node = _KillEndsAsItBegins(engine)
+    assert remove(node, {"engine": "x1", "wait_s": None}) == {
+        "engine": "x1", "action": "stopping, then forgotten"}

@@ -19,6 +19,8 @@ CONTEXT_LENGTH = 4096
 MAX_RUNNING_REQUESTS = 256
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+# emulator.testing.emulator_command adds --no-model when this is "1" (a test suite speed knob)
+NO_MODEL_ENV = "RW_EMULATOR_NO_MODEL"
 
 # In the argv of orphan processes (fault "orphan"), so cleanup code can recognise them.
 ORPHAN_MARKER = "rollout-watchdog-emulator-orphan"

@@ -9,7 +9,7 @@ import argparse
 import os
 
 from rollout_watchdog.emulator import faults, weight_spec
-from rollout_watchdog.emulator.common import EMULATED_SGLANG_VERSION, version_tuple
+from rollout_watchdog.emulator.common import EMULATED_SGLANG_VERSION, NO_MODEL_ENV, version_tuple
 
 
 def _nonneg_float(text: str) -> float:
@@ -85,6 +85,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "model's own (default); learn = whatever the first refit sends, fixed from then on; "
         "FILE = a JSON spec {\"name\": [dims]} (unknown names and wrong shapes fail, as in "
         f"SGLang). Default: ${weight_spec.ENV}, else tiny")
+    parser.add_argument(
+        "--no-model", action="store_true",
+        help="a test and demo speed knob, not SGLang behaviour: build no torch model (an "
+        "engine starts on ~0.1 s of CPU instead of ~1.5 s); generation emits placeholder "
+        "text, and every weight-update operation is refused with an error naming this flag. "
+        f"emulator.testing.emulator_command adds it when ${NO_MODEL_ENV}=1 (the test suite "
+        "sets that for test modules that never update weights)")
     parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics")
     parser.add_argument(
         "--enable-memory-saver",

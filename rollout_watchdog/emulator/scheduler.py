@@ -1,11 +1,11 @@
 """The emulator's scheduler child process (stands in for ``sglang::scheduler``).
 
 Started by the main process with the multiprocessing "spawn" context. It loads the tiny torch
-model (torch is imported here, never in the main process), then runs an event loop: read
-requests and control messages from the main process, run one decode step for every running
-request, send the new tokens back. Like SGLang's scheduler it sets PR_SET_PDEATHSIG=SIGKILL so
-it dies with the main process, and on an internal error it sends SIGQUIT to its parent, which
-then tears the whole server down.
+model (torch is imported here, never in the main process; neither with --no-model), then runs
+an event loop: read requests and control messages from the main process, run one decode step
+for every running request, send the new tokens back. Like SGLang's scheduler it sets
+PR_SET_PDEATHSIG=SIGKILL so it dies with the main process, and on an internal error it sends
+SIGQUIT to its parent, which then tears the whole server down.
 
 Messages (plain dicts over two simplex multiprocessing pipes):
 
@@ -70,6 +70,9 @@ WEIGHT_OPS = (
     "end_weight_update",
     "update_weights_from_distributed",
 )
+NO_MODEL_REFUSAL = (
+    "this emulator was started with --no-model (a test speed knob): it has no weights to update"
+)
 FLUSH_REFUSED = (
     "Weights were updated, but the cache was not flushed because requests are still running "
     "or queued. Retract or finish them, then call /flush_cache."
@@ -126,11 +129,14 @@ class Scheduler:
     # ---- start-up -------------------------------------------------------------------------
 
     def load(self) -> None:
-        """'Load the model': the configured start-up delay, then torch and the tiny model."""
+        """'Load the model': the configured start-up delay, then torch and the tiny model
+        (neither with --no-model: importing torch is most of an engine's start-up CPU)."""
         deadline = time.monotonic() + float(self.config.get("startup_delay", 0.0))
         while time.monotonic() < deadline:
             self._apply_flags()
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if self.config.get("no_model"):
+            return
         import warnings
 
         warnings.filterwarnings("ignore", message=".*NumPy.*")
@@ -294,6 +300,8 @@ class Scheduler:
 
     def _weight_op(self, op: str, args: dict[str, Any]) -> dict[str, Any] | None:
         """SGLang's scheduler weight updater; None: wedged (fault), never answered."""
+        if self.model is None:
+            return {"success": False, "message": NO_MODEL_REFUSAL}
         sync = self._weight_sync()
         if op == "init_weights_update_group":
             ok, message = sync.init_group(args)
@@ -349,7 +357,7 @@ class Scheduler:
                 "release_memory_occupation called while requests are running "
                 f"(running={len(self.running)}, waiting={len(self.waiting)})"
             )
-        if "weights" in tags and "weights" not in self.released:
+        if "weights" in tags and "weights" not in self.released and self.model is not None:
             self.weights_backup = self._model_mod.backup_weights(self.model)
             self._model_mod.zero_weights(self.model)
         self.released.update(tags)
@@ -371,11 +379,14 @@ class Scheduler:
         if latency > 0:
             time.sleep(latency)
         reqs = list(self.running.values())
-        tokens = self._model_mod.next_tokens(
-            self.model,
-            [r.input_ids + r.output_ids for r in reqs],
-            [r.temperature for r in reqs],
-        )
+        if self.model is None:  # --no-model
+            tokens = [_placeholder_token(r.input_ids + r.output_ids) for r in reqs]
+        else:
+            tokens = self._model_mod.next_tokens(
+                self.model,
+                [r.input_ids + r.output_ids for r in reqs],
+                [r.temperature for r in reqs],
+            )
         items: list[tuple[str, list[int], dict[str, Any] | None]] = []
         for req, tok in zip(reqs, tokens, strict=True):
             req.output_ids.append(tok)
@@ -408,6 +419,11 @@ class Scheduler:
                 if s and s in text:
                     return {"type": "stop", "matched": s}
         return None
+
+
+def _placeholder_token(ids: list[int]) -> int:
+    """--no-model's next token: printable ASCII, a function of the context, never EOS."""
+    return 32 + (sum(ids[-8:]) * 31 + len(ids)) % 95
 
 
 def run_scheduler(

@@ -102,6 +102,7 @@ class EmulatorServer(Engine):
             "parent_pid": os.getpid(),
             "startup_delay": float(self.args.startup_delay),
             "hidden_size": int(self.args.hidden_size),
+            "no_model": bool(self.args.no_model),
             "weight_spec": self.args.weight_spec,  # resolved by the parser: tiny, learn or a dict
             "sglang_version": self.args.sglang_version,
         }

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from rollout_watchdog.common.ports import free_port
-from rollout_watchdog.emulator.common import ORPHAN_MARKER
+from rollout_watchdog.emulator.common import NO_MODEL_ENV, ORPHAN_MARKER
 
 T = TypeVar("T")
 
@@ -53,8 +53,11 @@ __all__ = [
 
 
 def emulator_command(port: int, *args: str) -> list[str]:
-    """argv that starts the emulator with this interpreter."""
-    return [sys.executable, "-m", "rollout_watchdog.emulator", "--port", str(port), *args]
+    """argv that starts the emulator with this interpreter; with ``--no-model`` when
+    ``$RW_EMULATOR_NO_MODEL`` is 1 (the test suite's speed knob for tests without weights)."""
+    no_model = ("--no-model",) if os.environ.get(NO_MODEL_ENV) == "1" else ()
+    return [sys.executable, "-m", "rollout_watchdog.emulator", "--port", str(port), *no_model,
+            *args]
 
 
 def wait_until(

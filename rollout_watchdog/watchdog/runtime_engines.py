@@ -107,8 +107,11 @@ def remove(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
                            f"{node.launched.path}: {exc.strerror or exc}") from None
     action = _stop_for_good(node, engine)
     wait_s: float | None = args["wait_s"]
-    if wait_s is None or engine_id not in node.engines:
+    if wait_s is None:
         return {"engine": engine_id, "action": action}
+    if engine_id not in node.engines:   # gone already: the kill ended as it began
+        return {"engine": engine_id,
+                "action": action if action == "forgotten" else "stopped and forgotten"}
 
     def ready() -> dict[str, Any] | None:
         return None if node.engines.get(engine_id) is engine else {
