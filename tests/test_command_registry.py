@@ -132,7 +132,7 @@ def test_every_command_has_its_wire_spec_as_docstring() -> None:
             assert spec.__doc__ and spec.__doc__.strip(), name
     assert set(refit.COMMANDS) == {"refit_acquire", "refit_members", "refit_renew",
                                    "refit_commit", "refit_abort", "refit_release"}
-    assert set(queries.COMMANDS) == {"status", "ping"}
+    assert set(queries.COMMANDS) == {"status", "ping", "router_urls"}
 
 
 # ---------------------------------------------------------------------- through real sockets

@@ -413,7 +413,7 @@ class Hub:
             log.info("%s: %s (%s)", event["node_id"], event["kind"], event["detail"])
             message = protocol.Event(event["node_id"], self.boot, self.own_seq, event)
             self._relay(Relayed(event["node_id"], self.boot, self.own_seq,
-                                protocol.encode(message)))
+                                protocol.encode(message), own=True))
 
     def _gap_frame(self, lost: int) -> bytes:
         """The "gap" event that tells a subscriber that fell out of the relay buffer how many

@@ -55,6 +55,7 @@ class Relayed:
     count: int = 1
     kind: str = protocol.Event.KIND
     common: bool = False        # a run that says its events' shared fields once (1.5)
+    own: bool = False           # the coordinator's own event about the node (not its stream)
     first: int = 0              # the relay index of its first event (the relay numbers it)
     _split: list[bytes] | None = None
 
@@ -100,8 +101,10 @@ class Subscriber:
     lost: int = 0                   # events it fell behind by, not yet told in a "gap" event
 
     def has(self, item: Relayed, part: int) -> bool:
-        """Whether this client has event `part` of `item` already (by its resume points)."""
-        if item.first + part <= self.skip_until.get(item.node_id, -1):
+        """Whether this client has event `part` of `item` already (by its resume points: a
+        node's point says nothing of the coordinator's own events about the node, which a new
+        coordinator makes anew; a client drops one it has by its (node_id, boot, seq))."""
+        if not item.own and item.first + part <= self.skip_until.get(item.node_id, -1):
             return True
         point = self.resume.get(item.node_id)
         return point is not None and item.boot == point.boot and item.seq + part <= point.seq

@@ -147,7 +147,9 @@ class Coordinator:
         """The nodes the journal knew: the view waits for them (`warm`), and what they resend
         of their journaled events is not new."""
         for item in items:
-            if not item.boot.startswith(COORDINATOR_BOOT_PREFIX):
+            if item.boot.startswith(COORDINATOR_BOOT_PREFIX):
+                item.own = True   # (an earlier coordinator's word: no node's resume point)
+            else:
                 self.view.journaled[item.node_id] = (item.boot, item.seq + item.count - 1)
                 self.view.expected.add(item.node_id)
 
