@@ -124,10 +124,6 @@ def advance(engine: EngineRuntime, ctx: KillContext, now: float) -> Outcome:
             return _again(job, now)
         if engine.popen is not None:
             engine.returncode = engine.popen.poll()  # reaps it, if nothing did yet
-            if engine.returncode is None and now < job.deadline:
-                # Gone from the process table and its cgroup, its exit not waitable yet (the
-                # kernel's exit runs on a moment): its status names the cause, so wait for it.
-                return _again(job, now)
         job.phase = KillPhase.RELEASE
         job.deadline = now + engine.cfg.restart.release_timeout_s
         job.next_check = now
