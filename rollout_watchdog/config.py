@@ -33,14 +33,6 @@ else:  # pragma: no cover
 
 DEFAULT_CONTROL = "ipc:///run/rollout-watchdog/control"
 
-
-def toml_value(text: str) -> Any:
-    """`text` read as a TOML value (2, 0.5, true, "x"), or the text itself where it is none
-    (/health): a config setting given on a command line."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 DEFAULT_STATE_DIR = "/var/lib/rollout-watchdog"
 RESTART_POLICIES = ("immediate", "deferred")
 GPU_CHECKS = ("auto", "nvml", "none")
@@ -73,6 +65,15 @@ _MAX_SECONDS: dict[str, tuple[float, str]] = {
 }
 MAX_FAILURE_THRESHOLD = 1000
 MAX_RESTARTS = 10_000
+
+
+def toml_value(text: str) -> Any:
+    """`text` read as a TOML value (2, 0.5, true, "x"), or the text itself where it is none
+    (/health): a config setting given on a command line."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
 
 
 class ConfigError(Exception):

@@ -1,13 +1,13 @@
 """When the coordinator ACKs a node's events: with its next heartbeat, in place of it.
 
-An ACK only lets a node drop events from its outbox (they are sent again after a reconnect,
-and the coordinator skips those it has), so it need not go at once. Sent at once, a fleet-wide
+An ACK only lets a node drop events from its outbox (they are sent again after a reconnect, and
+the coordinator skips those it has), so it need not go at once. Sent at once, a fleet-wide
 pause costs the coordinator a thousand more messages (an ACK to every node), a quarter of all
 it handles then; riding the heartbeat that goes to every node each second anyway, it costs
 none. Two ACKs go at once, at the end of the loop turn that took the events: the first after a
-`hello` (it tells the node that the coordinator takes batches and runs), and one for a node
-owed `after_events` events (so that a busy node's outbox stays far within its bound, 10,000).
-Pure bookkeeping: the hub sends.
+`hello` (it tells the node that the coordinator takes batches, runs and common fields), and one
+for a node owed `after_events` events (so that a busy node's outbox stays far within its bound,
+10,000). Pure bookkeeping: the hub sends.
 """
 
 from __future__ import annotations

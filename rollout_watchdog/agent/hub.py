@@ -3,11 +3,11 @@
 
 It receives and decodes every message and checks who sent it (`hub_socket.NodeRoutes`), ACKs
 node events once taken (journaled first, with a state dir: `journal.Journal`; most ACKs ride
-the next heartbeat: `acks.AckSchedule`), relays them to
-subscribed clients (`relay.Relay`), fans commands out to nodes and gathers their replies
-(`fanout.Fanout`), and heartbeats. What a node's message means is the fleet view's to say, and
-everything else is the policy's to decide (`hub_policy`: commands, group restarts, the refit
-lock, router gating); the coordinator (`refit_bridge.coordinator`) hands both in.
+the next heartbeat: `acks.AckSchedule`), relays them to subscribed clients (`relay.Relay`),
+fans commands out to nodes and gathers their replies (`fanout.Fanout`), and heartbeats. What a
+node's message means is the fleet view's to say, and everything else is the policy's to decide
+(`hub_policy`: commands, group restarts, the refit lock, router gating); the coordinator
+(`refit_bridge.coordinator`) hands both in.
 
 `loop` is one turn after another, each the same named steps: wait for a message or the next
 deadline; obey the pipe (`pipe.Pipe`: stop, reload the keys), which wakes the poll at once;

@@ -10,8 +10,8 @@ event gets the rest, and knows per node the last event it had, so events that no
 not relayed twice. The file is bounded by bytes: when it grows past `max_bytes` (64 MiB) it is
 rewritten with the newest buffered events that fit in half of that, so it never holds more than
 `max_bytes` plus one loop turn's events, and each byte appended is rewritten about once at most.
-A failing disk is logged once and the coordinator
-goes on without the journal: it never stops relaying for it. """
+A failing disk is logged once and the coordinator goes on without the journal: it never stops
+relaying for it. """
 
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ class Journal:
                         continue
                     for item in loaded:
                         items.append(item)
-                        held, events = held + len(item.frame) + 1, events + item.count
+                        held, events = held + _line_bytes(item), events + item.count
                         while len(items) > 1 and (events > self.keep or held > self.max_bytes):
                             gone = items.popleft()
-                            held, events = held - len(gone.frame) - 1, events - gone.count
+                            held, events = held - _line_bytes(gone), events - gone.count
         except FileNotFoundError:
             pass
         if skipped:
@@ -74,7 +74,7 @@ class Journal:
         try:
             for item in items:
                 self._file.write(item.frame + b"\n")
-                self._size += len(item.frame) + 1
+                self._size += _line_bytes(item)
             self._file.flush()   # to the kernel: a SIGKILL of the coordinator loses nothing
             if self._size > self.max_bytes:
                 self._rewrite(buffer(), self.max_bytes // 2)
@@ -93,10 +93,10 @@ class Journal:
         kept: list[Relayed] = []
         size = 0
         for item in reversed(items):
-            if size + len(item.frame) + 1 > budget:
+            if size + _line_bytes(item) > budget:
                 break
             kept.append(item)
-            size += len(item.frame) + 1
+            size += _line_bytes(item)
         tmp = self.path.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as file:
@@ -113,6 +113,10 @@ class Journal:
         log.error("coordinator journal off: %s; events are relayed from memory only, so a "
                   "coordinator restart may lose events a client has not received yet",
                   self.failed)
+
+
+def _line_bytes(item: Relayed) -> int:
+    return len(item.frame) + 1
 
 
 def _items_of(line: bytes) -> list[Relayed]:

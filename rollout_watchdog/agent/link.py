@@ -5,14 +5,13 @@ config names `key` and `coordinator_key`). On every completed handshake it sends
 full snapshot, then every event not yet acknowledged. Events wait in a bounded outbox until the
 coordinator ACKs them. The events of one loop turn go out as one "run" frame (up to
 protocol.BATCH_EVENTS and MAX_RUN_BYTES each; 1.4; with the fields its events share said once,
-1.5), or one "events" frame for a 1.1-1.3
-coordinator (up to BATCH_EVENTS and BATCH_BYTES), once the coordinator said in an ACK on this
-connection that it takes them; until then, one frame each. A full send queue holds the rest
-back, in order, for the next turn. On outbox overflow the oldest are dropped and counted (the
-next HELLO's snapshot supersedes them). Commands run through the node's one command table; a
-repeated request id gets the same reply. Heartbeats go out about once a second. The node
-supervises on its own whenever the coordinator is away: nothing here blocks, and nothing waits
-for it.
+1.5), or one "events" frame for a 1.1-1.3 coordinator (up to BATCH_EVENTS and BATCH_BYTES),
+once the coordinator said in an ACK on this connection that it takes them; until then, one
+frame each. A full send queue holds the rest back, in order, for the next turn. On outbox
+overflow the oldest are dropped and counted (the next HELLO's snapshot supersedes them).
+Commands run through the node's one command table; a repeated request id gets the same reply.
+Heartbeats go out about once a second. The node supervises on its own whenever the coordinator
+is away: nothing here blocks, and nothing waits for it.
 
 Staying linked (part 6). ZMTP heartbeats (PING every `heartbeat_s`, the connection closed when
 nothing came back for `heartbeat_timeout_s`) find a half-open connection, such as a coordinator

@@ -1,7 +1,7 @@
 """The fields of a "run" message's events (protocol.py is the spec): the plain check of the
 coordinator's hot path, and `common` (1.5), the fields that every event of a run shares, said
 once. A fleet-wide pause's run of 8 "paused" events shares all but the engine and the time:
-said once, its frame is a third of the bytes to encode, send, parse, relay and journal."""
+said once, its frame is a quarter of the bytes to encode, send, parse, relay and journal."""
 
 from __future__ import annotations
 
