@@ -36,17 +36,14 @@ SERIAL_MODULES = frozenset({
 # Modules that never update an engine's weights: their emulators start with --no-model (no torch,
 # ~1.4 s less CPU per engine start; emulator_command adds it while $RW_EMULATOR_NO_MODEL=1, set
 # below for these modules' tests only). Opt-in, so that a new module gets the real model; and
-# test_suite_marks.py fails if a module listed here names a weight operation. Not listed, though
-# weight-free: test_daemon_faults, whose SIGTERM-ignored engine then once stopped with "exit status
-# unknown" (the daemon took the SIGKILLed group for gone 6 ms before the main's exit was waitable:
-# a supervisor race that engines which die this fast make likely).
+# test_suite_marks.py fails if a module listed here names a weight operation.
 NO_MODEL_MODULES = frozenset({
     "test_cli_fleet", "test_containment_daemon", "test_control_hardening", "test_coordinator",
-    "test_coordinator_journal", "test_daemon_interfaces",
-    "test_daemon_lifeline", "test_events_follower", "test_fleet_faults", "test_fleet_harness",
-    "test_generation_hooks", "test_hostile_run", "test_incarnations", "test_node_link",
-    "test_node_link_robust", "test_router", "test_runtime_engines", "test_runtime_engines_fleet",
-    "test_runtime_engines_logic", "test_sdnotify"})
+    "test_coordinator_journal", "test_daemon_faults", "test_daemon_interfaces",
+    "test_daemon_lifeline", "test_events_follower", "test_fleet_client", "test_fleet_faults",
+    "test_fleet_harness", "test_generation_hooks", "test_hostile_run", "test_incarnations",
+    "test_node_link", "test_node_link_robust", "test_router", "test_runtime_engines",
+    "test_runtime_engines_fleet", "test_runtime_engines_logic", "test_sdnotify"})
 SERIAL_TESTS = {   # module: its serial tests
     "test_coordinator": frozenset({"test_fleet_pause_waits_for_the_inflight_probe"}),
     "test_daemon_logic": frozenset({"test_pause_is_acknowledged_only_after_the_inflight_probe"})}

@@ -477,6 +477,57 @@ def test_a_probe_failure_of_a_dying_engine_waits_for_its_exit(tmp_path: Path) ->
     assert engine.last_failure is not None and engine.last_failure.cause == Cause.PROBE_FAILED
 
 
+class Vanished(ProcessOps):
+    """An OS whose process table and cgroups no longer show the engine (once `vanished`),
+    while its main process's exit is not waitable yet: the moment inside the kernel's exit."""
+
+    def __init__(self) -> None:
+        self.vanished = False
+
+    def is_alive(self, key: ProcKey) -> bool:  # type: ignore[override]
+        return not self.vanished and super().is_alive(key)
+
+    def cgroup_populated(self, path: Path) -> bool:  # type: ignore[override]
+        return not self.vanished and super().cgroup_populated(path)
+
+    def process_group(self, key: ProcKey) -> int | None:  # type: ignore[override]
+        return None if self.vanished else super().process_group(key)
+
+
+def test_a_kill_waits_for_the_main_process_exit_that_names_its_outcome(tmp_path: Path) -> None:
+    """Gone from the process table and its cgroup before its exit can be waited for, a killed
+    engine stays `stopping` until the exit is there: its status says how it ended (it was
+    `exit status unknown` when the kill ended first)."""
+    clock = FakeClock()
+    ops = Vanished()
+    daemon = make_daemon(tmp_path, clock=clock, ops=ops, command=["sleep", "30"],
+                         restart={"grace_s": 5.0, "kill_timeout_s": 10.0})
+    engine = daemon.engines["e0"]
+    sup = daemon.supervisor
+    sup.launch(engine, Cause.LAUNCHED)
+    assert engine.popen is not None
+    try:
+        ops.vanished = True
+        sup.start_kill(engine, Cause.COMMANDED, "test", AfterKill.STOP)
+        for _ in range(3):
+            clock.mono += 0.1
+            daemon.tracker.new_turn()
+            sup.tick(engine, clock.mono)
+        assert engine.state == S.STOPPING and engine.popen.poll() is None
+        engine.popen.kill()   # its exit, now
+        wait_until(lambda: os.waitid(os.P_PID, engine.popen.pid,   # type: ignore[union-attr]
+                                     os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None,
+                   10, what="the engine's exit")
+        clock.mono += 0.1
+        daemon.tracker.new_turn()
+        sup.tick(engine, clock.mono)
+        assert engine.state == S.STOPPED
+        assert daemon.events.since(0)[-1][1].detail.endswith("killed by SIGKILL")
+    finally:
+        engine.popen.kill()
+        engine.popen.wait()
+
+
 def test_a_kill_looks_again_soon_not_only_at_its_deadline(tmp_path: Path) -> None:
     """The grace period is a bound, not a wait: a kill looks again every CHECK_INTERVAL_S and
     completes once the processes are gone, long before a 30 s grace would end."""

@@ -124,6 +124,11 @@ def advance(engine: EngineRuntime, ctx: KillContext, now: float) -> Outcome:
             return _again(job, now)
         if engine.popen is not None:
             engine.returncode = engine.popen.poll()  # reaps it, if nothing did yet
+            if engine.returncode is None and now < job.deadline:
+                # A zombie leader whose other threads still exit (the kernel holds a thread
+                # group's exit until its last thread is gone; 6 ms measured): its status names
+                # the cause, so the kill waits for it, a check interval as a rule.
+                return _again(job, now)
         job.phase = KillPhase.RELEASE
         job.deadline = now + engine.cfg.restart.release_timeout_s
         job.next_check = now
