@@ -7,6 +7,7 @@ packed into one by EventsFrame decode to the same events, in order, split by siz
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from hypothesis import example, given, settings
@@ -31,7 +32,9 @@ from rollout_watchdog.common.protocol import (
     encode,
 )
 
-FAST = settings(max_examples=250, deadline=None)
+# Hypothesis's default of 100 examples a property in the suite (each run draws new ones);
+# RW_FUZZ_EXAMPLES=2000 for a deeper search before a protocol change lands.
+FAST = settings(max_examples=int(os.environ.get("RW_FUZZ_EXAMPLES", "100")), deadline=None)
 
 names = st.text(min_size=1, max_size=20)
 seqs = st.integers(min_value=0, max_value=(1 << 63) - 1)
