@@ -18,6 +18,7 @@ import requests
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
 from rollout_watchdog.emulator.testing import emulator_command, free_port, wait_until
+from rollout_watchdog.watchdog.containment import marker_node, marker_prefix, read_marker
 from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key
 
 T = TypeVar("T")
@@ -82,6 +83,7 @@ class Node:
         self.control = f"ipc://{tmp}/control"
         self.config_path = tmp / "node.toml"
         self.state_dir = tmp / "state"
+        self.node_id = node_id
         self.env = {**os.environ, **EMULATOR_ENV, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = ControlClient(self.control, timeout_s=5.0)
@@ -185,11 +187,16 @@ class Node:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        for key in self.seen | _engine_procs_from_state(self.state_dir):
-            if not is_alive(key):
-                continue
+        known = {key.pid for key in self.seen | _engine_procs_from_state(self.state_dir)
+                 if is_alive(key)}
+        # and the engines its markers name: one launched just before the daemon was killed is
+        # in no state file yet
+        prefix = marker_prefix(marker_node(self.node_id, self.state_dir))
+        marked = {p.pid for p in psutil.process_iter()
+                  if (read_marker(p.pid) or "").startswith(prefix)}
+        for pid in known | marked:
             try:
-                proc = psutil.Process(key.pid)
+                proc = psutil.Process(pid)
                 for p in [*proc.children(recursive=True), proc]:
                     p.kill()
             except psutil.Error:

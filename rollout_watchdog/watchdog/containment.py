@@ -14,8 +14,10 @@ Plain functions, no daemon knowledge: the daemon decides when to call them.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -115,6 +117,17 @@ def marker_value(node_id: str, engine_id: str, incarnation: int, boot: str) -> s
     if incarnation < 0:
         raise ValueError(f"marker: incarnation {incarnation} is negative")
     return _SEP.join((node_id, engine_id, str(incarnation), boot))
+
+
+def state_tag(state_dir: Path) -> str:
+    """The state dir's tag: it tells two daemons on one host apart (each adopts, and kills,
+    only what its state dir launched), in the node part of the markers and in cgroup names."""
+    return hashlib.sha1(str(state_dir.resolve()).encode()).hexdigest()[:8]
+
+
+def marker_node(node_id: str, state_dir: Path) -> str:
+    """The node part of the markers of the engines that the daemon of `state_dir` launches."""
+    return f"{node_id}:{state_tag(state_dir)}"
 
 
 def marker_prefix(node_id: str, engine_id: str | None = None) -> str:

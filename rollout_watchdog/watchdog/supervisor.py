@@ -10,7 +10,6 @@ probe pool.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -25,7 +24,13 @@ from rollout_watchdog.common.states import Cause, EngineState, check_transition
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
 from rollout_watchdog.watchdog.cgroup import CgroupError, CgroupManager
-from rollout_watchdog.watchdog.containment import marker_prefix, marker_value, with_marker
+from rollout_watchdog.watchdog.containment import (
+    marker_node,
+    marker_prefix,
+    marker_value,
+    state_tag,
+    with_marker,
+)
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Failure, KillJob
 from rollout_watchdog.watchdog.engine_env import engine_environment
 from rollout_watchdog.watchdog.enginelog import open_engine_output
@@ -55,10 +60,8 @@ class Supervisor:
         self.node_id = config.node_id
         self.boot_id = boot_id
         self.state_dir = Path(config.state_dir)
-        # The state dir's tag tells two daemons on one host apart (each adopts, and kills, only
-        # what its state dir launched): in the node part of the markers, in cgroup names.
-        self.state_tag = hashlib.sha1(str(self.state_dir.resolve()).encode()).hexdigest()[:8]
-        self.marker_node = f"{self.node_id}:{self.state_tag}"
+        self.state_tag = state_tag(self.state_dir)
+        self.marker_node = marker_node(self.node_id, self.state_dir)
         # Set here, not when the daemon starts running: a sweep or a kill before that (an
         # embedded daemon, a test) must not look for escapees with no prefix at all.
         tracker.marker_prefix = marker_prefix(self.marker_node)
