@@ -122,7 +122,8 @@ def test_a_long_url_list_is_left_to_pages(make_sync: Callable[..., RouterSync]) 
     assert (long["listed_count"], long["desired_count"], long["pending_count"]) == (0, 5, 0)
     pages, after = [], None
     while True:
-        page, after = sync.urls(after, max_urls=2)
+        page, after, generation = sync.urls(after, max_urls=2)
+        assert generation == long["generation"]   # the same lists as the status
         pages.append(page)
         if after is None:
             break
@@ -130,6 +131,11 @@ def test_a_long_url_list_is_left_to_pages(make_sync: Callable[..., RouterSync]) 
     assert [(e["url"], e["desired"], e["weight_version"], e["listed"], e["pending"])
             for p in pages for e in p] == [(u, True, v, False, None)
                                             for u, v in sorted(want.items())]
+    # a change between two pages shows in the generation: the reader knows its read is torn
+    sync.set_desired({**want, "http://10.0.0.9:30000": "v9"})
+    assert sync.urls(None, max_urls=2)[2] > generation
+    sync.set_desired(dict(want))
+    assert sync.status()["generation"] > generation + 1
 
 
 def test_reconcile_compares_normalized_urls() -> None:

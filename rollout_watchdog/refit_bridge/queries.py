@@ -89,13 +89,15 @@ def router_urls(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[s
     """Every URL the router lists or should list, a page at a time (STATUS_URLS), in order.
 
     args: {"after"?: URL: the page after that URL}. result: {"urls": [{"url", "listed",
-    "desired", "weight_version", "pending"}], "next": URL | null (not null when more follow)};
-    {"urls": [], "next": null} for a coordinator without a router.
+    "desired", "weight_version", "pending"}], "next": URL | null (not null when more follow),
+    "generation": N (the lists' generation, as `ping`'s router status has it: a reader whose
+    pages and ping do not all have the same one read lists that changed meanwhile, and reads
+    again)}; {"urls": [], "next": null, "generation": 0} for a coordinator without a router.
     """
     if hub.router is None:
-        return {"urls": [], "next": None}
-    urls, after = hub.router.urls(args["after"])
-    return {"urls": urls, "next": after}
+        return {"urls": [], "next": None, "generation": 0}
+    urls, after, generation = hub.router.urls(args["after"])
+    return {"urls": urls, "next": after, "generation": generation}
 
 
 def error(cmd: protocol.Command, reason: str, code: str) -> protocol.Reply:

@@ -34,7 +34,7 @@ import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import requests
@@ -60,6 +60,9 @@ VERIFY_S = 10.0
 # The most URLs `ping` shows in the router's lists (about 200 KB): a bigger fleet's lists are
 # paged (`router_urls`), so that `ping` always fits in a message.
 STATUS_URLS = 2_000
+# What a pending reason shows of the weight_version an engine reported (an engine's answer is
+# unbounded; a page of STATUS_URLS reasons must fit in a message).
+SHOWN_VERSION_CHARS = 100
 _GONE = object()  # marks an engine that is no longer desired
 
 VersionReader = Callable[[str], "str | None"]
@@ -103,6 +106,8 @@ class RouterSync:
         self._removes = 0
         self._mismatches = 0   # routed engines found reporting another weight_version
         self._last_mismatch: str | None = None
+        # One more at each change of the three lists: a reader of pages tells a torn read by it
+        self._generation = 0
         # Thread-only:
         self._next_try: dict[str, float] = {}  # URL -> monotonic time of its next add attempt
         self._confirm_until = 0.0  # list again soon until then: a change was just posted
@@ -147,6 +152,7 @@ class RouterSync:
         with self._lock:
             self._desired = desired
             self._pending = {u: why for u, why in self._pending.items() if u in desired}
+            self._generation += 1
             self._changed.notify_all()
         self._wake.set()
 
@@ -154,7 +160,8 @@ class RouterSync:
         """What the coordinator shows: router URL, reachable (None before the first call), the
         URLs listed and desired, why desired engines are not added yet (those three null when
         they hold more than ``max_urls`` URLs together, STATUS_URLS by default: ``urls`` pages
-        them; their counts are always there), last error, counts (``version_mismatches``:
+        them; their counts are always there), the lists' ``generation`` (one more at each
+        change of them), last error, counts (``version_mismatches``:
         routed engines pulled for reporting another weight_version, the last one described in
         ``last_mismatch``)."""
         with self._lock:
@@ -170,6 +177,7 @@ class RouterSync:
                 "listed_count": len(listed),
                 "desired_count": len(self._desired),
                 "pending_count": len(self._pending),
+                "generation": self._generation,
                 "synced": self._synced(),
                 "last_error": self._last_error,
                 "adds": self._adds,
@@ -179,22 +187,24 @@ class RouterSync:
             }
 
     def urls(self, after: str | None = None, max_urls: int | None = None
-             ) -> tuple[list[dict[str, Any]], str | None]:
+             ) -> tuple[list[dict[str, Any]], str | None, int]:
         """Every URL the router lists or should list, in order, after ``after``: at most
         ``max_urls`` of them (STATUS_URLS by default), each {"url", "listed", "desired",
         "weight_version" (the one it must report before it is added, when desired), "pending"
-        (why it is not added yet, or None)}; and the ``after`` of the next page (None on the
-        last)."""
+        (why it is not added yet, or None)}; the ``after`` of the next page (None on the
+        last); and the lists' generation (as in ``status``): pages of one generation, and the
+        status of it, were read from the same lists."""
         with self._lock:
-            listed = {w.url for w in self._listed or ()}
+            listed = _urls(self._listed or ())
             desired, pending = dict(self._desired), dict(self._pending)
+            generation = self._generation
         every = sorted(listed | desired.keys() | pending.keys())
         start = 0 if after is None else bisect.bisect_right(every, after)
         page = every[start:start + (STATUS_URLS if max_urls is None else max_urls)]
         more = start + len(page) < len(every)
         return [{"url": url, "listed": url in listed, "desired": url in desired,
                  "weight_version": desired.get(url), "pending": pending.get(url)}
-                for url in page], page[-1] if more else None
+                for url in page], page[-1] if more else None, generation
 
     def wait_synced(self, timeout_s: float) -> bool:
         """Wait until the router lists exactly the desired URLs; False after ``timeout_s``."""
@@ -234,8 +244,10 @@ class RouterSync:
         self._deleted.clear()   # whatever this listing still shows is removed again
         to_add, to_remove = reconcile(desired, listed)
         with self._lock:
-            self._listed, self._reachable = listed, True
-            self._pending = {u: why for u, why in self._pending.items() if u in to_add}
+            pending = {u: why for u, why in self._pending.items() if u in to_add}
+            self._generation += (pending != self._pending
+                                 or _urls(listed) != _urls(self._listed or []))
+            self._listed, self._reachable, self._pending = listed, True, pending
             self._changed.notify_all()
         if not self._remove(to_remove):
             return
@@ -286,7 +298,7 @@ class RouterSync:
                 continue
             if version == expected:
                 continue
-            why = f"reports weight_version {version!r}, not {expected!r}"
+            why = _mismatch(version, expected)
             log.warning("router %s: engine %s %s: removed from the router", self.url,
                         engine_url, why)
             with self._lock:
@@ -296,6 +308,7 @@ class RouterSync:
                 return False
             with self._lock:   # still desired: out of sync until a listing shows it back
                 self._listed = [w for w in self._listed or () if w.id != worker.id]
+                self._generation += 1
             self._next_try[engine_url] = time.monotonic() + self._retry_s
             self._set_pending(engine_url, why)
         return True
@@ -312,8 +325,7 @@ class RouterSync:
                 self._set_pending(engine_url, "weight_version unreadable")
                 return
             if version != expected:
-                self._set_pending(engine_url, f"reports weight_version {version!r}, "
-                                              f"not {expected!r}")
+                self._set_pending(engine_url, _mismatch(version, expected))
                 return
             if self._superseded(desired):
                 return
@@ -325,7 +337,7 @@ class RouterSync:
             return
         with self._lock:
             self._adds += 1
-            self._pending.pop(engine_url, None)
+            self._generation += self._pending.pop(engine_url, None) is not None
         self._next_try[engine_url] = time.monotonic() + self._registration_s
         self._confirm_until = time.monotonic() + self._retry_s
         self._registering_until = time.monotonic() + self._registration_s
@@ -352,8 +364,9 @@ class RouterSync:
 
     def _set_pending(self, engine_url: str, why: str) -> None:
         with self._lock:
-            if engine_url in self._desired:
+            if engine_url in self._desired and self._pending.get(engine_url) != why:
                 self._pending[engine_url] = why
+                self._generation += 1
 
     def _fail_router(self, exc: RouterError) -> None:
         cause = exc.__cause__
@@ -370,3 +383,16 @@ class RouterSync:
             if reachable is not None:
                 self._reachable = reachable
             self._changed.notify_all()
+
+
+def _urls(workers: Iterable[RouterWorker]) -> set[str]:
+    return {w.url for w in workers}
+
+
+def _mismatch(version: object, expected: str) -> str:
+    """Why an engine is kept out, with what it reported cut short: an engine's answer is
+    unbounded, and the reason goes into `ping` and `router_urls` pages."""
+    shown = repr(version)
+    if len(shown) > SHOWN_VERSION_CHARS:
+        shown = shown[:SHOWN_VERSION_CHARS] + "..."
+    return f"reports weight_version {shown}, not {expected!r}"

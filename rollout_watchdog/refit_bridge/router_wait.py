@@ -36,10 +36,12 @@ def wait_router_synced(client: Client, timeout_s: float, interval_s: float) -> l
             found = result.get("router") if isinstance(result, dict) else None
             if not isinstance(found, dict):
                 return []
-            router = with_lists(client, found, deadline)
-            desired = {normalize_url(str(url)) for url in router.get("desired") or ()}
-            if router.get("synced") is True and desired == want:
-                return [str(url) for url in router.get("listed") or ()]
+            lists = with_lists(client, found, deadline)
+            if lists is not None:   # (None: they changed while read; read them again)
+                router = lists
+                desired = {normalize_url(str(url)) for url in router.get("desired") or ()}
+                if router.get("synced") is True and desired == want:
+                    return [str(url) for url in router.get("listed") or ()]
         time.sleep(max(0.0, min(interval_s, deadline - time.monotonic())))
     seen = "no answer from the coordinator" if router is None else (
         f"it lists {_shown(router.get('listed'))}, the view routes {_shown(sorted(want))}, "
@@ -47,9 +49,12 @@ def wait_router_synced(client: Client, timeout_s: float, interval_s: float) -> l
     raise TimeoutError(f"the router was not in sync within {timeout_s:g} s ({seen})")
 
 
-def with_lists(client: Client, router: dict[str, Any], deadline: float) -> dict[str, Any]:
+def with_lists(client: Client, router: dict[str, Any], deadline: float
+               ) -> dict[str, Any] | None:
     """`ping`'s router status with its "listed", "desired" and "pending" filled in from
-    `router_urls` pages when `ping` left them out (a fleet of more than STATUS_URLS)."""
+    `router_urls` pages when `ping` left them out (a fleet of more than STATUS_URLS); None
+    when the lists changed while they were read (a page of another generation than `ping`'s:
+    its "synced" is not about these lists)."""
     if router.get("listed") is not None:
         return router
     listed: list[str] = []
@@ -60,6 +65,8 @@ def with_lists(client: Client, router: dict[str, Any], deadline: float) -> dict[
         left = max(0.001, deadline - time.monotonic())
         _, page = client.call("router_urls", {"after": after},
                               timeout_s=min(client.timeout_s, left))
+        if page.get("generation") != router.get("generation"):
+            return None
         for entry in page["urls"]:
             url = str(entry["url"])
             if entry["listed"]:
