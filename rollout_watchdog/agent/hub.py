@@ -275,7 +275,8 @@ class Hub:
              ) -> None:
         """A node's run (1.4), taken whole when plain (FleetView.run: no object per event) and
         relayed as it came; else as the events it stands for, each on its own."""
-        if len(frame) <= protocol.MAX_RUN_BYTES and _reencodes_small(frame):
+        if len(frame) <= protocol.MAX_RUN_BYTES and _reencodes_small(frame) \
+                and _expands_small(msg.common, len(msg.events)):
             own = self.view.run(msg, peer, now, wall)
             if own is not None:
                 self.own_events(own)
@@ -328,7 +329,8 @@ class Hub:
                 restarts += [(event, target) for target in self.policy.restarts(peer, event)]
         if taken:
             self.acks.took(peer, len(events))
-        if len(new) == len(events) and small and all(   # kept together: relayed as it came
+        if len(new) == len(events) and small and (   # kept together: relayed as it came
+                _expands_small(common or None, len(new))) and all(
                 e.seq == new[0].seq + i for i, e in enumerate(new)):
             self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind, common))
         else:
@@ -477,6 +479,13 @@ def _encoded_size(event: protocol.Event) -> int:
         return len(protocol.encode(event))
     except protocol.ProtocolError:   # over the message limit once encoded again
         return protocol.MAX_MESSAGE_BYTES + 1
+
+
+def _expands_small(common: object, count: int) -> bool:
+    """Whether a run's events, each given its `common` fields again, stay within a few times
+    its frame: a node's runs hold at most BATCH_EVENTS; a longer one with `common` (hostile or
+    broken) could stand for events of thousands of times its bytes, and goes event by event."""
+    return common is None or count <= protocol.BATCH_EVENTS
 
 
 def _reencodes_small(frame: bytes) -> bool:

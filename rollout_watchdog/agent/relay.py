@@ -3,7 +3,9 @@
 Every event the coordinator relays goes into one buffer, numbered by the coordinator, in items
 of one frame each (an event alone, or a node's batch or run: one object per frame, not per
 event), bounded both by count (`BUFFER_EVENTS`) and by bytes (`BUFFER_BYTES`, counting each
-item's frame and `ITEM_OVERHEAD` for each of its events): the oldest items leave first. A
+item's frame and `ITEM_OVERHEAD` for each of its events, and a run with `common` its frame
+again for each, what splitting it for a client without `common` may take): the oldest items
+leave first. A
 subscriber is a cursor into that numbering: the coordinator sends from its cursor until the
 socket would block (the client's high-water mark) and carries on at the next turn, so one slow
 client neither blocks the loop nor loses events, as long as it stays within the buffer. One
@@ -61,9 +63,11 @@ class Relayed:
 
     @property
     def size(self) -> int:
-        """What it is counted for in the relay buffer's byte bound (its frame, and the objects
-        of each event once split)."""
-        return len(self.frame) + ITEM_OVERHEAD * self.count
+        """What it is counted for in the relay buffer's byte bound: its frame, and the objects
+        of each event once split (with `common`, each event also gets the shared fields back,
+        at most the frame's bytes again)."""
+        split = ITEM_OVERHEAD + (len(self.frame) if self.common else 0)
+        return len(self.frame) + split * self.count
 
     def event_frame(self, part: int) -> bytes:
         """Its event number `part` (from 0) alone, as an "event" frame."""
