@@ -8,7 +8,9 @@ What libzmq 4.3 raises (`stream_engine_base.cpp`, `zmtp_engine.cpp`; checked by 
   start like a greeting and are not one);
 - HANDSHAKE_FAILED_NO_DETAIL: the handshake ended otherwise, its value the errno at that
   moment: HANDSHAKE_IVL expired (a timer: the errno left from the I/O thread's last read,
-  EAGAIN) or the peer closed or reset the connection (that read's own errno).
+  EAGAIN) or the peer closed or reset the connection (that read's own errno). So a timeout
+  that fires just after another connection's reset reads as `closed`: the split is close, not
+  exact; their sum is.
 A first byte other than 0xff is taken for a ZMTP 1.0 peer: without CURVE it is spoken to (and
 ends as above), with CURVE it is dropped with no handshake event at all, so it is not counted.
 The v1 monitor names the socket's own endpoint, never the peer's (libzmq's v2 monitor is a
