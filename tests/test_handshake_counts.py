@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from daemon_harness import wait_for
+from daemon_harness import free_port, wait_for
+from fleet_harness import start_coordinator_process
 from test_coordinator import Peer, curve_of, keys  # noqa: F401
 from test_coordinator_metrics import scrape
 
@@ -50,8 +51,8 @@ def counted(trainer: Peer, kind: str, at_least: int = 1) -> dict[str, int] | Non
     return counts if counts[kind] >= at_least else None
 
 
-def raw_connection(coordinator: Coordinator) -> socket.socket:
-    host, port = coordinator.endpoint.removeprefix("tcp://").rsplit(":", 1)
+def raw_connection(endpoint: str) -> socket.socket:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=30)
 
 
@@ -70,7 +71,7 @@ def test_each_failure_event_maps_to_its_kind() -> None:
 def test_a_connection_that_never_speaks_is_dropped_and_counted_as_a_timeout(
         coordinator: Coordinator, trainer: Peer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
-    with raw_connection(coordinator) as silent:
+    with raw_connection(coordinator.endpoint) as silent:
         counts = wait_for(lambda: counted(trainer, handshakes.TIMEOUT), 30,
                           "the silent connection counted")
         assert counts["auth"] == counts["protocol"] == 0
@@ -86,7 +87,7 @@ def test_a_connection_that_never_speaks_is_dropped_and_counted_as_a_timeout(
 
 def test_a_connection_that_leaves_during_the_handshake_is_counted_as_closed(
         coordinator: Coordinator, trainer: Peer) -> None:
-    with raw_connection(coordinator) as leaving:
+    with raw_connection(coordinator.endpoint) as leaving:
         leaving.recv(10)   # the coordinator's greeting has begun: the handshake is under way
     counts = wait_for(lambda: counted(trainer, handshakes.CLOSED), 30, "the leaver counted")
     assert counts["timeout"] == 0
@@ -112,7 +113,7 @@ def test_garbage_on_the_port_is_counted_as_a_protocol_failure(
     no greeting. (A first byte other than 0xff is taken for ZMTP 1.0, which a CURVE socket
     drops with no handshake event: not counted; docs/protocol.md.)"""
     garbage = b"\xff" + bytes(range(1, 9)) + b"\x7f" + b"\x03\x01GARBAGE" + bytes(range(50))
-    with raw_connection(coordinator) as hostile:
+    with raw_connection(coordinator.endpoint) as hostile:
         hostile.sendall(garbage)
         counts = wait_for(lambda: counted(trainer, handshakes.PROTOCOL), 30,
                           "the garbage counted")
@@ -126,10 +127,26 @@ def test_a_flood_of_connections_that_leave_is_counted_whole_and_the_coordinator_
     reads its monitor a bounded number of events a turn, and keeps up), and the coordinator
     answers all along."""
     for _ in range(FLOOD):
-        raw_connection(coordinator).close()
+        raw_connection(coordinator.endpoint).close()
     assert trainer.call("ping", timeout=30) is not None
 
     def all_counted() -> bool:
         reply = trainer.call("ping", timeout=2.0)
         return reply is not None and sum(reply.result["handshakes_failed"].values()) >= FLOOD
     wait_for(all_counted, 60, f"{FLOOD} failed handshakes counted")
+
+
+def test_the_standalone_coordinator_takes_its_handshake_timeout_from_the_command_line(
+        tmp_path: Path) -> None:
+    """`coordinator --handshake-timeout 0.5`: a silent connection is counted as a timeout, and
+    the log says the limit it missed."""
+    log = tmp_path / "coordinator.log"
+    coord = start_coordinator_process(f"tcp://127.0.0.1:{free_port()}",
+                                      ["--handshake-timeout", "0.5"], log_path=log)
+    try:
+        with raw_connection(coord.endpoint):
+            wait_for(lambda: coord.call("ping", timeout_s=2.0).result[
+                "handshakes_failed"]["timeout"] >= 1, 30, "the silent connection counted")
+        wait_for(lambda: "no handshake within 0.5 s" in log.read_text(), 10, "the log line")
+    finally:
+        coord.cleanup()
