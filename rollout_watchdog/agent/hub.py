@@ -11,7 +11,8 @@ node's message means is the fleet view's to say, and everything else is the poli
 
 `loop` is one turn after another, each the same named steps: wait for a message or the next
 deadline; obey the pipe (`pipe.Pipe`: stop, reload the keys), which wakes the poll at once;
-receive; do what is due; relay. It never blocks: every send is non-blocking, every wait is the
+receive (and count the handshakes that failed: `hub_socket.FailedHandshakes`); do what is
+due; relay. It never blocks: every send is non-blocking, every wait is the
 poll's. `hub_thread.HubThread` serves it, in a thread of its own or in the caller's.
 """
 
@@ -27,12 +28,17 @@ import zmq
 from rollout_watchdog.agent.acks import AckSchedule
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
-from rollout_watchdog.agent.hub_socket import NodeRoutes, bind_hub
+from rollout_watchdog.agent.hub_socket import (
+    HANDSHAKE_TIMEOUT_S,
+    FailedHandshakes,
+    NodeRoutes,
+    bind_hub,
+)
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.pipe import RELOAD, STOP, Pipe
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import NamedKeyAuthenticator
-from rollout_watchdog.common import frames, protocol
+from rollout_watchdog.common import frames, handshakes, protocol
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.lograte import worth_logging
 
@@ -41,6 +47,7 @@ HEARTBEAT_S = 1.0
 SWEEP_S = 0.1               # how often silent nodes and subscribers are looked for
 MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
 BEHIND_POLL_S = 0.005       # the relay has more to send: a short look at the sockets first
+MONITOR_EVENTS_PER_TURN = 1_000   # handshake events read a turn: a flood of them waits its turn
 # Plain ints for the flags of the sends and receives of every message: pyzmq's flag enums, and
 # its multipart helpers built on them, cost microseconds a call (thousands a fleet-wide pause)
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)
@@ -52,7 +59,8 @@ class Hub:
 
     def __init__(self, bind: str, keys: str | None, view: View, policy: Policy, boot: str,
                  state_dir: str | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 sweep_s: float = SWEEP_S) -> None:
+                 sweep_s: float = SWEEP_S, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+                 ) -> None:
         self.bind, self.keys, self.boot = bind, keys, boot
         self.endpoint = bind      # the bound one once serving (a port 0 picked)
         self.view, self.policy = view, policy
@@ -62,8 +70,10 @@ class Hub:
         self.journal = Journal(state_dir, BUFFER_EVENTS) if state_dir else None
         self.fanout = Fanout()
         self.bad_messages: Counter[str] = Counter()
+        self.handshakes = FailedHandshakes(handshake_timeout_s)   # connections that never spoke
         self.own_seq = 0
         self.sock: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None   # the ROUTER's handshakes
         self._unjournaled: list[Relayed] = []
         self.acks = AckSchedule()
         self._next_heartbeat = self._next_sweep = 0.0
@@ -84,9 +94,10 @@ class Hub:
                 for item in restored:
                     self.relay.add(item)
                 self.policy.restored(restored)
-            sock, self._auth = bind_hub(ctx, self.bind, self.keys)
+            sock, monitor, self._auth = bind_hub(ctx, self.bind, self.keys,
+                                                 self.handshakes.timeout_s)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.sock = sock
+            self.sock, self.monitor = sock, monitor
             self.policy.opened()
         except BaseException:
             self.close()
@@ -96,9 +107,9 @@ class Hub:
         self.policy.closed()
         if self.journal is not None:
             self.journal.close()
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        if self.sock is not None and self.monitor is not None:
+            handshakes.close_monitored(self.sock, self.monitor)
+            self.sock = self.monitor = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -107,10 +118,10 @@ class Hub:
 
     def loop(self, pipe: Pipe) -> None:
         """One turn after another, each the same steps, until STOP comes down the pipe."""
-        assert self.sock is not None
+        assert self.sock is not None and self.monitor is not None
         poller = zmq.Poller()
-        poller.register(pipe.end, zmq.POLLIN)
-        poller.register(self.sock, zmq.POLLIN)
+        for sock in (pipe.end, self.sock, self.monitor):
+            poller.register(sock, zmq.POLLIN)
         woken = self.policy.wakeup_fd
         if woken is not None:
             poller.register(woken, zmq.POLLIN)
@@ -126,6 +137,8 @@ class Hub:
                 self.policy.woke(time.monotonic())
             if self.sock in ready:      # receive: messages, then the journal and the ACKs
                 self._receive_some()
+            if self.monitor in ready:   # handshakes that failed: counted, logged
+                self.handshakes.take(self.monitor, MONITOR_EVENTS_PER_TURN)
             # what is due: expired gatherings, the sweep, heartbeats
             self._tick(time.monotonic(), time.time())
             # relay: events to subscribers, as far as their queues take them

@@ -1,12 +1,20 @@
-"""The coordinator's ROUTER socket, every option set on purpose (DESIGN.md, "Agent"), and
-which of its connections speaks for which node (`NodeRoutes`)."""
+"""The coordinator's ROUTER socket, every option set on purpose (DESIGN.md, "Agent"), the
+handshakes it failed (`FailedHandshakes`), and which of its connections speaks for which node
+(`NodeRoutes`)."""
 
 from __future__ import annotations
+
+import errno
+import logging
+from collections import Counter
 
 import zmq
 
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, curve_server
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import handshakes, protocol
+from rollout_watchdog.common.lograte import worth_logging
+
+log = logging.getLogger(__name__)
 
 # Per peer, in frames (a frame carries up to protocol.BATCH_EVENTS events). A subscriber behind
 # by more waits in the relay buffer (its cursor), not in libzmq's memory. A node whose frames
@@ -20,8 +28,10 @@ HANDSHAKE_TIMEOUT_S = 5.0
 
 def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None,
              handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
-             ) -> tuple[zmq.Socket[bytes], NamedKeyAuthenticator | None]:
-    """The bound ROUTER and its authenticator (with `keys`); ValueError naming the problem."""
+             ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], NamedKeyAuthenticator | None]:
+    """The bound ROUTER, the monitor of its handshakes (`common.handshakes`: attached before
+    the bind, so that none is missed) and its authenticator (with `keys`); ValueError naming
+    the problem."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails, never vanishes
@@ -32,24 +42,58 @@ def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None,
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
     sock.setsockopt(zmq.RCVHWM, RECV_HWM)
     # A connection that has not finished the ZMTP (and CURVE) handshake by then is dropped, so
-    # one that never speaks holds a descriptor for seconds, not libzmq's default 30 s.
-    sock.setsockopt(zmq.HANDSHAKE_IVL, round(handshake_timeout_s * 1000))
+    # one that never speaks holds a descriptor for seconds, not libzmq's default 30 s (never
+    # 0, which would mean no limit at all).
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, round(handshake_timeout_s * 1000)))
     # No ZMTP heartbeat timeout on this side, on purpose: it would drop a live client that
     # is slow to read a burst (its unread PINGs), and the client would then lose its
     # subscription. Nodes detect a dead coordinator with their own ZMTP heartbeats (which
     # libzmq answers here by itself); the coordinator finds silent nodes by their
     # heartbeats (node_timeout_s), and silent subscribers expire (relay.py).
     auth = None
+    monitor = sock.get_monitor_socket(handshakes.FAILURES)
     try:
         if keys:
             auth = curve_server(ctx, sock, keys)
         sock.bind(bind)
     except (zmq.ZMQError, ValueError) as exc:
-        sock.close(0)
+        handshakes.close_monitored(sock, monitor)
         if auth is not None:
             auth.stop()
         raise ValueError(f"cannot bind {bind}: {exc}") from exc
-    return sock, auth
+    return sock, monitor, auth
+
+
+class FailedHandshakes:
+    """The connections the ROUTER dropped before they spoke, counted by kind
+    (`common.handshakes`: timeout, closed, auth, protocol), each kind logged as a WARNING,
+    rate-limited: a flood of half-open connections, or a node with the wrong key, never
+    reaches the hub's loop as a message, so this is where it shows."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.counts: Counter[str] = Counter(dict.fromkeys(handshakes.FAILURE_KINDS, 0))
+
+    def take(self, monitor: zmq.Socket[bytes], limit: int) -> None:
+        """Count what `monitor` reported, at most `limit` events, never blocking."""
+        for event in handshakes.monitor_events(monitor, limit):
+            kind = handshakes.failure_kind(event.event, event.value)
+            if kind is None:
+                continue
+            self.counts[kind] += 1
+            count = self.counts[kind]
+            if worth_logging(count):
+                log.warning("dropped a connection to %s before it spoke (%s, %d so far): %s",
+                            event.endpoint, kind, count, self._why(kind, event.value))
+
+    def _why(self, kind: str, value: int) -> str:
+        if kind == handshakes.TIMEOUT:
+            return f"no handshake within {self.timeout_s:g} s"
+        if kind == handshakes.CLOSED:
+            return f"the peer left during the handshake ({errno.errorcode.get(value, value)})"
+        if kind == handshakes.AUTH:
+            return f"its CURVE key is not authorized (ZAP status {value})"
+        return f"not a ZMTP/CURVE handshake this socket takes (libzmq code {value:#x})"
 
 
 class NodeRoutes:

@@ -141,7 +141,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                   metrics_port=args.metrics_port,
                                   metrics_host=args.metrics_host,
                                   route_after_first_refit=args.route_after_first_refit,
-                                  router_verify_s=args.router_verify_interval)
+                                  router_verify_s=args.router_verify_interval,
+                                  handshake_timeout_s=args.handshake_timeout)
         tune_for_service()   # (after the journal's restore: frozen with start-up's objects)
         return int(coordinator.run())
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
@@ -151,6 +152,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                            seconds: Callable[[str], float]) -> None:
+    from rollout_watchdog.agent.hub_socket import HANDSHAKE_TIMEOUT_S
     from rollout_watchdog.refit_bridge.router_sync import VERIFY_S  # (requests: not at import)
 
     p = sub.add_parser("coordinator", help="run the fleet's coordinator", description=(
@@ -174,6 +176,10 @@ def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--holder-timeout", type=seconds, default=HOLDER_TIMEOUT_S, metavar="S",
                    help="seconds of silence after which the refit lock's holder is taken for "
                         f"gone and the lock released (default {HOLDER_TIMEOUT_S:g})")
+    p.add_argument("--handshake-timeout", type=seconds, default=HANDSHAKE_TIMEOUT_S,
+                   metavar="S", help="seconds a connection has to finish its ZMTP (and CURVE) "
+                   "handshake before it is dropped and counted (default "
+                   f"{HANDSHAKE_TIMEOUT_S:g})")
     p.add_argument("--state-write-timeout", type=seconds, default=STATE_WRITE_TIMEOUT_S,
                    metavar="S", help=(
                        "seconds a refit reply waits for refit.json to be on disk before it "

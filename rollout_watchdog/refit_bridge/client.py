@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import handshakes, protocol
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable
 from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.common.lograte import DropCount
@@ -60,9 +60,6 @@ GATHER_SHARE = 0.8
 NODE_WAIT_SHARE = 0.6
 POLL_INTERVAL_S = 0.2
 FINISH_TIMEOUT_S = 40.0   # the default probe timeout (30 s) and some
-_AUTH_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | _AUTH_FAILED[0] | _AUTH_FAILED[1] | _AUTH_FAILED[2]
 
 
 @dataclass
@@ -81,14 +78,11 @@ class _Connection:
             self.handshakes += 1
             self.refused = False
             return self.handshakes > 1
-        self.refused = self.refused or event in _AUTH_FAILED
+        self.refused = self.refused or event in handshakes.FAILED
         return False
 
     def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        handshakes.close_monitored(self.sock, self.monitor)
 
 
 def split_target(target: str | None, node: str | None) -> tuple[str | None, str | None]:
@@ -218,7 +212,7 @@ class FleetClient:
         for old in dead:
             old.close()
         sock = self.socket(connect=False)
-        conn = _Connection(sock, sock.get_monitor_socket(_MONITORED))
+        conn = _Connection(sock, sock.get_monitor_socket(handshakes.MONITORED))
         sock.connect(self.address)
         with self._lock:
             self._conns[me] = conn

@@ -21,6 +21,7 @@ from types import TracebackType
 
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, encode_reply
 from rollout_watchdog.agent.hub import HEARTBEAT_S, Hub
+from rollout_watchdog.agent.hub_socket import HANDSHAKE_TIMEOUT_S
 from rollout_watchdog.agent.hub_thread import STOP_TIMEOUT_S, HubThread
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import Relayed
@@ -51,7 +52,8 @@ class Coordinator:
                  state_write_timeout_s: float = STATE_WRITE_TIMEOUT_S,
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  route_after_first_refit: bool = False,
-                 router_verify_s: float = VERIFY_S) -> None:
+                 router_verify_s: float = VERIFY_S,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         check_bind(bind, keys, insecure)
         self.view = FleetView(node_timeout_s)
         self.refit = refit.RefitService(state_dir, holder_timeout_s,  # raises for bad state
@@ -65,10 +67,12 @@ class Coordinator:
         self._started_at = 0.0
         self._view_changed = True     # since the router was last told
         self.boot = f"{COORDINATOR_BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
-        self.hub = Hub(bind, keys, self.view, self, self.boot, state_dir, heartbeat_s)
+        self.hub = Hub(bind, keys, self.view, self, self.boot, state_dir, heartbeat_s,
+                       handshake_timeout_s=handshake_timeout_s)
         self._serving = HubThread(self.hub)
         # the hub's, which `queries` and the metrics read here too (never replaced)
         self.relay, self.bad_messages = self.hub.relay, self.hub.bad_messages
+        self.handshakes_failed = self.hub.handshakes.counts
 
     # ------------------------------------------------------------------ lifecycle
 

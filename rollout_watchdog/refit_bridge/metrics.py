@@ -44,6 +44,7 @@ class FleetSample:
     events_relayed: int = 0
     relay_skipped: int = 0
     bad_frames: Mapping[str, int] = field(default_factory=dict)
+    handshakes_failed: Mapping[str, int] = field(default_factory=dict)   # by kind
 
 
 def sample_of(hub: Hub, now: float) -> FleetSample:
@@ -71,7 +72,8 @@ def sample_of(hub: Hub, now: float) -> FleetSample:
         lock_version=None if lease is None else lease.version,
         lease_remaining_s=0.0 if lease is None else max(0.0, lease.expires - now),
         events_relayed=hub.relay.end, relay_skipped=hub.relay.skipped_behind,
-        bad_frames={**hub.bad_messages, **hub.view.refused})
+        bad_frames={**hub.bad_messages, **hub.view.refused},
+        handshakes_failed=dict(hub.handshakes_failed))
 
 
 class _SampleCollector(Collector):
@@ -130,6 +132,13 @@ class _SampleCollector(Collector):
         for reason, count in sorted(s.bad_frames.items()):
             bad.add_metric([reason], count)
         yield bad
+        failed = CounterMetricFamily("rollout_watchdog_fleet_handshakes_failed",
+                                     "Connections dropped before they finished the ZMTP/CURVE "
+                                     "handshake, by kind: timeout, closed (by the peer), auth "
+                                     "(a key not authorized), protocol.", labels=["kind"])
+        for kind, count in sorted(s.handshakes_failed.items()):
+            failed.add_metric([kind], count)
+        yield failed
 
 
 class CoordinatorMetrics:

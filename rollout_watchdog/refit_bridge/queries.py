@@ -27,6 +27,7 @@ class Hub(Protocol):
     refit: RefitService
     router: RouterSync | None
     bad_messages: Counter[str]
+    handshakes_failed: Counter[str]
 
 
 Handler = Callable[[Hub, protocol.Command, dict[str, Any]], dict[str, Any]]
@@ -66,17 +67,20 @@ def ping(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any
     """The coordinator's health and counters.
 
     args: {}. result: {"coordinator": BOOT, "nodes", "reachable", "subscribers",
-    "bad_messages": {REASON: N}, "relay_skipped", "relay_behind", "refit": {"current_version",
-    "holder": {"holder", "version", "expires_in_s"} | null} (never the holder's token),
-    "router": RouterSync.status() | null}: its "listed", "desired" and "pending" are null
-    when they hold more than STATUS_URLS (2,000) URLs together ("listed_count",
-    "desired_count" and "pending_count" are always there): `router_urls` pages them.
+    "bad_messages": {REASON: N}, "handshakes_failed": {KIND: N} (connections dropped before
+    they spoke: timeout, closed, auth, protocol), "relay_skipped", "relay_behind", "refit":
+    {"current_version", "holder": {"holder", "version", "expires_in_s"} | null} (never the
+    holder's token), "router": RouterSync.status() | null}: its "listed", "desired" and
+    "pending" are null when they hold more than STATUS_URLS (2,000) URLs together
+    ("listed_count", "desired_count" and "pending_count" are always there): `router_urls`
+    pages them.
     """
     relay = hub.relay
     return {
         "coordinator": hub.boot, "nodes": len(hub.view.nodes),
         "reachable": len(hub.view.reachable()), "subscribers": len(relay.subscribers),
         "bad_messages": {**hub.bad_messages, **hub.view.refused},
+        "handshakes_failed": dict(hub.handshakes_failed),
         "relay_skipped": relay.skipped_behind,
         "relay_behind": max((relay.end - sub.cursor for sub in relay.subscribers.values()),
                             default=0),

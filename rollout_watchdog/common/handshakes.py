@@ -1,0 +1,84 @@
+"""ZMTP/CURVE handshakes as a libzmq socket monitor reports them, for the two sides that watch
+them: a client that wants to say why it got no answer (its key refused), and the coordinator's
+ROUTER, which counts the connections it dropped before they spoke (docs/protocol.md).
+
+What libzmq 4.3 raises (`stream_engine_base.cpp`, `zmtp_engine.cpp`; checked by experiment):
+- HANDSHAKE_FAILED_AUTH: the ZAP handler refused the peer (CURVE: a key not in `authorized/`);
+- HANDSHAKE_FAILED_PROTOCOL: a ZMTP greeting that is wrong (the other mechanism, bytes that
+  start like a greeting and are not one);
+- HANDSHAKE_FAILED_NO_DETAIL: the handshake ended otherwise, its value the errno at that
+  moment: HANDSHAKE_IVL expired (a timer: the errno left from the I/O thread's last read,
+  EAGAIN) or the peer closed or reset the connection (that read's own errno). So a timeout
+  that fires just after another connection's reset reads as `closed`: the split is close, not
+  exact; their sum is.
+A first byte other than 0xff is taken for a ZMTP 1.0 peer: without CURVE it is spoken to (and
+ends as above), with CURVE it is dropped with no handshake event at all, so it is not counted.
+The v1 monitor names the socket's own endpoint, never the peer's (libzmq's v2 monitor is a
+draft API that pyzmq's libzmq lacks). An unread monitor blocks libzmq's I/O thread once its
+pipe is full (about 2,000 events, measured: the socket then stops accepting and moving
+messages), so its reader reads it every turn, and drains it before `disable_monitor()`, which
+waits for the lock that the blocked I/O thread holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+TIMEOUT, CLOSED, AUTH, PROTOCOL = "timeout", "closed", "auth", "protocol"
+FAILURE_KINDS = (TIMEOUT, CLOSED, AUTH, PROTOCOL)
+FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+FAILURES = FAILED[0] | FAILED[1] | FAILED[2]   # a monitor's mask: the failed ones only
+MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILURES   # each handshake's end, either way
+DRAIN_EVENTS = 10_000   # more than a full monitor pipe holds
+# NO_DETAIL's errnos that say the peer went (a read or write failed), not that the timer fired
+_PEER_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN,
+                        errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                        errno.ENETDOWN, errno.ENETRESET})
+
+
+class MonitorEvent(NamedTuple):
+    event: int
+    value: int
+    endpoint: str
+
+
+def failure_kind(event: int, value: int) -> str | None:
+    """The kind of failed handshake a monitor event reports (FAILURE_KINDS); None for any
+    other event."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return AUTH
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return PROTOCOL
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return CLOSED if value in _PEER_GONE else TIMEOUT
+    return None
+
+
+def close_monitored(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    """Close `sock` and its monitor: the monitor drained first (see above), then stopped."""
+    for _ in monitor_events(monitor, DRAIN_EVENTS):
+        pass
+    with contextlib.suppress(zmq.ZMQError):   # (the context terminated: nothing to stop)
+        sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
+
+
+def monitor_events(monitor: zmq.Socket[bytes], limit: int) -> Iterator[MonitorEvent]:
+    """At most `limit` events waiting on `monitor`, never blocking."""
+    for _ in range(limit):
+        try:
+            message = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        endpoint = message["endpoint"]
+        yield MonitorEvent(message["event"], message["value"],
+                           endpoint.decode(errors="replace") if isinstance(endpoint, bytes)
+                           else str(endpoint))

@@ -1,0 +1,152 @@
+"""Connections the coordinator drops before they speak, counted by kind (issue 13, part 3, item
+8): one that never speaks, one that leaves, a CURVE key not authorized, bytes that are no ZMTP
+greeting. Each is injected over a real TCP connection into a real coordinator, and read back
+from its `ping`, its Prometheus endpoint and its log."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from daemon_harness import free_port, wait_for
+from fleet_harness import start_coordinator_process
+from test_coordinator import Peer, curve_of, keys  # noqa: F401
+from test_coordinator_metrics import scrape
+
+from rollout_watchdog.common import handshakes
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
+
+# Not too short: the trainer's own handshake must finish in time on a loaded machine.
+SHORT_HANDSHAKE_S = 2.0
+# More than libzmq's monitor pipe holds (about 2,000 events): an unread monitor would stall the
+# ROUTER's I/O thread, and with it these very connections.
+FLOOD = 3_000
+
+
+@pytest.fixture
+def coordinator(keys: Path) -> Iterator[Coordinator]:  # noqa: F811
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys), metrics_port=0,
+                     handshake_timeout_s=SHORT_HANDSHAKE_S) as coord:
+        yield coord
+
+
+@pytest.fixture
+def trainer(coordinator: Coordinator, tmp_path: Path) -> Iterator[Peer]:
+    peer = Peer(coordinator.endpoint, curve_of(tmp_path, "trainer"))
+    yield peer
+    peer.close()
+
+
+def counted(trainer: Peer, kind: str, at_least: int = 1) -> dict[str, int] | None:
+    """The ping's counts once `kind` reached `at_least`, else None."""
+    reply = trainer.call("ping", timeout=2.0)
+    if reply is None:
+        return None
+    counts: dict[str, int] = reply.result["handshakes_failed"]
+    return counts if counts[kind] >= at_least else None
+
+
+def raw_connection(endpoint: str) -> socket.socket:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def test_each_failure_event_maps_to_its_kind() -> None:
+    assert handshakes.failure_kind(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400) == handshakes.AUTH
+    assert handshakes.failure_kind(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, 0x11000002) == \
+        handshakes.PROTOCOL
+    no_detail = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    # the timer's errno is whatever the I/O thread's last read left (EAGAIN, measured)
+    assert handshakes.failure_kind(no_detail, errno.EAGAIN) == handshakes.TIMEOUT
+    assert handshakes.failure_kind(no_detail, errno.ECONNRESET) == handshakes.CLOSED
+    assert handshakes.failure_kind(no_detail, errno.EPIPE) == handshakes.CLOSED
+    assert handshakes.failure_kind(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) is None
+
+
+def test_a_connection_that_never_speaks_is_dropped_and_counted_as_a_timeout(
+        coordinator: Coordinator, trainer: Peer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    with raw_connection(coordinator.endpoint) as silent:
+        counts = wait_for(lambda: counted(trainer, handshakes.TIMEOUT), 30,
+                          "the silent connection counted")
+        assert counts["auth"] == counts["protocol"] == 0
+        while silent.recv(4096):   # the coordinator's greeting, then its close
+            pass
+    assert f"dropped a connection to {coordinator.endpoint} before it spoke (timeout, 1 so far)" \
+        in caplog.text
+    assert coordinator.metrics_port
+    wait_for(lambda: (scrape(coordinator.metrics_port or 0).get(
+        'rollout_watchdog_fleet_handshakes_failed_total{kind="timeout"}') or 0) >= 1, 15,
+        "the timeout in the metrics")
+
+
+def test_a_connection_that_leaves_during_the_handshake_is_counted_as_closed(
+        coordinator: Coordinator, trainer: Peer) -> None:
+    with raw_connection(coordinator.endpoint) as leaving:
+        leaving.recv(10)   # the coordinator's greeting has begun: the handshake is under way
+    counts = wait_for(lambda: counted(trainer, handshakes.CLOSED), 30, "the leaver counted")
+    assert counts["timeout"] == 0
+
+
+def test_a_key_not_authorized_is_counted_as_refused(
+        coordinator: Coordinator, trainer: Peer, tmp_path: Path) -> None:
+    stranger = Peer(coordinator.endpoint, curve_of(tmp_path, "stranger"))
+    try:
+        stranger.sock.send(b"ping?", zmq.NOBLOCK)
+        counts = wait_for(lambda: counted(trainer, handshakes.AUTH), 30, "the stranger counted")
+    finally:
+        stranger.close()
+    assert counts["protocol"] == counts["timeout"] == 0
+    wait_for(lambda: (scrape(coordinator.metrics_port or 0).get(
+        'rollout_watchdog_fleet_handshakes_failed_total{kind="auth"}') or 0) >= 1, 15,
+        "the refusal in the metrics")
+
+
+def test_garbage_on_the_port_is_counted_as_a_protocol_failure(
+        coordinator: Coordinator, trainer: Peer) -> None:
+    """Bytes that begin as a ZMTP 3 greeting does (0xff, then the 10th byte odd) and then are
+    no greeting. (A first byte other than 0xff is taken for ZMTP 1.0, which a CURVE socket
+    drops with no handshake event: not counted; docs/protocol.md.)"""
+    garbage = b"\xff" + bytes(range(1, 9)) + b"\x7f" + b"\x03\x01GARBAGE" + bytes(range(50))
+    with raw_connection(coordinator.endpoint) as hostile:
+        hostile.sendall(garbage)
+        counts = wait_for(lambda: counted(trainer, handshakes.PROTOCOL), 30,
+                          "the garbage counted")
+    assert counts["timeout"] == counts["auth"] == 0
+    assert trainer.call("ping") is not None   # and the coordinator carries on
+
+
+def test_a_flood_of_connections_that_leave_is_counted_whole_and_the_coordinator_answers(
+        coordinator: Coordinator, trainer: Peer) -> None:
+    """FLOOD connections, each closed as soon as it is made: every one is counted (the hub
+    reads its monitor a bounded number of events a turn, and keeps up), and the coordinator
+    answers all along."""
+    for _ in range(FLOOD):
+        raw_connection(coordinator.endpoint).close()
+    assert trainer.call("ping", timeout=30) is not None
+
+    def all_counted() -> bool:
+        reply = trainer.call("ping", timeout=2.0)
+        return reply is not None and sum(reply.result["handshakes_failed"].values()) >= FLOOD
+    wait_for(all_counted, 60, f"{FLOOD} failed handshakes counted")
+
+
+def test_the_standalone_coordinator_takes_its_handshake_timeout_from_the_command_line(
+        tmp_path: Path) -> None:
+    """`coordinator --handshake-timeout 0.5`: a silent connection is counted as a timeout, and
+    the log says the limit it missed."""
+    log = tmp_path / "coordinator.log"
+    coord = start_coordinator_process(f"tcp://127.0.0.1:{free_port()}",
+                                      ["--handshake-timeout", "0.5"], log_path=log)
+    try:
+        with raw_connection(coord.endpoint):
+            wait_for(lambda: coord.call("ping", timeout_s=2.0).result[
+                "handshakes_failed"]["timeout"] >= 1, 30, "the silent connection counted")
+        wait_for(lambda: "no handshake within 0.5 s" in log.read_text(), 10, "the log line")
+    finally:
+        coord.cleanup()
