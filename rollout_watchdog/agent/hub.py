@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import zmq
 
+from rollout_watchdog.agent import frame_bounds
 from rollout_watchdog.agent.acks import AckSchedule
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
@@ -274,7 +275,7 @@ class Hub:
 
     def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
                ) -> None:
-        _check_size(msg, len(frame), peer)
+        frame_bounds.check_size(msg, len(frame), peer)
         new, own = self.view.event(msg, peer, now, wall)
         self.own_events(own)
         self.acks.took(peer, 1)
@@ -288,8 +289,8 @@ class Hub:
              ) -> None:
         """A node's run (1.4), taken whole when plain (FleetView.run: no object per event) and
         relayed as it came; else as the events it stands for, each on its own."""
-        if len(frame) <= protocol.MAX_RUN_BYTES and _reencodes_small(frame) \
-                and _expands_small(msg.common, len(msg.events)):
+        if len(frame) <= protocol.MAX_RUN_BYTES and frame_bounds.reencodes_small(frame) \
+                and frame_bounds.expands_small(msg.common, len(msg.events)):
             own = self.view.run(msg, peer, now, wall)
             if own is not None:
                 self.own_events(own)
@@ -307,7 +308,7 @@ class Hub:
         came alone (a refused one is counted), relayed as the node's frame when all are new
         (one ACK for all, as for any turn's events). A plain batch (FleetView.batch) is taken
         whole, with no object per event."""
-        small = _reencodes_small(frame)   # (one scan of the frame for both paths)
+        small = frame_bounds.reencodes_small(frame)   # (one scan of the frame for both paths)
         if (isinstance(msg, protocol.PlainEvents) and small
                 and len(frame) <= protocol.MAX_EVENT_BYTES):
             own = self.view.batch(msg, peer, now, wall)
@@ -329,7 +330,7 @@ class Hub:
         for event in events:
             try:
                 if big:
-                    _check_size(event, _encoded_size(event), peer)
+                    frame_bounds.check_size(event, frame_bounds.encoded_size(event), peer)
                 fresh, own = self.view.event(event, peer, now, wall)
             except Refused as exc:
                 self._bad(exc.reason, str(exc))
@@ -343,7 +344,7 @@ class Hub:
         if taken:
             self.acks.took(peer, len(events))
         if len(new) == len(events) and small and (   # kept together: relayed as it came
-                _expands_small(common or None, len(new))) and all(
+                frame_bounds.expands_small(common or None, len(new))) and all(
                 e.seq == new[0].seq + i for i, e in enumerate(new)):
             self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind, common))
         else:
@@ -478,31 +479,3 @@ class Hub:
         if worth_logging(count):   # a flood must not flood the log too
             log.warning("dropped a bad message (%s, %d so far): %s", reason, count, detail)
 
-
-def _check_size(event: protocol.Event, size: int, node: str) -> None:
-    """Refused: an event over MAX_EVENT_BYTES (a node cuts its own to fit, so this one came
-    from a hostile or broken node); never applied, relayed or journaled."""
-    if size > protocol.MAX_EVENT_BYTES:
-        raise Refused("oversized_event", f"event {event.seq} of node {node!r}: {size} bytes, "
-                                         f"over the limit of {protocol.MAX_EVENT_BYTES}")
-
-
-def _encoded_size(event: protocol.Event) -> int:
-    try:
-        return len(protocol.encode(event))
-    except protocol.ProtocolError:   # over the message limit once encoded again
-        return protocol.MAX_MESSAGE_BYTES + 1
-
-
-def _expands_small(common: object, count: int) -> bool:
-    """Whether a run's events, each given its `common` fields again, stay within a few times
-    its frame: a node's runs hold at most BATCH_EVENTS; a longer one with `common` (hostile or
-    broken) could stand for events of thousands of times its bytes, and goes event by event."""
-    return common is None or count <= protocol.BATCH_EVENTS
-
-
-def _reencodes_small(frame: bytes) -> bool:
-    """Whether each event of this "events" frame, encoded again on its own, surely fits in a
-    frame: re-encoding ASCII JSON at most about quintuples it (a float written 1e9 comes back
-    as 1000000000.0), and nodes send ASCII frames of at most BATCH_BYTES."""
-    return len(frame) <= protocol.MAX_MESSAGE_BYTES // 8 and frame.isascii()
