@@ -62,7 +62,7 @@ def test_group_member_born_after_the_last_sweep_is_killed_when_main_exits(
         daemon.supervisor.process_gone(engine, engine.main)
         drive(daemon, lambda: engine.kill is None)
         assert engine.state == S.BACKOFF
-        wait_until(lambda: not group_members(pgid), 2,
+        wait_until(lambda: not group_members(pgid), 10,
                    what=f"engine group {pgid} to have no live member after the kill")
     finally:
         cleanup(daemon)
@@ -102,7 +102,7 @@ def test_adopting_an_external_engine_that_was_being_stopped_keeps_stopping_it(
     try:
         daemon.adopt_or_launch()
         engine = daemon.engines["x"]
-        drive(daemon, lambda: engine.kill is None and not engine.state.running, timeout=3.0)
+        drive(daemon, lambda: engine.kill is None and not engine.state.running, timeout=10.0)
         assert engine.state == S.STOPPED, f"adopted as {engine.state}: the stop was dropped"
         assert stubborn.poll() is not None
     finally:
