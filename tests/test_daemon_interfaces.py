@@ -138,11 +138,12 @@ def test_cli_commands_pause_resume_stop_restart(make_node: MakeNode) -> None:
 
 
 def test_cli_without_a_daemon_fails_fast_with_a_message(tmp_path: Path) -> None:
-    started = time.monotonic()
+    """Told at once, not after the answer timeout (60 s here: the run's 30 s bound fails a
+    client that waits for it)."""
     out = subprocess.run([sys.executable, "-m", "rollout_watchdog", "status", "--control",
-                          f"ipc://{tmp_path}/none"], capture_output=True, text=True, timeout=20)
+                          f"ipc://{tmp_path}/none", "--timeout", "60"],
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode != 0 and "no daemon" in out.stderr
-    assert time.monotonic() - started < 10
 
 
 def test_adoption_does_not_trust_a_reused_pid(make_node: MakeNode) -> None:
@@ -196,11 +197,12 @@ def test_a_stale_socket_file_is_reported_at_once(tmp_path: Path) -> None:
     leftover = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     leftover.bind(str(path))  # a daemon killed by SIGKILL leaves its socket file like this
     leftover.close()
-    started = time.monotonic()
+    # at once, not after the answer timeout (60 s: the run's 30 s bound fails a client that
+    # waits for it)
     out = subprocess.run([sys.executable, "-m", "rollout_watchdog", "status", "--control",
-                          f"ipc://{path}"], capture_output=True, text=True, timeout=20)
+                          f"ipc://{path}", "--timeout", "60"],
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode != 0 and "nobody listening" in out.stderr
-    assert time.monotonic() - started < 4.0  # not the 5 s answer timeout
 
 
 def test_user_mistakes_on_the_command_line_are_messages(tmp_path: Path) -> None:

@@ -89,14 +89,17 @@ def test_an_error_reply_is_command_refused_with_its_reason(standin: StandIn) -> 
 
 
 def test_nothing_listening_is_coordinator_unavailable_in_time() -> None:
+    """Each call is bounded by its timeout: the client's, or the call's own over a client's
+    much longer one (60 s here, so that ignoring the call's would be unmistakable)."""
     address = f"tcp://127.0.0.1:{free_port()}"
     client = FleetClient(address, timeout_s=0.5)
-    started = time.monotonic()
-    with pytest.raises(CoordinatorUnavailable, match=address):
+    with pytest.raises(CoordinatorUnavailable, match=rf"{address} within 0.5 s"):
         client.engines()
-    with pytest.raises(CoordinatorUnavailable):
-        client.restart("n1/e0", timeout_s=0.3)
-    assert time.monotonic() - started < 0.5 + 0.3 + 1.5   # (the rest: a loaded host)
+    patient = FleetClient(address, timeout_s=60.0)
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match="within 0.3 s"):
+        patient.restart("n1/e0", timeout_s=0.3)
+    assert time.monotonic() - started < 30   # well before the client's 60 s
 
 
 def test_a_call_outlives_a_coordinator_restart_with_its_request_id(standin: StandIn) -> None:
@@ -118,13 +121,16 @@ def test_a_call_outlives_a_coordinator_restart_with_its_request_id(standin: Stan
 
 
 def test_wait_until_polls_and_times_out_with_a_message(standin: StandIn) -> None:
-    client = FleetClient(standin.endpoint, timeout_s=1.0)
-    view = client.wait_until(lambda es: any(e.state == "healthy" for e in es), timeout_s=2.0)
+    """The wait ends at its own timeout, not after a poll interval or a call's timeout on top
+    (both 60 s here, so that either would be unmistakable)."""
+    client = FleetClient(standin.endpoint, timeout_s=60.0)
+    view = client.wait_until(lambda es: any(e.state == "healthy" for e in es), timeout_s=30.0)
     assert len(view) == 3
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"within 0.5 s .*n1/e1=starting"):
-        client.wait_until(lambda es: all(e.state == "healthy" for e in es), timeout_s=0.5)
-    assert time.monotonic() - started < 2.5   # not the client's 1 s per poll on top
+        client.wait_until(lambda es: all(e.state == "healthy" for e in es), timeout_s=0.5,
+                          interval_s=60.0)
+    assert time.monotonic() - started < 30   # well before the 60 s interval
 
 
 def test_pickles_to_address_and_key_paths_only(standin: StandIn, tmp_path: Path) -> None:
@@ -168,15 +174,17 @@ def test_events_follow_a_restart_resume_and_come_once(standin: StandIn) -> None:
         standin.publish("n1", "b1", 3)
         standin.held.append(protocol.Event("n2", "b9", 1, {"kind": "adopted", "engine": "e0"}))
         standin.sloppy = True
+        subscribed = len(standin.subscribes)
         standin.restart("coordinator-boot-2")
         standin.node_event("n1", "node_reachable")
         got = _take(first, 3)
-        resume = standin.wait_subscribed(2).resume
+        resume = standin.wait_subscribed(subscribed + 1).resume   # the first to the new one
         assert resume == {"n1": protocol.ResumePoint("b1", 2)}  # node events are no resume point
         assert sorted((e.node_id, e.boot, e.seq) for e in got) == [
             ("n1", "b1", 3), ("n1", "coordinator-boot-2", 1), ("n2", "b9", 1)]
-        # dropped: seqs 1 and 2 resent, and 3 both resent and relayed
-        assert stream.duplicates == 3 and stream.subscriptions == 2
+        # dropped: seqs 1 and 2 resent, and 3 both resent and relayed (more, if a stalled
+        # host made the stream resubscribe once more: each event still came once, above)
+        assert stream.duplicates >= 3 and stream.subscriptions >= 2
         standin.publish("n1", "b1", 4)
         assert next(first).seq == 4
 
@@ -196,7 +204,9 @@ def test_bad_frames_are_dropped_counted_and_logged(
             standin.send_raw(protocol.encode(protocol.Ack("b1", 1)))
             standin.publish("n1", "b1", 1)
             assert next(first).seq == 1
-            assert stream.stats() == {"subscriptions": 1, "duplicates": 0, "bad_frames": 2}
+            stats = stream.stats()   # (a stalled host may make it subscribe once more)
+            assert set(stats) == {"subscriptions", "duplicates", "bad_frames"}
+            assert stats["bad_frames"] == 2 and stats["subscriptions"] >= 1
     logged = [r.getMessage() for r in caplog.records
               if "dropped a bad frame from the coordinator" in r.getMessage()]
     assert len(logged) == 4, logged
@@ -209,8 +219,8 @@ def test_an_idle_stream_ends_when_asked(standin: StandIn) -> None:
     client = FleetClient(standin.endpoint, timeout_s=2.0)
     started = time.monotonic()
     with client.events(idle_s=0.5) as stream:
-        assert list(stream) == []
-    assert 0.5 <= time.monotonic() - started < 3.0
+        assert list(stream) == []   # it ends (the stand-in's heartbeats are no events)
+    assert time.monotonic() - started >= 0.5   # not before it was idle that long
 
 
 # -- against the real coordinator and real node daemons over emulator engines

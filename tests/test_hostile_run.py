@@ -139,7 +139,7 @@ def test_a_stalled_log_reader_never_blocks_the_loop(make_node: Any, tmp_path: Pa
         first = node.wait_state("e0", "healthy")
         for _ in range(700):  # each one logs a line or more
             node.client.call("resume", {"engine": "e0"})
-        assert node.client.call("ping", timeout_s=2.0)
+        assert node.client.call("ping", timeout_s=10.0)
         os.kill(first["pid"], signal.SIGKILL)
         node.wait_state("e0", "healthy", incarnation=2, timeout=20)
     finally:
@@ -174,8 +174,9 @@ def test_engine_logs_are_rotated_not_grown_without_limit(make_node: Any) -> None
     while time.monotonic() < deadline:
         peak = max(peak, sum(f.stat().st_size for f in logs.glob("e0.log*") if f.exists()))
         time.sleep(0.05)
-    # the rotator looks once a second: one second of output (6 MiB) is the slack
-    assert peak <= 3 * 256 * 1024 + 8 * 1024 * 1024, peak
+    # the rotator looks once a second: the slack is about two seconds of output (6 MiB/s), one
+    # look late on a loaded host; growth without a limit is 6 MiB more every second
+    assert peak <= 3 * 256 * 1024 + 16 * 1024 * 1024, peak
 
 
 # ------------------------------------------------------------------ minor findings

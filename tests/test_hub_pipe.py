@@ -68,7 +68,7 @@ def test_reload_keys_wakes_an_embedded_coordinator_at_once(tmp_path: Path,
             nonlocal late   # a new connection each try: libzmq does not retry a refused one
             late.close()
             late = Peer(coordinator.endpoint, curve_of(tmp_path, "stranger"))
-            return late.call("ping", timeout=0.5)
+            return late.call("ping", timeout=2.0)   # (a handshake on a loaded host)
         wait_for(let_in, DEADLINE_S, "the reloaded key let in")
     finally:
         late.close()

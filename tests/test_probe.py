@@ -95,7 +95,7 @@ def runner(server: str) -> Iterator[ProbeRunner]:
     probes = ProbeRunner()
     yield probes
     probes.close()
-    wait_until(lambda: threading.active_count() <= baseline, 2,
+    wait_until(lambda: threading.active_count() <= baseline, 10,
                what=f"thread count back to {baseline} (now {threading.active_count()})")
 
 
@@ -109,7 +109,7 @@ def result_of(runner: ProbeRunner, limit_s: float = 5.0) -> ProbeResult:
 def probe(runner: ProbeRunner, url: str, timeout_s: float = 2.0,
           progress_url: str | None = None) -> ProbeResult:
     assert runner.submit("e", 1, url, timeout_s, progress_url)
-    return result_of(runner, timeout_s + 3)
+    return result_of(runner, timeout_s + 10)
 
 
 def test_200_passes(runner: ProbeRunner, server: str) -> None:
@@ -135,20 +135,18 @@ def test_a_server_that_never_answers_fails_at_the_deadline(runner: ProbeRunner,
                                                            server: str) -> None:
     result = probe(runner, server + "/silent", 0.5)
     assert (result.ok, result.detail) == (False, "no answer within 0.5 s")
-    assert 0.5 <= result.finished - result.started < 2.5   # (the upper bound: a loaded host)
+    assert result.finished - result.started >= 0.5   # (and it ended: `probe` waits with a bound)
 
 
 def test_a_trickling_engine_is_cut_off_at_the_deadline(runner: ProbeRunner, server: str) -> None:
     """A byte every 0.2 s and never a status line: the timeout bounds the whole probe, not each
     read; its socket is closed and its worker is free for the next probe."""
     baseline, trickles = threading.active_count(), TRICKLES["open"]
-    started = time.monotonic()
     assert runner.submit("e", 1, server + "/trickle", 1.0)
     assert threading.active_count() == baseline + 1
-    result = result_of(runner)
-    assert time.monotonic() - started < 3.0   # not 1 s per byte: the bound is the whole probe
+    result = result_of(runner, 30)   # 1 s per read would never end: the trickle goes on
     assert (result.ok, result.detail) == (False, "no answer within 1 s")
-    wait_until(lambda: TRICKLES["open"] == trickles, 2, what="the server to see the socket close")
+    wait_until(lambda: TRICKLES["open"] == trickles, 10, what="the server to see the socket close")
     assert runner.submit("e", 2, server + "/ok", 1.0)  # the same worker takes the next one
     assert result_of(runner).ok
     assert threading.active_count() == baseline + 1
@@ -161,7 +159,7 @@ def test_expire_ends_a_probe_at_once(runner: ProbeRunner, server: str) -> None:
     assert runner.submit("e", 1, server + "/trickle", 30.0)
     deadline = runner.next_deadline()
     assert deadline is not None
-    wait_until(lambda: TRICKLES["started"] > started, 2, what="the probe's request")
+    wait_until(lambda: TRICKLES["started"] > started, 10, what="the probe's request")
     runner.expire(time.monotonic())  # not yet due: nothing happens
     assert runner.in_flight("e") and runner.next_deadline() == deadline
     runner.expire(deadline)
@@ -179,7 +177,7 @@ def test_one_probe_per_engine(runner: ProbeRunner, server: str) -> None:
     assert before + 0.5 <= (runner.next_deadline() or 0) <= time.monotonic() + 0.5
     assert not runner.submit("e", 2, server + "/ok", 0.5), "a second probe of a busy engine"
     assert runner.submit("f", 3, server + "/ok", 0.5), "another engine is not held up"
-    results = wait_until(lambda: [r for r in runner.drain() if r.engine == "e"], 3)
+    results = wait_until(lambda: [r for r in runner.drain() if r.engine == "e"], 10)
     assert [r.probe_id for r in results] == [1]
     assert not runner.in_flight("e")
     assert runner.submit("e", 4, server + "/ok", 0.5), "free again once its result is posted"
@@ -206,31 +204,35 @@ def test_a_timeout_that_cannot_bound_a_probe_is_refused(runner: ProbeRunner, ser
 
 def test_trickling_engines_do_not_starve_a_healthy_one(runner: ProbeRunner, server: str) -> None:
     """Six tricklers and a healthy engine, each probed again once its last probe ended, as the
-    daemon's loop does: the healthy engine passes every time, quickly, and the threads never
-    outnumber the engines (plus one ending)."""
+    daemon's loop does, until the tricklers were each cut off at least once: the healthy
+    engine passes every time, well before a trickler's deadline (2 s; waiting behind one would
+    take that long), and the threads never outnumber the engines (plus one ending)."""
     baseline = threading.active_count()
     urls = {f"t{i}": server + "/trickle" for i in range(6)} | {"ok": server + "/ok"}
     ids = iter(range(1, 10**6))
     healthy: list[ProbeResult] = []
+    cut_off = 0
     peak = 0
-    end = time.monotonic() + 3.0
-    while time.monotonic() < end:
+
+    def turn() -> bool:
+        nonlocal cut_off, peak
         for engine, url in urls.items():
             if not runner.in_flight(engine):
-                assert runner.submit(engine, next(ids), url, 0.7)
+                assert runner.submit(engine, next(ids), url, 2.0)
         peak = max(peak, threading.active_count() - baseline)
         runner.expire(time.monotonic())
         for result in runner.drain():
             if result.engine == "ok":
                 healthy.append(result)
             else:
-                assert (result.ok, result.detail) == (False, "no answer within 0.7 s")
-        time.sleep(0.05)
-    assert len(healthy) >= 10
+                assert (result.ok, result.detail) == (False, "no answer within 2 s")
+                cut_off += 1
+        return len(healthy) >= 10 and cut_off >= 6
+    wait_until(turn, 60, interval=0.05, what="10 healthy probes and 6 tricklers cut off")
     assert all(r.ok for r in healthy), healthy
-    # quickly, as a rule (one probe may meet a stall of a loaded host; none failed above)
+    # as a rule (one probe may meet a stall of a loaded host; none failed above)
     times = sorted(r.finished - r.started for r in healthy)
-    assert times[len(times) // 2] < 0.3, times
+    assert times[len(times) // 2] < 1.0, times
     assert peak <= len(urls) + 1
 
 
@@ -238,8 +240,8 @@ def test_the_progress_get_counts_against_the_same_deadline(runner: ProbeRunner,
                                                           server: str) -> None:
     """Progress then health: each 0.4 s, together past a 0.6 s deadline."""
     result = probe(runner, server + "/slow?0.4", 0.6, progress_url=server + "/slow?0.4")
+    # (with a deadline each, both would pass: 0.4 s is within 0.6 s)
     assert (result.ok, result.detail) == (False, "no answer within 0.6 s")
-    assert result.finished - result.started < 2.0   # not 0.8 s plus a second deadline
     result = probe(runner, server + "/ok", 0.5, progress_url=server + "/trickle")
     assert (result.ok, result.detail) == (False,
                                           "no answer within 0.5 s (during the progress probe)")
@@ -266,11 +268,11 @@ def test_close_aborts_probes_in_flight(server: str) -> None:
     probes = ProbeRunner()
     for i in range(5):
         assert probes.submit(f"e{i}", i, server + ("/trickle" if i % 2 else "/silent"), 30.0)
-    wait_until(lambda: threading.active_count() == baseline + 5, 2)
+    wait_until(lambda: threading.active_count() == baseline + 5, 10)
     started = time.monotonic()
     probes.close()
-    assert time.monotonic() - started < 2.0   # not the probes' 30 s
-    wait_until(lambda: threading.active_count() == baseline, 2)
+    assert time.monotonic() - started < 15   # well before the probes' 30 s
+    wait_until(lambda: threading.active_count() == baseline, 10)
     assert sorted(r.probe_id for r in drain_queue(probes)) == list(range(5))
     assert not probes.submit("e0", 9, server + "/ok", 1.0)
 

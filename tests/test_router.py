@@ -193,7 +193,10 @@ def test_start_reconciles_router_with_desired(router: Router, engines: Engines,
     assert sync.wait_synced(DEADLINE_S), sync.status()
     assert listed_urls(client) == {a, b}
     status = sync.status()
-    assert status["adds"] == 1 and status["removes"] == 1
+    # b posted once, or once more per add job of the router's own that gave up on it (its
+    # health checks, on a loaded host: see the pending-registration test below)
+    assert status["adds"] == 1 + router.failed_add_jobs(b), (status, router.log_tail())
+    assert status["removes"] == 1
     assert status["reachable"] is True and status["last_error"] is None
     assert status["listed"] == sorted([a, b])
 

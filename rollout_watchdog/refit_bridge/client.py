@@ -195,8 +195,9 @@ class FleetClient:
         self._drop(conn)   # the command must not go out later, on a reconnect
         why = " (the CURVE handshake failed: is this client's key authorized?)" \
             if conn.refused else ""
+        # (rounded: a paged call waits what is left of its timeout, 0.499999 s of 0.5 s)
         raise CoordinatorUnavailable(f"no answer from the coordinator at {self.address} "
-                                     f"within {wait:g} s{why}")
+                                     f"within {round(wait, 3):g} s{why}")
 
     def _connection(self) -> _Connection:
         """The calling thread's connection, made on its first call (and after a fork)."""
