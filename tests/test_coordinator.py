@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -537,3 +538,21 @@ def test_sighup_lets_in_a_key_added_to_authorized(tmp_path: Path, keys: Path) ->
     finally:
         late.close()
         coordinator.cleanup()
+
+
+def test_an_ack_that_cannot_be_sent_stays_owed_for_the_next_heartbeat() -> None:
+    """The node's queue full (or no route to it): the ACK is not taken as sent, so the next
+    heartbeat is that ACK, not a plain beat that leaves the node's outbox unacknowledged."""
+    coord = Coordinator(bind="tcp://127.0.0.1:0")   # its hub driven here: no thread, socket
+    hub = coord.hub
+    now, wall = time.monotonic(), time.time()
+    hub.view.hello(protocol.Hello("n1", "b1", [{"id": "e0", "state": "healthy"}], 0), "n1",
+                   now, wall)
+    hub.acks.took("n1", 3)
+    sent: list[bytes] = []
+    hub._send_node = lambda node, frame: False   # type: ignore[method-assign]
+    hub._ack("n1")
+    assert hub.acks.owed("n1")
+    hub._send_node = lambda node, frame: sent.append(frame) or True   # type: ignore
+    hub._ack("n1")
+    assert not hub.acks.owed("n1") and isinstance(protocol.decode(sent[0]), protocol.Ack)

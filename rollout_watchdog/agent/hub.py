@@ -194,9 +194,11 @@ class Hub:
             self._ack(node_id)
 
     def _ack(self, node_id: str) -> None:
+        """ACK what the node sent so far; one that could not be sent (no route, a full queue)
+        stays owed, for its next heartbeat."""
         record = self.view.nodes[node_id]
-        self._send_node(node_id, frames.ack_frame(record.boot, record.received_seq))
-        self.acks.sent(node_id)
+        if self._send_node(node_id, frames.ack_frame(record.boot, record.received_seq)):
+            self.acks.sent(node_id)
 
     def _recv(self) -> tuple[bytes, bytes, str | None] | None:
         """(peer, message, name of its CURVE key); None for a bad frame count. Frame objects
