@@ -173,3 +173,28 @@ def test_an_unusable_state_dir_is_named_and_keeps_its_cause(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="cannot use the state dir") as caught:
         coord.start()
     assert isinstance(caught.value.__cause__, IsADirectoryError)
+
+
+def test_the_standalone_coordinators_start_up_hook_comes_after_the_journal_is_restored(
+        tmp_path: Path) -> None:
+    """`rollout-watchdog coordinator` freezes what start-up made out of the garbage collector
+    in that hook (`common/gc_tuning.py`): the restored relay buffer must be there by then."""
+    journal = Journal(str(tmp_path), keep=100)
+    journal.load()
+    items = [relayed("n1", "b1", seq) for seq in range(1, 4)]
+    journal.append(items, lambda: items)
+    journal.close()
+    coord = Coordinator(bind="tcp://127.0.0.1:0", state_dir=str(tmp_path))
+    seen: list[int] = []
+
+    def opened() -> None:
+        seen.append(len(coord.hub.relay.buffer))
+        os.kill(os.getpid(), signal.SIGTERM)   # run() stops on it, as the service does
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        assert coord.run(opened=opened) == 0
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert seen == [3]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import zmq
@@ -65,11 +66,12 @@ class HubThread:
         if self._pipe is not None:
             self._pipe.send(RELOAD)
 
-    def run(self) -> int:
+    def run(self, opened: Callable[[], None] | None = None) -> int:
         """Serve in this thread until SIGTERM or SIGINT (the standalone coordinator); SIGHUP
-        reloads the authorized keys. The soft open-file limit goes up to the hard one first,
-        so that a flood of connections cannot run it out of descriptors (a driver embedding
-        the coordinator decides that for its own process: `common.limits`)."""
+        reloads the authorized keys; `opened` is called once the hub is open (bound, its
+        journal restored), before it serves. The soft open-file limit goes up to the hard one
+        first, so that a flood of connections cannot run it out of descriptors (a driver
+        embedding the coordinator decides that for its own process: `common.limits`)."""
         old, new = raise_nofile_limit()
         if new != old:
             log.info("open file limit raised from %d to %d", old, new)
@@ -88,6 +90,8 @@ class HubThread:
         log.info("coordinator %s serving on %s%s", self.hub.boot, self.hub.endpoint,
                  " (CURVE)" if self.hub.keys else "")
         try:
+            if opened is not None:
+                opened()
             self.hub.loop(pipe)
         finally:
             self.hub.close()

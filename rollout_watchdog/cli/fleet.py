@@ -143,8 +143,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                                   route_after_first_refit=args.route_after_first_refit,
                                   router_verify_s=args.router_verify_interval,
                                   handshake_timeout_s=args.handshake_timeout)
-        tune_for_service()   # (after the journal's restore: frozen with start-up's objects)
-        return int(coordinator.run())
+        # (once the journal is restored: frozen with start-up's objects)
+        return int(coordinator.run(opened=tune_for_service))
     except (ValueError, OSError, zmq.ZMQError) as exc:  # a refused bind, keys, an address in use
         print(f"rollout-watchdog coordinator: {exc}", file=sys.stderr)
         return EXIT_ERROR

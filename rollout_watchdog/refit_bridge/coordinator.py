@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from types import TracebackType
 
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, encode_reply
@@ -98,10 +99,11 @@ class Coordinator:
         connections."""
         self._serving.reload_keys()
 
-    def run(self) -> int:
+    def run(self, opened: Callable[[], None] | None = None) -> int:
         """Serve in this thread until SIGTERM or SIGINT (the standalone coordinator); SIGHUP
-        reloads the authorized keys (`HubThread.run`)."""
-        return self._serving.run()
+        reloads the authorized keys; `opened` once bound, the journal restored
+        (`HubThread.run`)."""
+        return self._serving.run(opened)
 
     # ------------------------------------------------------------------ the hub's
 
