@@ -10,6 +10,7 @@ import pytest
 
 from rollout_watchdog.common.frames import ack_frame, command_frames
 from rollout_watchdog.common.protocol import (
+    MAJOR,
     MAX_MESSAGE_BYTES,
     Ack,
     Command,
@@ -307,3 +308,20 @@ def test_a_bad_run_is_refused_naming_the_field(fields: dict[str, Any], error: st
     assert error in refused(frame(body))
     inside = {"v": [1, 4], "kind": "events", "events": [body]}
     assert refused(frame(inside)) == f"events[0]: {refused(frame(body))}"
+
+
+def test_an_optional_field_that_is_null_takes_its_default() -> None:
+    """The spec's "?": optional, may be null or absent. A peer that writes `"batches": null`
+    (or `"args": null`) is understood as one that left it out; a wrong type is still refused."""
+    def body(kind: str, **fields: Any) -> bytes:
+        return json.dumps({"v": [MAJOR, 0], "kind": kind, **fields}).encode()
+
+    ack = decode(body("ack", boot="b1", seq=3, batches=None, runs=True, common=None))
+    assert isinstance(ack, Ack) and (ack.batches, ack.runs, ack.common) == (False, True, False)
+    sub = decode(body("subscribe", resume=None, batches=True, runs=None, common=None))
+    assert isinstance(sub, Subscribe) and (sub.batches, sub.runs, sub.common) == (
+        True, False, False)
+    command = decode(body("command", request_id="r1", cmd="ping", args=None))
+    assert isinstance(command, Command) and command.args == {}
+    with pytest.raises(ProtocolError, match="batches"):
+        decode(body("ack", boot="b1", seq=3, batches=0))

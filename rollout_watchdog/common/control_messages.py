@@ -138,8 +138,9 @@ class Subscribe(_Message):
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Subscribe:
-        raw, flags = obj.get("resume"), [obj.get(name, False)
-                                         for name in ("batches", "runs", "common")]
+        raw = obj.get("resume")
+        flags = [False if obj.get(name) is None else obj[name]   # null: the default, as absent
+                 for name in ("batches", "runs", "common")]
         if raw is None:
             return cls(None, *flags)
         _check_object(cls.KIND, "resume", raw)

@@ -93,10 +93,11 @@ class _Message:
 
     @classmethod
     def from_json(cls: type[_M], obj: Mapping[str, Any]) -> _M:
-        """The message in `obj` (its envelope already checked); unknown fields are ignored."""
+        """The message in `obj` (its envelope already checked); unknown fields are ignored,
+        and an optional one that is null is as if absent (the spec's "?": its default)."""
         known: dict[str, Any] = {}
         for name, required in _field_names(cls):
-            if name in obj:
+            if name in obj and (required or obj[name] is not None):
                 known[name] = obj[name]
             elif required:
                 raise ProtocolError(f"{cls.KIND}: missing required field {name!r}")
