@@ -28,12 +28,8 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
 # whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs); then, alone,
 # the `serial` ones: a flood of connections or descriptors, or a bound another test's load would
 # blur (a probe in flight, trickling engines).
-# The heavy modules, longest first (seconds on 2 cores: ~85, 60, 45, 25, 20): xdist hands a
-# worker the next module in this order when it is nearly done, so the long ones do not end up
-# together on one worker at the end of the pass.
-HEAVY_ORDER = ("test_ray_fleet", "test_examples", "test_bench_smoke", "test_demo_fleet",
-               "test_demo")
-HEAVY_MODULES = frozenset(HEAVY_ORDER)
+HEAVY_MODULES = frozenset({
+    "test_ray_fleet", "test_demo", "test_demo_fleet", "test_examples", "test_bench_smoke"})
 SERIAL_MODULES = frozenset({
     "test_hostile_run", "test_coordinator_hostile", "test_control_hardening",
     "test_node_link_robust", "test_refit_scale", "test_probe"})
@@ -68,11 +64,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def heavy_rank(item: pytest.Item) -> int:
-        module = item.module.__name__ if item.module is not None else ""
-        return HEAVY_ORDER.index(module) if module in HEAVY_MODULES else len(HEAVY_ORDER)
-
-    items.sort(key=heavy_rank)   # stable: each module's own order, the others' order kept
     for item in items:
         module = item.module.__name__ if item.module is not None else ""
         name = item.name.split("[")[0]
