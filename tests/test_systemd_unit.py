@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rollout_watchdog.watchdog.daemon import DETACH_EXIT_CODE
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:
@@ -68,6 +70,12 @@ def test_unit_key_settings() -> None:
     assert service["Type"] == "notify"
     assert service["NotifyAccess"] == "main"
     assert service["KillMode"] == "process"
+    # `systemctl restart` (DESIGN: the daemon re-adopts the running engines) sends the signal
+    # on which the daemon leaves its engines running; its exit code is a success to systemd,
+    # and one that restarts it when sent from outside a restart job.
+    assert service["RestartKillSignal"] == "SIGUSR2"
+    assert str(DETACH_EXIT_CODE) in service["SuccessExitStatus"].split()
+    assert str(DETACH_EXIT_CODE) in service["RestartForceExitStatus"].split()
     assert service["Delegate"] == "yes"  # a cgroup per engine incarnation (watchdog/cgroup.py)
     assert service["Restart"] in ("on-failure", "always")
     assert service["OOMPolicy"] == "continue"
