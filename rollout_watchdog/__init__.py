@@ -18,6 +18,7 @@ _LAZY = {
     "EngineView": "rollout_watchdog.refit_bridge.views",
     "FleetEvent": "rollout_watchdog.refit_bridge.views",
     "FleetResult": "rollout_watchdog.refit_bridge.views",
+    "NodeView": "rollout_watchdog.refit_bridge.views",
     "RolloutWatchdogError": "rollout_watchdog.common.errors",
     "CoordinatorUnavailable": "rollout_watchdog.common.errors",
     "CommandRefused": "rollout_watchdog.common.errors",
@@ -29,7 +30,8 @@ _LAZY = {
 }
 __all__ = ["CommandRefused", "Coordinator", "CoordinatorUnavailable", "EngineLost", "EngineSpec",
            "EngineView",
-           "FleetClient", "FleetEvent", "FleetResult", "LeaseLost", "NoMembers", "RefitTimeout",
+           "FleetClient", "FleetEvent", "FleetResult", "LeaseLost", "NodeView", "NoMembers",
+           "RefitTimeout",
            "RolloutWatchdogError", "UpdateRefused", "__version__"]
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     )
     from rollout_watchdog.common.spec import EngineSpec
     from rollout_watchdog.refit_bridge.client import FleetClient
-    from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent, FleetResult
+    from rollout_watchdog.refit_bridge.views import EngineView, FleetEvent, FleetResult, NodeView
 
 
 def __getattr__(name: str) -> Any:
