@@ -40,6 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 from rollout_watchdog.common import frames, protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.handshakes import close_monitored
 from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.common.lograte import worth_logging
 from rollout_watchdog.common.replies import (
@@ -332,9 +333,7 @@ class NodeLink:
         return True
 
     def close(self) -> None:
-        self.socket.disable_monitor()
-        self.monitor.close(linger=0)
-        self.socket.close(linger=0)
+        close_monitored(self.socket, self.monitor)   # (drained first: see common/handshakes)
 
     # ------------------------------------------------------------------ the connection
 
