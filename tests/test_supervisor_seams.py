@@ -3,8 +3,10 @@ OS double, the timers, the persisted fields, the fatal-process rule."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import json
 import os
 import random
 import subprocess
@@ -34,6 +36,7 @@ from rollout_watchdog.watchdog.process import (
     ProcessOps,
     ProcKey,
     ProcStat,
+    is_alive,
     proc_key,
     process_table,
 )
@@ -593,3 +596,43 @@ def test_a_first_launch_still_waiting_survives_a_daemon_restart(tmp_path: Path) 
         if engine.popen is not None:
             engine.popen.kill()
             engine.popen.wait()
+
+
+def test_adoption_resuming_one_kill_leaves_a_later_engines_processes_alone(
+        tmp_path: Path) -> None:
+    """e0's restart had begun (its SIGTERM grace running) and e1 was healthy when the daemon
+    went. The next daemon resumes e0's kill, which looks for escapees before e1 is restored:
+    e1's processes, whose marker no engine carried yet, were SIGKILLed as a finished
+    incarnation's, and e1 "adopted" dead. Now e1 is adopted alive, its pid unchanged."""
+    ignore_term = [sys.executable, "-c",
+                   "import signal, time; signal.signal(15, signal.SIG_IGN); time.sleep(60)"]
+    config = parse_config({
+        "state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
+        "containment": "subreaper", "restart": {"grace_s": 30.0},
+        "engine": [{"id": engine_id, "url": f"http://127.0.0.1:{free_port()}",
+                    "command": ignore_term} for engine_id in ("e0", "e1")]})
+    first = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
+    second: Daemon | None = None
+    try:
+        first.adopt_or_launch()
+        e0, e1 = first.engines["e0"], first.engines["e1"]
+        wait_until(lambda: all(read_marker(e.main.pid) for e in (e0, e1) if e.main), 10,
+                   what="both engines running with their markers")
+        first.supervisor.start_kill(e0, Cause.COMMANDED, "restart", AfterKill.RESTART)
+        first.save_state()   # the daemon goes: e0 stopping, e1 running
+        e1_main = e1.main
+        assert e1_main is not None and is_alive(e1_main)
+        second = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
+        second.adopt_or_launch()
+        adopted = second.engines["e1"]
+        assert adopted.main == e1_main and adopted.state.running
+        assert is_alive(e1_main), "a later engine's process was killed by the resumed kill"
+        kinds = [json.loads(line)["kind"] for line in
+                 second.events.path.read_text().splitlines()]
+        assert "escapee_killed" not in kinds
+    finally:
+        for daemon in (first, second):
+            for engine in (daemon.engines.values() if daemon else ()):
+                for key in engine.procs:
+                    with contextlib.suppress(OSError):
+                        os.kill(key.pid, 9)

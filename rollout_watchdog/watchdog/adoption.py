@@ -34,7 +34,16 @@ def record_of(e: EngineRuntime, clock: Clock) -> EngineRecord:
 
 
 def adopt_or_launch(sup: Supervisor, saved: SavedState | None) -> None:
-    """Adopt what the state file records, launch the rest."""
+    """Adopt what the state file records, launch the rest; no process is taken for an
+    escapee until every engine is restored (Escapees.ready)."""
+    sup.escapees.ready = False
+    try:
+        _adopt_or_launch(sup, saved)
+    finally:
+        sup.escapees.ready = True
+
+
+def _adopt_or_launch(sup: Supervisor, saved: SavedState | None) -> None:
     records = saved.engines if saved else {}
     same_boot = saved is not None and saved.same_boot
     sup.incarnations = Incarnations(saved.incarnations if saved else None)

@@ -32,12 +32,18 @@ class EscapeeSweep:
         self.ops = ops
         self.publisher = publisher
         self._killed: set[ProcKey] = set()
+        # False while adoption restores the engines one by one: an engine not restored yet has
+        # no marker, so its live processes would look like a finished incarnation's (a kill
+        # that adoption resumes looks for escapees before the next engine is restored).
+        self.ready = True
 
     def take_in(self, table: dict[int, ProcStat]) -> bool:
         """Processes of this node's engines that left their trees: one of a current
         incarnation is taken back into it (so the kill reaches it); one of an incarnation that
         is over (an escape before the kill, a copy a crashed daemon never recorded) is killed
         with its descendants. True if any was taken in."""
+        if not self.ready:
+            return False
         taken = False
         self._killed &= {s.key for s in table.values()}
         for stat, marker in self.tracker.escapees(table):
