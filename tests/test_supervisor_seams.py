@@ -636,3 +636,34 @@ def test_adoption_resuming_one_kill_leaves_a_later_engines_processes_alone(
                 for key in engine.procs:
                     with contextlib.suppress(OSError):
                         os.kill(key.pid, 9)
+
+
+def test_a_detach_in_the_turn_a_backoff_ends_leaves_the_engine_to_the_next_daemon(
+        tmp_path: Path) -> None:
+    """SIGUSR2 (`systemctl restart`) arrives while the loop waits, in the turn an engine's
+    backoff ends: that turn's launch, refused while the daemon goes, made the engine STOPPED,
+    and the next daemon kept it stopped until someone restarted it. Now the turn ends at the
+    detach, and the next daemon launches the engine."""
+    first = make_daemon(tmp_path, command=["sleep", "30"])
+    first.setup()
+    second: Daemon | None = None
+    try:
+        engine = first.engines["e0"]
+        engine.state, engine.incarnation = S.BACKOFF, 3
+        engine.backoff_until = first.clock.monotonic()   # due in this turn
+        first.shutdown_requested = "detach"              # as the signal handler sets it
+        first.step()
+        assert engine.state == S.BACKOFF
+        first.save_state()
+        second = make_daemon(tmp_path, command=["sleep", "30"])
+        second.adopt_or_launch()
+        again = second.engines["e0"]
+        wait_until(lambda: (second.supervisor.tick(again, second.clock.monotonic()),
+                            again.state == S.STARTING)[1], 10, what="the engine launched")
+        assert again.incarnation > 3
+    finally:
+        first.teardown()
+        for engine in (second.engines.values() if second else ()):
+            if engine.popen is not None:
+                engine.popen.kill()
+                engine.popen.wait()

@@ -294,6 +294,8 @@ class Daemon:
                 os.read(self._sig_r, 512)
         if self.shutdown_requested and not self._shutdown_started:
             self.begin_shutdown()
+            if self.shutdown_requested == "detach":
+                return   # nothing more: a launch now would be a STOPPED the next daemon keeps
         with self._survive("exits"):
             self.tracker.handle(ready)
             self._reap()
