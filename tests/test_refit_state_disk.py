@@ -37,14 +37,14 @@ def test_the_writer_writes_the_newest_content_and_names_a_failure(tmp_path: Path
         while writer.outcome()[0] < 5:
             wait_readable(writer.wakeup_fd)
         assert json.loads(path.read_text()) == {"n": 4}
-        (tmp_path / "refit.tmp").mkdir()   # the temporary file cannot be made: a failed write
+        (tmp_path / "refit.json.tmp").mkdir()   # the temporary file cannot be made: a failed write
         failing = writer.submit(b'{"n": 5}')
         while writer.outcome()[1] < failing:
             wait_readable(writer.wakeup_fd)
         written, failed, error = writer.outcome()
         assert (written, failed) == (5, failing) and str(tmp_path / "refit.json") in error
         assert json.loads(path.read_text()) == {"n": 4}   # the last good state is kept
-        (tmp_path / "refit.tmp").rmdir()
+        (tmp_path / "refit.json.tmp").rmdir()
         again = writer.submit(b'{"n": 6}')   # the next submission tries again
         while writer.outcome()[0] < again:
             wait_readable(writer.wakeup_fd)
@@ -69,7 +69,7 @@ def call(peer: Peer, cmd: str, timeout: float = 10.0, **fields: Any) -> protocol
 def test_a_failing_disk_refuses_the_lock_and_names_the_file(
         coordinator: Coordinator, tmp_path: Path) -> None:
     state = tmp_path / "state"
-    blocker = state / "refit.tmp"
+    blocker = state / "refit.json.tmp"
     client = Peer(coordinator.endpoint)
     try:
         blocker.mkdir()   # every write of refit.json fails from now on
@@ -102,7 +102,7 @@ def test_a_hung_disk_never_blocks_the_loop_and_the_wait_is_bounded(tmp_path: Pat
     as on a hung disk. The coordinator answers other requests meanwhile (well within the
     write's 6 s, which a blocked loop would make them wait), and the refit reply fails after
     those configured seconds."""
-    fifo = tmp_path / "state" / "refit.tmp"
+    fifo = tmp_path / "state" / "refit.json.tmp"
     with Coordinator(bind="tcp://127.0.0.1:0", state_dir=str(tmp_path / "state"),
                      state_write_timeout_s=6.0) as coordinator:
         os.mkfifo(fifo)

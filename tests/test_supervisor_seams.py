@@ -667,3 +667,26 @@ def test_a_detach_in_the_turn_a_backoff_ends_leaves_the_engine_to_the_next_daemo
             if engine.popen is not None:
                 engine.popen.kill()
                 engine.popen.wait()
+
+
+def test_a_stop_cut_short_leaves_its_kills_to_the_next_daemon(tmp_path: Path) -> None:
+    """The loop left on an error while a stop's kills were still in progress: the state file
+    was written clean (nothing to adopt), so those engines were forgotten, and the next daemon
+    killed them as escapees. Now they stay in it, their kill for the next daemon to finish."""
+    ignore_term = [sys.executable, "-c",
+                   "import signal, time; signal.signal(15, signal.SIG_IGN); time.sleep(60)"]
+    daemon = make_daemon(tmp_path, command=ignore_term, restart={"grace_s": 30.0})
+    daemon.setup()
+    daemon.adopt_or_launch()
+    engine = daemon.engines["e0"]
+    try:
+        daemon.shutdown_requested = "stop"
+        daemon.begin_shutdown()
+        assert engine.kill is not None and not daemon.finished()
+        daemon.teardown()   # as run()'s finally does when the loop raised
+        saved = load_state(daemon.state_path)
+        assert saved is not None and saved.engines["e0"]["state"] == "stopping"
+    finally:
+        if engine.popen is not None:
+            engine.popen.kill()
+            engine.popen.wait()

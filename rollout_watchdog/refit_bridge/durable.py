@@ -20,6 +20,8 @@ import os
 import threading
 from pathlib import Path
 
+from rollout_watchdog.common.atomic_file import write_atomically
+
 JOIN_TIMEOUT_S = 5.0
 STATE_WRITE_TIMEOUT_S = 10.0   # how long a reply waits at most for its state to be on disk
 
@@ -93,15 +95,4 @@ class DurableWriter:
             os.eventfd_write(self.wakeup_fd, 1)
 
     def _write(self, content: bytes) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as out:
-            out.write(content)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)   # the rename itself
-        finally:
-            os.close(fd)
+        write_atomically(self.path, content, durable=True)

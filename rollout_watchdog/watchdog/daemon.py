@@ -265,8 +265,9 @@ class Daemon:
                 sup.transition(engine, S.STOPPED, Cause.COMMANDED, "daemon stopping")
 
     def teardown(self) -> None:
-        # A clean stop leaves nothing to adopt: the next start launches every engine.
-        self.save_state(clean=self.shutdown_requested == "stop")
+        # A stop that finished leaves nothing to adopt: the next start launches every engine.
+        # One cut short (an error in the loop) leaves its kills in progress to the next daemon.
+        self.save_state(clean=self.shutdown_requested == "stop" and self.finished())
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         set_child_subreaper(False)  # a daemon embedded in a process gives the duty back

@@ -68,7 +68,7 @@ class LaunchedSpecs:
             self._write({k: v for k, v in self.tables.items() if k != engine_id})
 
     def _write(self, tables: dict[str, dict[str, Any]]) -> None:
-        write_json(self.path, {"version": VERSION, "engines": tables})
+        write_json(self.path, {"version": VERSION, "engines": tables}, durable=True)
         self.tables = tables
 
 

@@ -19,6 +19,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from rollout_watchdog.common.atomic_file import write_atomically
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import AfterKill, Failure
 from rollout_watchdog.watchdog.incarnations import Incarnations
@@ -219,19 +220,9 @@ def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
     return False
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` as JSON to `path` atomically (a temp file, then rename), mode 0600."""
-    tmp = path.with_name(path.name + ".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+def write_json(path: Path, data: dict[str, Any], *, durable: bool = False) -> None:
+    """Write `data` as JSON to `path` atomically (common.atomic_file), mode 0600."""
+    write_atomically(path, json.dumps(data).encode(), durable=durable)
 
 
 def load_state(path: Path) -> SavedState | None:
