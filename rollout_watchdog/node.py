@@ -13,6 +13,7 @@ from rollout_watchdog.config import NodeConfig
 from rollout_watchdog.watchdog.commands import dispatcher
 from rollout_watchdog.watchdog.control import ControlServer
 from rollout_watchdog.watchdog.daemon import Daemon, ParticipantFactory
+from rollout_watchdog.watchdog.engine_info import EngineInfo
 from rollout_watchdog.watchdog.status import engine_status
 
 
@@ -45,8 +46,13 @@ def fleet_link(daemon: Daemon) -> NodeLink:
     return link
 
 
+def engine_info(daemon: Daemon) -> EngineInfo:
+    """Each engine's tp_size from its /server_info, for status and the fleet view."""
+    return EngineInfo(daemon.supervisor.engines)
+
+
 def node_daemon(config: NodeConfig, **kwargs: Any) -> Daemon:
-    participants: list[ParticipantFactory] = [control_socket]
+    participants: list[ParticipantFactory] = [control_socket, engine_info]
     if config.coordinator:
         participants.append(fleet_link)
     return Daemon(config, participants=participants, **kwargs)

@@ -40,10 +40,11 @@ SERIAL_MODULES = frozenset({
 NO_MODEL_MODULES = frozenset({
     "test_cli_fleet", "test_containment_daemon", "test_control_hardening", "test_coordinator",
     "test_coordinator_journal", "test_daemon_faults", "test_daemon_interfaces",
-    "test_daemon_lifeline", "test_events_follower", "test_fleet_client", "test_fleet_faults",
-    "test_fleet_harness", "test_generation_hooks", "test_hostile_run", "test_incarnations",
-    "test_node_link", "test_node_link_robust", "test_router", "test_runtime_engines",
-    "test_runtime_engines_fleet", "test_runtime_engines_logic", "test_sdnotify"})
+    "test_daemon_lifeline", "test_engine_info", "test_events_follower", "test_fleet_client",
+    "test_fleet_faults", "test_fleet_harness", "test_generation_hooks", "test_hostile_run",
+    "test_incarnations", "test_node_link", "test_node_link_robust", "test_router",
+    "test_runtime_engines", "test_runtime_engines_fleet", "test_runtime_engines_logic",
+    "test_sdnotify"})
 SERIAL_TESTS = {   # module: its serial tests
     "test_coordinator": frozenset({"test_fleet_pause_waits_for_the_inflight_probe"}),
     "test_daemon_logic": frozenset({"test_pause_is_acknowledged_only_after_the_inflight_probe"})}

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
+from rollout_watchdog.common.server_info import SERVER_INFO_PATH, tp_size_of
 
 # SGLang 0.5.21 brought begin_weight_update / end_weight_update, which it then requires.
 SESSION_SINCE = (0, 5, 21)
@@ -127,8 +128,7 @@ def weight_version(url: str, timeout_s: float) -> str | None:
 
 def tp_size(url: str, timeout_s: float) -> int:
     """The ranks the engine takes in a weight-update group: its `tp_size`, else 1."""
-    size = get(url, "/server_info", timeout_s).get("tp_size")
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+    return tp_size_of(get(url, SERVER_INFO_PATH, timeout_s))
 
 
 def responsiveness(url: str, timeout_s: float) -> str:

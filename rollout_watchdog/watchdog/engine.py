@@ -84,6 +84,8 @@ class EngineRuntime:
     dead: set[ProcKey] = field(default_factory=set)
     launched_at: float = 0.0                                      # monotonic
     healthy_since: float | None = None                            # monotonic
+    # (incarnation, tp_size) from the engine's /server_info (engine_info.py); (0, 0): not read
+    server_tp_size: tuple[int, int] = (0, 0)
     # deep probes
     probe_id: int = 0
     probe_started: float | None = None                            # monotonic, None: not waiting
@@ -106,6 +108,15 @@ class EngineRuntime:
     @property
     def id(self) -> str:
         return self.cfg.id
+
+    @property
+    def tp_size(self) -> int | None:
+        """Its ranks in a weight-update group: the config's, else what its /server_info said
+        for this incarnation (engine_info.py), else None (not read yet)."""
+        if self.cfg.tp_size is not None:
+            return self.cfg.tp_size
+        incarnation, size = self.server_tp_size
+        return size if incarnation == self.incarnation else None
 
     @property
     def origin(self) -> str:

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import http.client
 import io
+import json
 import math
 import os
 import queue
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
+from rollout_watchdog.common.server_info import READ_LIMIT, tp_size_of
+
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
 
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
 # accepted within it is not going to.
 MAX_CONNECT_S = 5.0
 PROGRESS_READ_LIMIT = 4 * 1024 * 1024  # bytes of the engine's Prometheus text read at most
+# The most a starting engine's passing probe waits for its /server_info (engine_info.py): it
+# delays that probe's result, and a pause waits for probes in flight.
+INFO_S = 1.0
 DETAIL_LIMIT = 200  # characters of a failure's detail kept (it goes to logs and status JSON)
 
 
@@ -50,6 +56,7 @@ class ProbeResult:
     started: float     # time.monotonic()
     finished: float
     progress: Progress | None = None   # from the progress probe, when there is one
+    tp_size: int | None = None         # from /server_info, when asked for (engine_info.py)
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,7 @@ class ProbeRunner:
         self._flights: dict[str, _Flight] = {}
         # Worker threads, kept for the next probes: a thread is started only when none is
         # idle, so there are never more than the most probes ever in flight at once.
-        self._jobs: queue.SimpleQueue[tuple[str, _Flight, str, str | None] | None] = (
+        self._jobs: queue.SimpleQueue[tuple[str, _Flight, str, str | None, str | None] | None] = (
             queue.SimpleQueue())
         self._workers: list[threading.Thread] = []
         self._idle = 0
@@ -109,7 +116,7 @@ class ProbeRunner:
         os.set_blocking(self._wake_w, False)
 
     def submit(self, engine: str, probe_id: int, url: str, timeout_s: float,
-               progress_url: str | None = None) -> bool:
+               progress_url: str | None = None, info_url: str | None = None) -> bool:
         """Start a probe that ends within timeout_s. False (nothing started) while the engine
         still has a probe in flight, when max_workers are out, or after close; once True,
         exactly one result for this probe comes."""
@@ -125,7 +132,7 @@ class ProbeRunner:
             start_one = self._idle == 0
             if not start_one:
                 self._idle -= 1  # that idle worker takes this job
-        self._jobs.put((engine, flight, url, progress_url))
+        self._jobs.put((engine, flight, url, progress_url, info_url))
         if start_one:
             worker = threading.Thread(target=self._work, name="probe", daemon=True)
             try:
@@ -133,7 +140,7 @@ class ProbeRunner:
                 self._workers.append(worker)
             except RuntimeError as exc:  # no thread to be had: still the one result promised
                 # (the job stays queued; a worker that takes it later finds it answered)
-                self._post(engine, flight, False, f"probe error: {exc}", None)
+                self._post(engine, flight, False, f"probe error: {exc}")
         return True
 
     def in_flight(self, engine: str) -> bool:
@@ -197,11 +204,12 @@ class ProbeRunner:
             with self._lock:
                 self._idle += 1
 
-    def _run(self, engine: str, flight: _Flight, url: str, progress_url: str | None) -> None:
+    def _run(self, engine: str, flight: _Flight, url: str, progress_url: str | None,
+             info_url: str | None) -> None:
         with self._lock:
             if self._flights.get(engine) is not flight:
                 return  # already answered (no thread could be started for it)
-        progress = None
+        progress = tp_size = None
         ok, detail, stage = False, "probe error: no verdict", ""
         try:  # a probe always reports, or its pause is never acknowledged
             if progress_url:  # first: /metrics answers even when the scheduler is stuck
@@ -210,15 +218,30 @@ class ProbeRunner:
                 stage = ""
             status, _ = self._get(flight, url)
             ok, detail = status == 200, f"HTTP {status}"
+            if ok and info_url:
+                tp_size = self._tp_size(flight, info_url)
         except Exception as exc:
             detail = _failure(exc, flight) + stage
         finally:
-            self._post(engine, flight, ok, detail, progress)
+            self._post(engine, flight, ok, detail, progress, tp_size)
+
+    def _tp_size(self, flight: _Flight, url: str) -> int | None:
+        """The engine's tp_size from its /server_info, within INFO_S and the probe's deadline;
+        None when unread (the verdict stands either way: this is not a health check)."""
+        info = _Flight(flight.probe_id, min(INFO_S, max(0.0, flight.deadline
+                                                        - time.monotonic())))
+        if info.timeout_s <= 0:
+            return None
+        try:
+            status, body = self._get(info, url, READ_LIMIT)
+            return tp_size_of(json.loads(body)) if status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError):
+            return None
 
     def _post(self, engine: str, flight: _Flight, ok: bool, detail: str,
-              progress: Progress | None) -> None:
+              progress: Progress | None = None, tp_size: int | None = None) -> None:
         result = ProbeResult(engine, flight.probe_id, ok, printable(detail), flight.started,
-                             time.monotonic(), progress)
+                             time.monotonic(), progress, tp_size)
         with self._lock:
             # Out of the table before the result is seen, so the caller may submit the next.
             if self._flights.get(engine) is flight:

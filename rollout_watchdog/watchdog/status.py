@@ -57,7 +57,7 @@ def engine_status(e: EngineRuntime, clock: Clock, kernel_boot: str) -> dict[str,
         "next_launch": next_launch,
         "pause_deadline": e.paused.deadline if e.paused else None,
         "gpus": list(e.cfg.gpus), "ports": list(e.cfg.ports),
-        "group": e.cfg.group, "tp_size": e.cfg.tp_size, "origin": e.origin,
+        "group": e.cfg.group, "tp_size": e.tp_size, "origin": e.origin,
         "kill": {"phase": e.kill.phase.value, "waiting_for": e.kill.problems}
         if e.kill else None,
     }

@@ -20,6 +20,7 @@ from typing import Any
 
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import EventLog
+from rollout_watchdog.common.server_info import SERVER_INFO_PATH
 from rollout_watchdog.common.states import Cause, EngineState, check_transition
 from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.watchdog import kill, policy
@@ -279,10 +280,14 @@ class Supervisor:
         self._probe_ids += 1
         engine.probe_id = self._probe_ids  # unique across re-registrations
         progress = engine.cfg.probe.progress_path
+        # A starting engine's probe also asks its tp_size, so that the "healthy" event's status
+        # carries it to the fleet view (engine_info.py reads it later if this read fails).
+        info = (engine.cfg.url + SERVER_INFO_PATH
+                if engine.state == S.STARTING and engine.tp_size is None else None)
         if not self.probes.submit(engine.id, engine.probe_id,
                                   engine.cfg.url + engine.cfg.probe.health_path,
                                   engine.cfg.probe.health_timeout_s,
-                                  engine.cfg.url + progress if progress else None):
+                                  engine.cfg.url + progress if progress else None, info):
             engine.next_probe = now + policy.probe_interval(engine.state, engine.cfg.probe)
             return
         engine.probe_started = now
@@ -293,6 +298,8 @@ class Supervisor:
         if engine is None:
             return
         engine.probes_out.discard(result.probe_id)
+        if result.tp_size is not None and result.probe_id == engine.probe_id:
+            engine.server_tp_size = (engine.incarnation, result.tp_size)
         self.judge_probe(engine, result)
 
     def judge_probe(self, engine: EngineRuntime, result: ProbeResult) -> None:
