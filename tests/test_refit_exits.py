@@ -153,8 +153,33 @@ def test_the_callers_own_error_and_the_contracts_pass_untouched() -> None:
     assert translate(lost, Snapshot(Phase.COMMITTED, {A: "read back"}), "v1", 60.0) is lost
     refused = CommandRefused("no", code=protocol.BAD_ARGS)
     assert translate(refused, NOTHING, "v1", 60.0) is refused
-    assert isinstance(translate(mine, Snapshot(Phase.HELD, expired=True), "v1", 9.0),
-                      TimeoutError)   # RefitTimeout is a TimeoutError too
+    assert isinstance(translate(GroupAborted("deadline", []), Snapshot(
+        Phase.HELD, expired=True), "v1", 9.0), TimeoutError)   # RefitTimeout is one too
+
+
+@pytest.mark.parametrize("snap", [
+    Snapshot(Phase.UPDATING, {A: "exited"}), Snapshot(Phase.UPDATING, expired=True),
+    Snapshot(Phase.COMMITTING, lease_lost="lease lost"),
+    Snapshot(Phase.HELD, guard_failed="guard died")], ids=["lost", "late", "lease", "guard"])
+def test_an_interrupt_leaves_the_block_as_it_came_whatever_the_guard_heard(
+        snap: Snapshot) -> None:
+    """Ctrl-C after the deadline, during a broadcast or the commit: still KeyboardInterrupt
+    (it used to become RefitTimeout, EngineLost or LeaseLost)."""
+    for stop in (KeyboardInterrupt(), SystemExit(3)):
+        assert translate(stop, snap, "v1", 60.0) is stop
+
+
+def test_the_callers_own_error_gives_way_to_a_lost_member_only() -> None:
+    """docs/refit.md: re-raised as it is, unless a member was lost meanwhile (then EngineLost,
+    naming it); not swapped for the deadline, the lease or the guard's failure."""
+    mine = KeyError("my iterator broke")
+    for snap in (Snapshot(Phase.UPDATING, expired=True),
+                 Snapshot(Phase.UPDATING, lease_lost="lease lost: late"),
+                 Snapshot(Phase.COMMITTING, lease_lost="lease lost: late"),
+                 Snapshot(Phase.HELD, guard_failed="guard died")):
+        assert translate(mine, snap, "v1", 60.0) is mine
+    lost = translate(mine, Snapshot(Phase.UPDATING, {A: "exited"}, expired=True), "v1", 60.0)
+    assert type(lost) is EngineLost and "n1/e0" in str(lost)
 
 
 # ---------------------------------------------------------------------- scripted coordinator

@@ -189,6 +189,10 @@ def translate(exc: BaseException, snap: Snapshot, version: str, timeout_s: float
     """The error the `with fleet.refit()` block raises for `exc`, which ended it: one of the
     contract's types (errors.py) for anything of ours, the caller's own error untouched.
 
+    - Not an Exception (KeyboardInterrupt, SystemExit): untouched, whatever was heard.
+    - The caller's own error (not one of ours): untouched, unless a member was lost meanwhile
+      (then EngineLost: the retry goes without it). The lease or the deadline never replace
+      it: what the caller's code raised says more than what happened around it.
     - A lost member or the lost lease, as the guard heard them (failure_of), win: the group's
       own errors (GroupAborted, a member's failed call) are their consequences, and they say
       what to do (retry). The deadline or a failed guard win over internal errors only: a
@@ -197,11 +201,15 @@ def translate(exc: BaseException, snap: Snapshot, version: str, timeout_s: float
       UpdateRefused naming every member that refused (the gone ones are lost already).
     - Any other error of ours: RolloutWatchdogError with its text (never an internal type).
     """
-    public = isinstance(exc, RolloutWatchdogError) and type(exc).__module__ == _PUBLIC
+    if not isinstance(exc, Exception):
+        return exc
     heard = failure_of(snap, version, timeout_s, str(exc))
+    if not isinstance(exc, RolloutWatchdogError):
+        return heard if heard is not None and snap.lost else exc
+    public = type(exc).__module__ == _PUBLIC
     if heard is not None and not (public and not snap.lost and not snap.lease_lost):
         return exc if public and isinstance(exc, type(heard)) else heard
-    if public or not isinstance(exc, RolloutWatchdogError):
+    if public:
         return exc
     refused = getattr(exc, "refused", None)
     if isinstance(refused, dict) and refused:
