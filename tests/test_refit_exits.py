@@ -432,6 +432,25 @@ def test_the_callers_error_aborts_and_is_raised_as_it_is(
     assert "my iterator" in next(c for c in lock.asked if c.cmd == "refit_abort").args["reason"]
 
 
+def test_update_weights_refuses_a_bad_call_before_anything_is_sent_and_the_refit_goes_on(
+        standin: StandIn, engines: Engines) -> None:
+    """No tensors (an exhausted generator) or a bad `bucket_bytes`: ValueError before the
+    members are paused (it used to come after the pause and the group's build, and the
+    refit could only abort); the block goes on and commits."""
+    lock = Lock(standin, engines.members())
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    spent = iter([("w", object())])
+    next(spent)
+    with fleet.refit("v1", timeout_s=60, backend="gloo") as refit:
+        for tensors, size in (([], None), (spent, None), ([("w", object())], 0),
+                              ([("w", object())], True), ([("w", object())], "1")):
+            with pytest.raises(ValueError, match="no tensors|bucket_bytes"):
+                refit.update_weights(tensors, bucket_bytes=size)  # type: ignore[arg-type]
+        assert engines.paths == [] and refit.phase is Phase.HELD
+    assert refit.committed and engines.version == "v1"
+    assert lock.cmds() == ["refit_acquire", "refit_commit"]
+
+
 def test_a_member_reporting_another_version_is_engine_lost_the_others_committed(
         standin: StandIn, engines: Engines) -> None:
     lock = Lock(standin, engines.members())

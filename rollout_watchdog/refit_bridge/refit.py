@@ -27,6 +27,7 @@ thread's only. The weight-update group outlives the refit in `refit_state.GROUPS
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -196,6 +197,16 @@ class Refit:
         if self._state.phase is Phase.UPDATING:
             raise RolloutWatchdogError(f"refit {self.version!r}: an earlier update_weights() "
                                        "failed; leave the block and refit again")
+        # A bad argument is refused before anything is sent (docs/refit.md): the members are
+        # not paused for it, and the refit can go on with a call that is right.
+        if bucket_bytes is not None and not (isinstance(bucket_bytes, int | float) and not
+                                             isinstance(bucket_bytes, bool) and bucket_bytes >= 1):
+            raise ValueError(f"bucket_bytes must be a number >= 1, got {bucket_bytes!r}")
+        tensors = iter(named_tensors)
+        first = next(tensors, None)   # (the rest stays lazy)
+        if first is None:
+            raise ValueError("update_weights got no tensors")
+        named_tensors = itertools.chain([first], tensors)
         if self._state.advance(Phase.UPDATING) is Phase.HELD:   # first: whatever fails,
             self._each("pause_generation", lambda url: engine_calls.post(   # the members are
                 url, "/pause_generation", {"mode": self.pause_mode},      # continued
