@@ -334,6 +334,34 @@ def test_a_bad_version_is_a_value_error_before_anything_is_sent(standin: StandIn
     assert standin.commands == []
 
 
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"lease_s": 0.5}, "lease_s"), ({"lease_s": 7200}, "lease_s"), ({"lease_s": "30"}, "lease_s"),
+    ({"lease_s": float("nan")}, "lease_s"), ({"timeout_s": 0}, "timeout_s"),
+    ({"timeout_s": float("inf")}, "timeout_s"), ({"timeout_s": True}, "timeout_s"),
+    ({"backend": "mpi"}, "backend"), ({"backend": None}, "backend"),
+    ({"master_address": "192.0.2.1"}, "master_address"),       # not this machine's
+    ({"master_address": "no-such-host.invalid"}, "master_address"),   # does not resolve
+])
+def test_a_bad_refit_argument_is_a_value_error_naming_it_before_anything_is_sent(
+        standin: StandIn, kwargs: dict[str, Any], name: str) -> None:
+    """Each used to come out later as another type (the coordinator's BAD_ARGS refusal, an
+    OSError from the group's rendezvous after the members were paused, torch's error)."""
+    fleet = FleetClient(standin.endpoint)
+    with pytest.raises(ValueError, match=f"^{name} "):
+        fleet.refit("v1", **kwargs)
+    assert standin.commands == []
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "tcp://127.0.0.1:port", "bogus://x"])
+def test_an_address_zeromq_refuses_is_coordinator_unavailable(address: str) -> None:
+    """Not a raw zmq.ZMQError out of a call (nor out of `with fleet.refit()`)."""
+    fleet = FleetClient(address, timeout_s=0.5)
+    with pytest.raises(CoordinatorUnavailable, match="cannot connect"):
+        fleet.status()
+    with pytest.raises(CoordinatorUnavailable), fleet.refit("v1", timeout_s=1):
+        pytest.fail("the block is not entered")
+
+
 @pytest.mark.parametrize("code", [protocol.LEASE_LOST, None], ids=["1.2", "1.1"])
 def test_a_lease_lost_while_inside_the_block_is_lease_lost(
         standin: StandIn, engines: Engines, code: str | None) -> None:

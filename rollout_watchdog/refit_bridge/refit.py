@@ -54,11 +54,12 @@ from rollout_watchdog.refit_bridge.refit_state import (
     Member,
     Phase,
     RefitGuard,
+    check_arguments,
     failure_of,
     translate,
 )
 from rollout_watchdog.refit_bridge.refit_watch import RENEW_EVERY_S, RefitWatch
-from rollout_watchdog.refit_bridge.rendezvous import master_address_for
+from rollout_watchdog.refit_bridge.rendezvous import free_port, master_address_for
 from rollout_watchdog.refit_bridge.views import EngineView
 from rollout_watchdog.refit_bridge.weights import check_version
 
@@ -93,8 +94,9 @@ class Refit:
                  timeout_s: float = 600.0, backend: str = "nccl",
                  master_address: str | None = None, pause_mode: str = PAUSE_MODE) -> None:
         check_version(version)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        check_arguments(lease_s=lease_s, timeout_s=timeout_s, backend=backend)
+        if master_address is not None:   # (the group listens there, later: refused now)
+            free_port(master_address)
         self.client, self.version, self.lease_s = client, version, lease_s
         self.timeout_s, self.backend, self.pause_mode = timeout_s, backend, pause_mode
         self._master_address = master_address
@@ -128,8 +130,8 @@ class Refit:
                                  self.timeout_s, lambda: self._call(
                                      "refit_renew", {}, timeout_s=RENEW_EVERY_S),
                                  self._abort_group)
-        self._watch.start()
         try:
+            self._watch.start()
             result = self._acquire()
             self.token = field_of(result, "token", object, "refit_acquire")   # opaque
             self._compact = "next" in result   # the coordinator pages: it speaks 1.3
@@ -199,9 +201,8 @@ class Refit:
                                        "failed; leave the block and refit again")
         # A bad argument is refused before anything is sent (docs/refit.md): the members are
         # not paused for it, and the refit can go on with a call that is right.
-        if bucket_bytes is not None and not (isinstance(bucket_bytes, int | float) and not
-                                             isinstance(bucket_bytes, bool) and bucket_bytes >= 1):
-            raise ValueError(f"bucket_bytes must be a number >= 1, got {bucket_bytes!r}")
+        if bucket_bytes is not None:
+            check_arguments(bucket_bytes=bucket_bytes)
         tensors = iter(named_tensors)
         first = next(tensors, None)   # (the rest stays lazy)
         if first is None:

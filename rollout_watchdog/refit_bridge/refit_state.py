@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rollout_watchdog.common.commands import Kind, choice, number
 from rollout_watchdog.common.errors import (
     EngineLost,
     LeaseLost,
@@ -22,6 +23,7 @@ from rollout_watchdog.common.errors import (
     RolloutWatchdogError,
     UpdateRefused,
 )
+from rollout_watchdog.refit_bridge.lock import MAX_LEASE_S, MIN_LEASE_S
 
 if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.group import WeightUpdateGroup
@@ -179,6 +181,23 @@ def failure_of(snap: Snapshot, version: str, timeout_s: float, also: str = ""
     if snap.expired:
         return RefitTimeout(f"refit {version!r} ran past its {timeout_s:g} s")
     return None
+
+
+BACKENDS = ("nccl", "gloo")   # the weight-update group's (torch.distributed's names)
+ARGUMENTS: dict[str, Kind] = {
+    "lease_s": number(MIN_LEASE_S, maximum=MAX_LEASE_S),   # the lock's range (lock.py)
+    "timeout_s": number(0.0, above=True), "backend": choice(*BACKENDS),
+    "bucket_bytes": number(1.0)}
+
+
+def check_arguments(**given: object) -> None:
+    """A refit's arguments (ARGUMENTS), checked before anything is sent: a ValueError naming
+    the one that is wrong, never a later error of another type."""
+    for name, value in given.items():
+        try:
+            ARGUMENTS[name](value)
+        except ValueError as exc:
+            raise ValueError(f"{name} {exc}") from None
 
 
 _PUBLIC = RolloutWatchdogError.__module__   # errors.py: the contract's types
