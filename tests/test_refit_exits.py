@@ -187,11 +187,12 @@ def test_the_callers_own_error_gives_way_to_a_lost_member_only() -> None:
 
 class Engines:
     """Engines as small HTTP doubles: they take the refit's quick calls, and report the version
-    they were set to (or `report`, when set)."""
+    they were set to (or `report`, when set; `reports`: by port, for one of them)."""
 
     def __init__(self, count: int) -> None:
         self.version: str | None = None
         self.report: str | None = None
+        self.reports: dict[int, str] = {}
         self.paths: list[str] = []
         engines = self
 
@@ -205,7 +206,8 @@ class Engines:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 engines.paths.append(self.path)
-                self._answer({"weight_version": engines.report or engines.version,
+                self._answer({"weight_version": engines.reports.get(
+                    self.server.server_address[1], engines.report or engines.version),
                               "tp_size": 1, "version": "0.5.21"})
 
             def do_POST(self) -> None:  # noqa: N802
@@ -482,13 +484,44 @@ def test_update_weights_refuses_a_bad_call_before_anything_is_sent_and_the_refit
 def test_a_member_reporting_another_version_is_engine_lost_the_others_committed(
         standin: StandIn, engines: Engines) -> None:
     lock = Lock(standin, engines.members())
-    engines.report = "elsewhere"
+    engines.reports[engines.servers[1].server_address[1]] = "elsewhere"
     fleet = FleetClient(standin.endpoint, timeout_s=2.0)
     with pytest.raises(EngineLost, match="the others committed") as lost, \
             fleet.refit("v1", timeout_s=60) as refit:
         refit.commit()
-    assert sorted(lost.value.lost) == [("n1", "e0", 1), ("n1", "e1", 1)]
+    assert lost.value.lost == [("n1", "e1", 1)]
     assert lock.cmds() == ["refit_acquire", "refit_commit"]
+    assert next(c for c in lock.asked if c.cmd == "refit_commit").args["members"] == [
+        ["n1", "e0", 1]]
+
+
+def test_the_fencing_token_is_never_logged(standin: StandIn, engines: Engines,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The token is shown to its holder's code only (it used to be logged at INFO)."""
+    lock = Lock(standin, engines.members())
+    acquired = lock.answers["refit_acquire"]
+    lock.answers["refit_acquire"] = lambda c: ok(c, {**acquired(c).result,
+                                                     "token": "tok-7f3a9c"})
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with caplog.at_level("DEBUG"), fleet.refit("v1", timeout_s=60):
+        pass
+    assert "lock taken" in caplog.text and "tok-7f3a9c" not in caplog.text
+    assert lock.asked[-1].args["token"] == "tok-7f3a9c"
+
+
+def test_every_member_failing_its_read_back_aborts_and_commits_nothing(
+        standin: StandIn, engines: Engines) -> None:
+    """docs/refit.md: a refit with no member is never committed (the fleet's version would be
+    one no engine holds); it used to send refit_commit with no member."""
+    lock = Lock(standin, engines.members())
+    engines.report = "elsewhere"
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(EngineLost, match="nothing committed") as lost, \
+            fleet.refit("v1", timeout_s=60) as refit:
+        refit.commit()
+    assert sorted(lost.value.lost) == [("n1", "e0", 1), ("n1", "e1", 1)]
+    assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
+    assert not refit.committed
 
 
 # ---------------------------------------------------------------------- the coordinator's side

@@ -158,8 +158,8 @@ class Refit:
             self._finish()
             self._reraise(exc)
             raise
-        log.info("refit %r: lock taken (token %s), %d engine(s)", self.version, self.token,
-                 len(self.engines))
+        # (never the token in a log: it is its holder's alone)
+        log.info("refit %r: lock taken, %d engine(s)", self.version, len(self.engines))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
@@ -275,6 +275,8 @@ class Refit:
             elif reported.get(url) != self.version:
                 wrong.append((engine, f"reports weight_version {reported.get(url)!r}"))
         ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
+        if not ok:   # never a commit with no member: the fleet's version would be no engine's
+            raise self._lost(wrong, "every member: nothing committed")
         self._check()   # a death or the deadline during the checks: no commit
         self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: this call releases
         result = self._call("refit_commit", {   # (a 1.3 coordinator: the compact form)
@@ -288,9 +290,13 @@ class Refit:
             GROUPS.discard(self.client.address, group)
             group.destroy(skip=[in_group[u] for u in unanswered if u in in_group])
         if wrong:
-            self._state.lose((_member(engine), why) for engine, why in wrong)
-            raise EngineLost(list(self._state.snapshot().lost), "; ".join(
-                f"{e.name}: {why}" for e, why in wrong) + " (the others committed)")
+            raise self._lost(wrong, "the others committed")
+
+    def _lost(self, wrong: list[tuple[EngineView, str]], outcome: str) -> EngineLost:
+        """The members that failed their read-back are lost: the error that names them."""
+        self._state.lose((_member(engine), why) for engine, why in wrong)
+        return EngineLost(list(self._state.snapshot().lost), "; ".join(
+            f"{e.name}: {why}" for e, why in wrong) + f" ({outcome})")
 
     # ------------------------------------------------------------------ the lock
 
