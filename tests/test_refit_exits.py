@@ -44,6 +44,7 @@ from rollout_watchdog.refit_bridge.refit_state import (
     RefitGuard,
     Snapshot,
     failure_of,
+    not_empty,
     translate,
 )
 from rollout_watchdog.refit_bridge.service import RefitService
@@ -97,6 +98,21 @@ def test_the_group_registry_keeps_one_group_per_coordinator_and_none_across_a_fo
         os._exit(0 if registry.get("tcp://a:1") is None else 1)   # the parent's, not ours
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert registry.discard("tcp://a:1", first) and registry.get("tcp://a:1") is None
+
+
+def test_the_tensors_are_looked_at_before_the_update_and_stay_lazy() -> None:
+    pulled: list[int] = []
+
+    def tensors() -> Iterator[int | None]:
+        for i in (None, 1, 2):   # (a first item that is None is an item)
+            pulled.append(0 if i is None else i)
+            yield i
+
+    checked = not_empty(tensors())
+    assert pulled == [0]                     # only the first, until the update takes them
+    assert list(checked) == [None, 1, 2] and pulled == [0, 1, 2]
+    with pytest.raises(ValueError, match="no tensors"):
+        not_empty(iter(()))
 
 
 def _member(m: tuple[str, str, int]) -> GroupMember:

@@ -27,7 +27,6 @@ thread's only. The weight-update group outlives the refit in `refit_state.GROUPS
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -56,6 +55,8 @@ from rollout_watchdog.refit_bridge.refit_state import (
     RefitGuard,
     check_arguments,
     failure_of,
+    lock_held,
+    not_empty,
     translate,
 )
 from rollout_watchdog.refit_bridge.refit_watch import RENEW_EVERY_S, RefitWatch
@@ -203,11 +204,7 @@ class Refit:
         # not paused for it, and the refit can go on with a call that is right.
         if bucket_bytes is not None:
             check_arguments(bucket_bytes=bucket_bytes)
-        tensors = iter(named_tensors)
-        first = next(tensors, None)   # (the rest stays lazy)
-        if first is None:
-            raise ValueError("update_weights got no tensors")
-        named_tensors = itertools.chain([first], tensors)
+        named_tensors = not_empty(named_tensors)
         if self._state.advance(Phase.UPDATING) is Phase.HELD:   # first: whatever fails,
             self._each("pause_generation", lambda url: engine_calls.post(   # the members are
                 url, "/pause_generation", {"mode": self.pause_mode},      # continued
@@ -313,7 +310,7 @@ class Refit:
                                          f"an object: {str(result)[:80]}")
                 return result
             except CommandRefused as exc:
-                if not _lock_held(exc):
+                if not lock_held(exc):
                     raise
                 if time.monotonic() + LOCK_RETRY_S >= self.deadline:
                     raise CommandRefused(f"no refit lock within {self.timeout_s:g} s: "
@@ -504,13 +501,6 @@ def _process(engine: EngineView) -> str | None:
     not say): part of the group's membership, so that a new process gets a new group."""
     process = engine.raw.get("process")
     return process if isinstance(process, str) else None
-
-
-def _lock_held(exc: CommandRefused) -> bool:
-    """The refusal of an acquisition says another holder has the lock: its code, or, from a
-    coordinator before protocol 1.2, the holder its result names."""
-    return exc.code == protocol.LOCK_HELD or (exc.code is None and isinstance(exc.result, dict)
-                                              and "holder" in exc.result)
 
 
 __all__ = ["Refit"]

@@ -9,14 +9,17 @@ Pure logic: no I/O, no threads of its own.
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
+from rollout_watchdog.common import protocol
 from rollout_watchdog.common.commands import Kind, choice, number
 from rollout_watchdog.common.errors import (
+    CommandRefused,
     EngineLost,
     LeaseLost,
     RefitTimeout,
@@ -200,6 +203,27 @@ def check_arguments(**given: object) -> None:
             raise ValueError(f"{name} {exc}") from None
 
 
+def lock_held(exc: CommandRefused) -> bool:
+    """The refusal of an acquisition says another holder has the lock: its code, or, from a
+    coordinator before protocol 1.2, the holder its result names."""
+    return exc.code == protocol.LOCK_HELD or (exc.code is None and isinstance(exc.result, dict)
+                                              and "holder" in exc.result)
+
+
+T = TypeVar("T")
+
+
+def not_empty(items: Iterable[T]) -> Iterable[T]:
+    """`items`, still lazy (its first item taken and put back); ValueError when it has none
+    (an exhausted generator): found before the members are paused for an update."""
+    rest = iter(items)
+    first = next(rest, _NONE)
+    if first is _NONE:
+        raise ValueError("update_weights got no tensors")
+    return itertools.chain([cast(T, first)], rest)
+
+
+_NONE = object()
 _PUBLIC = RolloutWatchdogError.__module__   # errors.py: the contract's types
 
 
