@@ -44,6 +44,7 @@ from rollout_watchdog.refit_bridge.refit_state import (
     RefitGuard,
     Snapshot,
     failure_of,
+    not_empty,
     translate,
 )
 from rollout_watchdog.refit_bridge.service import RefitService
@@ -97,6 +98,21 @@ def test_the_group_registry_keeps_one_group_per_coordinator_and_none_across_a_fo
         os._exit(0 if registry.get("tcp://a:1") is None else 1)   # the parent's, not ours
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert registry.discard("tcp://a:1", first) and registry.get("tcp://a:1") is None
+
+
+def test_the_tensors_are_looked_at_before_the_update_and_stay_lazy() -> None:
+    pulled: list[int] = []
+
+    def tensors() -> Iterator[int | None]:
+        for i in (None, 1, 2):   # (a first item that is None is an item)
+            pulled.append(0 if i is None else i)
+            yield i
+
+    checked = not_empty(tensors())
+    assert pulled == [0]                     # only the first, until the update takes them
+    assert list(checked) == [None, 1, 2] and pulled == [0, 1, 2]
+    with pytest.raises(ValueError, match="no tensors"):
+        not_empty(iter(()))
 
 
 def _member(m: tuple[str, str, int]) -> GroupMember:
@@ -153,8 +169,33 @@ def test_the_callers_own_error_and_the_contracts_pass_untouched() -> None:
     assert translate(lost, Snapshot(Phase.COMMITTED, {A: "read back"}), "v1", 60.0) is lost
     refused = CommandRefused("no", code=protocol.BAD_ARGS)
     assert translate(refused, NOTHING, "v1", 60.0) is refused
-    assert isinstance(translate(mine, Snapshot(Phase.HELD, expired=True), "v1", 9.0),
-                      TimeoutError)   # RefitTimeout is a TimeoutError too
+    assert isinstance(translate(GroupAborted("deadline", []), Snapshot(
+        Phase.HELD, expired=True), "v1", 9.0), TimeoutError)   # RefitTimeout is one too
+
+
+@pytest.mark.parametrize("snap", [
+    Snapshot(Phase.UPDATING, {A: "exited"}), Snapshot(Phase.UPDATING, expired=True),
+    Snapshot(Phase.COMMITTING, lease_lost="lease lost"),
+    Snapshot(Phase.HELD, guard_failed="guard died")], ids=["lost", "late", "lease", "guard"])
+def test_an_interrupt_leaves_the_block_as_it_came_whatever_the_guard_heard(
+        snap: Snapshot) -> None:
+    """Ctrl-C after the deadline, during a broadcast or the commit: still KeyboardInterrupt
+    (it used to become RefitTimeout, EngineLost or LeaseLost)."""
+    for stop in (KeyboardInterrupt(), SystemExit(3)):
+        assert translate(stop, snap, "v1", 60.0) is stop
+
+
+def test_the_callers_own_error_gives_way_to_a_lost_member_only() -> None:
+    """docs/refit.md: re-raised as it is, unless a member was lost meanwhile (then EngineLost,
+    naming it); not swapped for the deadline, the lease or the guard's failure."""
+    mine = KeyError("my iterator broke")
+    for snap in (Snapshot(Phase.UPDATING, expired=True),
+                 Snapshot(Phase.UPDATING, lease_lost="lease lost: late"),
+                 Snapshot(Phase.COMMITTING, lease_lost="lease lost: late"),
+                 Snapshot(Phase.HELD, guard_failed="guard died")):
+        assert translate(mine, snap, "v1", 60.0) is mine
+    lost = translate(mine, Snapshot(Phase.UPDATING, {A: "exited"}, expired=True), "v1", 60.0)
+    assert type(lost) is EngineLost and "n1/e0" in str(lost)
 
 
 # ---------------------------------------------------------------------- scripted coordinator
@@ -162,11 +203,12 @@ def test_the_callers_own_error_and_the_contracts_pass_untouched() -> None:
 
 class Engines:
     """Engines as small HTTP doubles: they take the refit's quick calls, and report the version
-    they were set to (or `report`, when set)."""
+    they were set to (or `report`, when set; `reports`: by port, for one of them)."""
 
     def __init__(self, count: int) -> None:
         self.version: str | None = None
         self.report: str | None = None
+        self.reports: dict[int, str] = {}
         self.paths: list[str] = []
         engines = self
 
@@ -180,7 +222,8 @@ class Engines:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 engines.paths.append(self.path)
-                self._answer({"weight_version": engines.report or engines.version,
+                self._answer({"weight_version": engines.reports.get(
+                    self.server.server_address[1], engines.report or engines.version),
                               "tp_size": 1, "version": "0.5.21"})
 
             def do_POST(self) -> None:  # noqa: N802
@@ -309,6 +352,34 @@ def test_a_bad_version_is_a_value_error_before_anything_is_sent(standin: StandIn
     assert standin.commands == []
 
 
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"lease_s": 0.5}, "lease_s"), ({"lease_s": 7200}, "lease_s"), ({"lease_s": "30"}, "lease_s"),
+    ({"lease_s": float("nan")}, "lease_s"), ({"timeout_s": 0}, "timeout_s"),
+    ({"timeout_s": float("inf")}, "timeout_s"), ({"timeout_s": True}, "timeout_s"),
+    ({"backend": "mpi"}, "backend"), ({"backend": None}, "backend"),
+    ({"master_address": "192.0.2.1"}, "master_address"),       # not this machine's
+    ({"master_address": "no-such-host.invalid"}, "master_address"),   # does not resolve
+])
+def test_a_bad_refit_argument_is_a_value_error_naming_it_before_anything_is_sent(
+        standin: StandIn, kwargs: dict[str, Any], name: str) -> None:
+    """Each used to come out later as another type (the coordinator's BAD_ARGS refusal, an
+    OSError from the group's rendezvous after the members were paused, torch's error)."""
+    fleet = FleetClient(standin.endpoint)
+    with pytest.raises(ValueError, match=f"^{name} "):
+        fleet.refit("v1", **kwargs)
+    assert standin.commands == []
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "tcp://127.0.0.1:port", "bogus://x"])
+def test_an_address_zeromq_refuses_is_coordinator_unavailable(address: str) -> None:
+    """Not a raw zmq.ZMQError out of a call (nor out of `with fleet.refit()`)."""
+    fleet = FleetClient(address, timeout_s=0.5)
+    with pytest.raises(CoordinatorUnavailable, match="cannot connect"):
+        fleet.status()
+    with pytest.raises(CoordinatorUnavailable), fleet.refit("v1", timeout_s=1):
+        pytest.fail("the block is not entered")
+
+
 @pytest.mark.parametrize("code", [protocol.LEASE_LOST, None], ids=["1.2", "1.1"])
 def test_a_lease_lost_while_inside_the_block_is_lease_lost(
         standin: StandIn, engines: Engines, code: str | None) -> None:
@@ -407,16 +478,66 @@ def test_the_callers_error_aborts_and_is_raised_as_it_is(
     assert "my iterator" in next(c for c in lock.asked if c.cmd == "refit_abort").args["reason"]
 
 
+def test_update_weights_refuses_a_bad_call_before_anything_is_sent_and_the_refit_goes_on(
+        standin: StandIn, engines: Engines) -> None:
+    """No tensors (an exhausted generator) or a bad `bucket_bytes`: ValueError before the
+    members are paused (it used to come after the pause and the group's build, and the
+    refit could only abort); the block goes on and commits."""
+    lock = Lock(standin, engines.members())
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    spent = iter([("w", object())])
+    next(spent)
+    with fleet.refit("v1", timeout_s=60, backend="gloo") as refit:
+        for tensors, size in (([], None), (spent, None), ([("w", object())], 0),
+                              ([("w", object())], True), ([("w", object())], "1")):
+            with pytest.raises(ValueError, match="no tensors|bucket_bytes"):
+                refit.update_weights(tensors, bucket_bytes=size)  # type: ignore[arg-type]
+        assert engines.paths == [] and refit.phase is Phase.HELD
+    assert refit.committed and engines.version == "v1"
+    assert lock.cmds() == ["refit_acquire", "refit_commit"]
+
+
 def test_a_member_reporting_another_version_is_engine_lost_the_others_committed(
         standin: StandIn, engines: Engines) -> None:
     lock = Lock(standin, engines.members())
-    engines.report = "elsewhere"
+    engines.reports[engines.servers[1].server_address[1]] = "elsewhere"
     fleet = FleetClient(standin.endpoint, timeout_s=2.0)
     with pytest.raises(EngineLost, match="the others committed") as lost, \
             fleet.refit("v1", timeout_s=60) as refit:
         refit.commit()
-    assert sorted(lost.value.lost) == [("n1", "e0", 1), ("n1", "e1", 1)]
+    assert lost.value.lost == [("n1", "e1", 1)]
     assert lock.cmds() == ["refit_acquire", "refit_commit"]
+    assert next(c for c in lock.asked if c.cmd == "refit_commit").args["members"] == [
+        ["n1", "e0", 1]]
+
+
+def test_the_fencing_token_is_never_logged(standin: StandIn, engines: Engines,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The token is shown to its holder's code only (it used to be logged at INFO)."""
+    lock = Lock(standin, engines.members())
+    acquired = lock.answers["refit_acquire"]
+    lock.answers["refit_acquire"] = lambda c: ok(c, {**acquired(c).result,
+                                                     "token": "tok-7f3a9c"})
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with caplog.at_level("DEBUG"), fleet.refit("v1", timeout_s=60):
+        pass
+    assert "lock taken" in caplog.text and "tok-7f3a9c" not in caplog.text
+    assert lock.asked[-1].args["token"] == "tok-7f3a9c"
+
+
+def test_every_member_failing_its_read_back_aborts_and_commits_nothing(
+        standin: StandIn, engines: Engines) -> None:
+    """docs/refit.md: a refit with no member is never committed (the fleet's version would be
+    one no engine holds); it used to send refit_commit with no member."""
+    lock = Lock(standin, engines.members())
+    engines.report = "elsewhere"
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(EngineLost, match="nothing committed") as lost, \
+            fleet.refit("v1", timeout_s=60) as refit:
+        refit.commit()
+    assert sorted(lost.value.lost) == [("n1", "e0", 1), ("n1", "e1", 1)]
+    assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
+    assert not refit.committed
 
 
 # ---------------------------------------------------------------------- the coordinator's side

@@ -247,3 +247,29 @@ def test_a_command_too_big_for_one_message_is_refused_before_it_is_sent() -> Non
         fleet.call("refit_commit", {"holder": "t", "token": "x", "members": rows})
     assert refused.value.code == protocol.TOO_BIG
     fleet.close()
+
+
+def test_an_engine_lost_during_the_acquisitions_pause_is_never_committed() -> None:
+    """The members are listed before the fleet-wide pause (up to 30 s) and again when it
+    answers: an engine that turned suspect meanwhile is not in the client's list, so a compact
+    commit (`members_except`) must not record it at the new version either (it used to: the
+    lease kept the first listing, and the router got an engine with the old weights)."""
+    rows = [{"node_id": "n1", "id": f"e{i}", "incarnation": 1, "tp_size": 1,
+             "url": f"http://127.0.0.1:{i + 1}", "process": f"p{i}"} for i in range(3)]
+    core, service = Core(rows), RefitService(None)
+    core.view.process_of = lambda node, engine, incarnation: f"p{engine[1:]}"
+    pauses: list[Any] = []
+    core.gather = lambda client, cmd, targets, now, finish=None: (   # type: ignore[method-assign]
+        pauses.append(finish) if finish is not None else None)
+    service.handle(core, b"client", protocol.Command(   # type: ignore[arg-type]
+        "r0", "refit_acquire", {"holder": "t", "version": "v1"}), time.monotonic())
+    core.view.nodes["n1"].engines["e1"]["state"] = "suspect"   # while the pause is under way
+    answer = pauses.pop()(SimpleNamespace(reply=lambda: protocol.Reply(
+        "r0", "ok", None, {"nodes": {}, "missing": []})))
+    given = [(m["node_id"], m["id"]) for m in answer.result["members"]]
+    assert given == [("n1", "e0"), ("n1", "e2")]
+    committed = core.call(service, "refit_commit", {
+        "holder": "t", "token": answer.result["token"], "version": "v1", "members_except": []})
+    assert committed.status == "ok" and committed.result["members"] == 2
+    assert service.book.version_of("n1", "e1", 1, "p1") is None
+    assert service.book.version_of("n1", "e2", 1, "p2") == "v1"

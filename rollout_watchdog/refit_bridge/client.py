@@ -162,7 +162,8 @@ class FleetClient:
     def request(self, command: protocol.Command, wait_s: float | None = None
                 ) -> protocol.Reply:
         """Send `command`, return its reply (an error reply included); CoordinatorUnavailable
-        when none comes within `wait_s` (default: the client's timeout); CommandRefused (code
+        when none comes within `wait_s` (default: the client's timeout) or the connection
+        fails (never a raw ZeroMQ error); CommandRefused (code
         TOO_BIG) for a command too big for one message."""
         wait = self.timeout_s if wait_s is None else wait_s
         try:
@@ -171,7 +172,11 @@ class FleetClient:
             raise CommandRefused(f"the {command.cmd} command cannot be sent: {exc}",
                                  code=protocol.TOO_BIG) from None
         deadline = time.monotonic() + wait
-        conn = self._connection()
+        try:
+            conn = self._connection()
+        except zmq.ZMQError as exc:   # an address ZeroMQ refuses, no file descriptor left
+            raise CoordinatorUnavailable(f"cannot connect to the coordinator at "
+                                         f"{self.address}: {exc}") from None
         try:
             while conn.monitor.poll(0):   # what happened since the last call
                 conn.heard(recv_monitor_message(conn.monitor)["event"])
@@ -189,6 +194,10 @@ class FleetClient:
                     reply = self._decode(conn.sock.recv())
                     if reply is not None and reply.request_id == command.request_id:
                         return reply
+        except zmq.ZMQError as exc:   # the connection broke (never a raw ZeroMQ error out)
+            self._drop(conn)
+            raise CoordinatorUnavailable(f"the connection to the coordinator at "
+                                         f"{self.address} failed: {exc}") from None
         except BaseException:
             self._drop(conn)
             raise
@@ -214,7 +223,11 @@ class FleetClient:
             old.close()
         sock = self.socket(connect=False)
         conn = _Connection(sock, sock.get_monitor_socket(handshakes.MONITORED))
-        sock.connect(self.address)
+        try:
+            sock.connect(self.address)
+        except zmq.ZMQError:
+            conn.close()
+            raise
         with self._lock:
             self._conns[me] = conn
         return conn

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -33,6 +32,7 @@ from rollout_watchdog.common.torch_group import (
 from rollout_watchdog.refit_bridge import engine_calls, sockets
 from rollout_watchdog.refit_bridge.buckets import buckets, dtype_name, with_last
 from rollout_watchdog.refit_bridge.member_calls import MemberCalls, unanswered
+from rollout_watchdog.refit_bridge.rendezvous import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -98,13 +98,6 @@ class GroupAborted(RolloutWatchdogError):
         super().__init__(f"weight-update group aborted ({reason}); calls pending at: {names}")
 
 
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
-        probe.bind((address, 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 class WeightUpdateGroup:
     """Rank 0 of one weight-update group over ``members``; build once, update, destroy.
 
@@ -167,7 +160,7 @@ class WeightUpdateGroup:
             raise RuntimeError(f"group {self.group_name} was already built")
         self._detect_server_kinds()
         if not self.master_port:
-            self.master_port = _free_port(self.master_address)
+            self.master_port = free_port(self.master_address)
         self._before = set(sockets.socket_inodes().values())
         init_method = tcp_init_method(self.master_address, self.master_port)
         timeout = datetime.timedelta(seconds=self.init_timeout_s)

@@ -53,11 +53,14 @@ from rollout_watchdog.refit_bridge.refit_state import (
     Member,
     Phase,
     RefitGuard,
+    check_arguments,
     failure_of,
+    lock_held,
+    not_empty,
     translate,
 )
 from rollout_watchdog.refit_bridge.refit_watch import RENEW_EVERY_S, RefitWatch
-from rollout_watchdog.refit_bridge.rendezvous import master_address_for
+from rollout_watchdog.refit_bridge.rendezvous import free_port, master_address_for
 from rollout_watchdog.refit_bridge.views import EngineView
 from rollout_watchdog.refit_bridge.weights import check_version
 
@@ -92,8 +95,9 @@ class Refit:
                  timeout_s: float = 600.0, backend: str = "nccl",
                  master_address: str | None = None, pause_mode: str = PAUSE_MODE) -> None:
         check_version(version)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        check_arguments(lease_s=lease_s, timeout_s=timeout_s, backend=backend)
+        if master_address is not None:   # (the group listens there, later: refused now)
+            free_port(master_address)
         self.client, self.version, self.lease_s = client, version, lease_s
         self.timeout_s, self.backend, self.pause_mode = timeout_s, backend, pause_mode
         self._master_address = master_address
@@ -127,8 +131,8 @@ class Refit:
                                  self.timeout_s, lambda: self._call(
                                      "refit_renew", {}, timeout_s=RENEW_EVERY_S),
                                  self._abort_group)
-        self._watch.start()
         try:
+            self._watch.start()
             result = self._acquire()
             self.token = field_of(result, "token", object, "refit_acquire")   # opaque
             self._compact = "next" in result   # the coordinator pages: it speaks 1.3
@@ -155,8 +159,8 @@ class Refit:
             self._finish()
             self._reraise(exc)
             raise
-        log.info("refit %r: lock taken (token %s), %d engine(s)", self.version, self.token,
-                 len(self.engines))
+        # (never the token in a log: it is its holder's alone)
+        log.info("refit %r: lock taken, %d engine(s)", self.version, len(self.engines))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
@@ -196,6 +200,11 @@ class Refit:
         if self._state.phase is Phase.UPDATING:
             raise RolloutWatchdogError(f"refit {self.version!r}: an earlier update_weights() "
                                        "failed; leave the block and refit again")
+        # A bad argument is refused before anything is sent (docs/refit.md): the members are
+        # not paused for it, and the refit can go on with a call that is right.
+        if bucket_bytes is not None:
+            check_arguments(bucket_bytes=bucket_bytes)
+        named_tensors = not_empty(named_tensors)
         if self._state.advance(Phase.UPDATING) is Phase.HELD:   # first: whatever fails,
             self._each("pause_generation", lambda url: engine_calls.post(   # the members are
                 url, "/pause_generation", {"mode": self.pause_mode},      # continued
@@ -263,6 +272,8 @@ class Refit:
             elif reported.get(url) != self.version:
                 wrong.append((engine, f"reports weight_version {reported.get(url)!r}"))
         ok = [e for e in self.engines if e not in {w for w, _ in wrong}]
+        if not ok:   # never a commit with no member: the fleet's version would be no engine's
+            raise self._lost(wrong, "every member: nothing committed")
         self._check()   # a death or the deadline during the checks: no commit
         self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: this call releases
         result = self._call("refit_commit", {   # (a 1.3 coordinator: the compact form)
@@ -276,9 +287,13 @@ class Refit:
             GROUPS.discard(self.client.address, group)
             group.destroy(skip=[in_group[u] for u in unanswered if u in in_group])
         if wrong:
-            self._state.lose((_member(engine), why) for engine, why in wrong)
-            raise EngineLost(list(self._state.snapshot().lost), "; ".join(
-                f"{e.name}: {why}" for e, why in wrong) + " (the others committed)")
+            raise self._lost(wrong, "the others committed")
+
+    def _lost(self, wrong: list[tuple[EngineView, str]], outcome: str) -> EngineLost:
+        """The members that failed their read-back are lost: the error that names them."""
+        self._state.lose((_member(engine), why) for engine, why in wrong)
+        return EngineLost(list(self._state.snapshot().lost), "; ".join(
+            f"{e.name}: {why}" for e, why in wrong) + f" ({outcome})")
 
     # ------------------------------------------------------------------ the lock
 
@@ -295,7 +310,7 @@ class Refit:
                                          f"an object: {str(result)[:80]}")
                 return result
             except CommandRefused as exc:
-                if not _lock_held(exc):
+                if not lock_held(exc):
                     raise
                 if time.monotonic() + LOCK_RETRY_S >= self.deadline:
                     raise CommandRefused(f"no refit lock within {self.timeout_s:g} s: "
@@ -486,13 +501,6 @@ def _process(engine: EngineView) -> str | None:
     not say): part of the group's membership, so that a new process gets a new group."""
     process = engine.raw.get("process")
     return process if isinstance(process, str) else None
-
-
-def _lock_held(exc: CommandRefused) -> bool:
-    """The refusal of an acquisition says another holder has the lock: its code, or, from a
-    coordinator before protocol 1.2, the holder its result names."""
-    return exc.code == protocol.LOCK_HELD or (exc.code is None and isinstance(exc.result, dict)
-                                              and "holder" in exc.result)
 
 
 __all__ = ["Refit"]

@@ -9,19 +9,24 @@ Pure logic: no I/O, no threads of its own.
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.commands import Kind, choice, number
 from rollout_watchdog.common.errors import (
+    CommandRefused,
     EngineLost,
     LeaseLost,
     RefitTimeout,
     RolloutWatchdogError,
     UpdateRefused,
 )
+from rollout_watchdog.refit_bridge.lock import MAX_LEASE_S, MIN_LEASE_S
 
 if TYPE_CHECKING:
     from rollout_watchdog.refit_bridge.group import WeightUpdateGroup
@@ -181,6 +186,44 @@ def failure_of(snap: Snapshot, version: str, timeout_s: float, also: str = ""
     return None
 
 
+BACKENDS = ("nccl", "gloo")   # the weight-update group's (torch.distributed's names)
+ARGUMENTS: dict[str, Kind] = {
+    "lease_s": number(MIN_LEASE_S, maximum=MAX_LEASE_S),   # the lock's range (lock.py)
+    "timeout_s": number(0.0, above=True), "backend": choice(*BACKENDS),
+    "bucket_bytes": number(1.0)}
+
+
+def check_arguments(**given: object) -> None:
+    """A refit's arguments (ARGUMENTS), checked before anything is sent: a ValueError naming
+    the one that is wrong, never a later error of another type."""
+    for name, value in given.items():
+        try:
+            ARGUMENTS[name](value)
+        except ValueError as exc:
+            raise ValueError(f"{name} {exc}") from None
+
+
+def lock_held(exc: CommandRefused) -> bool:
+    """The refusal of an acquisition says another holder has the lock: its code, or, from a
+    coordinator before protocol 1.2, the holder its result names."""
+    return exc.code == protocol.LOCK_HELD or (exc.code is None and isinstance(exc.result, dict)
+                                              and "holder" in exc.result)
+
+
+T = TypeVar("T")
+
+
+def not_empty(items: Iterable[T]) -> Iterable[T]:
+    """`items`, still lazy (its first item taken and put back); ValueError when it has none
+    (an exhausted generator): found before the members are paused for an update."""
+    rest = iter(items)
+    first = next(rest, _NONE)
+    if first is _NONE:
+        raise ValueError("update_weights got no tensors")
+    return itertools.chain([cast(T, first)], rest)
+
+
+_NONE = object()
 _PUBLIC = RolloutWatchdogError.__module__   # errors.py: the contract's types
 
 
@@ -189,6 +232,10 @@ def translate(exc: BaseException, snap: Snapshot, version: str, timeout_s: float
     """The error the `with fleet.refit()` block raises for `exc`, which ended it: one of the
     contract's types (errors.py) for anything of ours, the caller's own error untouched.
 
+    - Not an Exception (KeyboardInterrupt, SystemExit): untouched, whatever was heard.
+    - The caller's own error (not one of ours): untouched, unless a member was lost meanwhile
+      (then EngineLost: the retry goes without it). The lease or the deadline never replace
+      it: what the caller's code raised says more than what happened around it.
     - A lost member or the lost lease, as the guard heard them (failure_of), win: the group's
       own errors (GroupAborted, a member's failed call) are their consequences, and they say
       what to do (retry). The deadline or a failed guard win over internal errors only: a
@@ -197,11 +244,15 @@ def translate(exc: BaseException, snap: Snapshot, version: str, timeout_s: float
       UpdateRefused naming every member that refused (the gone ones are lost already).
     - Any other error of ours: RolloutWatchdogError with its text (never an internal type).
     """
-    public = isinstance(exc, RolloutWatchdogError) and type(exc).__module__ == _PUBLIC
+    if not isinstance(exc, Exception):
+        return exc
     heard = failure_of(snap, version, timeout_s, str(exc))
+    if not isinstance(exc, RolloutWatchdogError):
+        return heard if heard is not None and snap.lost else exc
+    public = type(exc).__module__ == _PUBLIC
     if heard is not None and not (public and not snap.lost and not snap.lease_lost):
         return exc if public and isinstance(exc, type(heard)) else heard
-    if public or not isinstance(exc, RolloutWatchdogError):
+    if public:
         return exc
     refused = getattr(exc, "refused", None)
     if isinstance(refused, dict) and refused:

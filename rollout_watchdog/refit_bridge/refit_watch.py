@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from rollout_watchdog.agent.pipe import STOP, Pipe
-from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable, LeaseLost
+from rollout_watchdog.common.errors import (
+    CommandRefused,
+    CoordinatorUnavailable,
+    LeaseLost,
+    RolloutWatchdogError,
+)
 from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge.refit_state import Phase, RefitGuard
 from rollout_watchdog.refit_bridge.stream import EventStream
@@ -58,8 +63,11 @@ class RefitWatch:
 
     def start(self) -> None:
         """Start; returns once the thread follows the events (so none of the refit is missed)."""
-        self._pipe = Pipe(zmq.Context.instance(), "refit-guard")   # the thread closes it
-        self._thread.start()
+        try:
+            self._pipe = Pipe(zmq.Context.instance(), "refit-guard")   # the thread closes it
+            self._thread.start()
+        except (RuntimeError, zmq.ZMQError) as exc:   # out of threads or file descriptors
+            raise RolloutWatchdogError(f"the refit's guard thread cannot start: {exc}") from exc
         self._ready.wait(START_TIMEOUT_S)
 
     def renewing(self) -> None:

@@ -37,4 +37,17 @@ def master_address_for(coordinator: str, engine_urls: list[str]) -> str:
     return address_toward(remote[0]) if remote else toward
 
 
-__all__ = ["address_toward", "master_address_for"]
+def free_port(address: str) -> int:
+    """A free TCP port on `address` (the group's rendezvous); ValueError naming the address
+    when it is not one of this machine's (or does not resolve): the TCPStore listens there."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            probe.bind((address, 0))
+            port: int = probe.getsockname()[1]
+            return port
+    except OSError as exc:
+        raise ValueError(f"master_address {address!r} is not an address of this machine "
+                         f"(the trainer's rendezvous listens there): {exc}") from None
+
+
+__all__ = ["address_toward", "free_port", "master_address_for"]

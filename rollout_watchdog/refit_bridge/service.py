@@ -259,7 +259,9 @@ class RefitService:
                                           {"owner": lease.pause_owner}, node_id, engine,
                                           RELEASE_TIMEOUT_S)
                 core.gather(None, resume, [node_id], time.monotonic())
-            lease.listing = self._listing(core, lease)
+            # The client gets this listing, not the one before the pause: the lease holds the
+            # same (a compact commit commits the lease's members less those it names).
+            self._relist(core, lease)
             reply = protocol.Reply(cmd.request_id, "ok", None, {
                 "token": lease.token, "lease_s": lease.lease_s, "version": lease.version,
                 **member_pages.page(lease.listing, None, paged),
@@ -296,9 +298,7 @@ class RefitService:
         lease = self.lock.check(call.args["token"], call.args["holder"], call.now)
         after: member_pages.Cursor | None = call.args["after"]
         if after is None:
-            lease.listing = self._listing(call.core, lease)
-            lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in lease.listing]
-            self._save()
+            self._relist(call.core, lease)
         return member_pages.page(lease.listing, after, call.args["paged"] or after is not None)
 
     @COMMANDS.command("refit_renew", *FENCE)
@@ -430,6 +430,12 @@ class RefitService:
         allowed = None if lease is None else (
             {(n, e) for n, e, _ in lease.members} | set(self.relaunched))
         return membership.refit_members(core.view, self.book, allowed)
+
+    def _relist(self, core: Core, lease: Lease) -> None:
+        """List the members afresh: the lease holds exactly those its holder is given."""
+        lease.listing = self._listing(core, lease)
+        lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in lease.listing]
+        self._save()
 
     def status(self, now: float) -> dict[str, Any]:
         lease = self.lock.lease
