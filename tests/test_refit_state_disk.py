@@ -83,7 +83,14 @@ def test_a_failing_disk_refuses_the_lock_and_names_the_file(
         token = taken.result["token"]
         assert json.loads((state / "refit.json").read_text())["next_token"] \
             == int(token.rsplit("-", 1)[1]) + 1
-        blocker.mkdir()
+
+        def blocked() -> bool:
+            try:
+                blocker.mkdir()
+                return True
+            except FileExistsError:   # the save of the members listed after the pause, still
+                return False          # being written (its temporary file): it ends soon
+        wait_for(blocked, 10, "the disk failing")
         commit = call(client, "refit_commit", args={"holder": "b", "token": token, "version": "v1",
                                                     "members": []})
         assert commit.status == "error"
