@@ -437,8 +437,10 @@ class WeightUpdateGroup:
                 log.warning("NCCL abort of %s failed: %s", self.group_name, exc)
         if self._before is None:
             return
-        count = sockets.shutdown_new_sockets(self._before, self.calls.inodes(),
-                                             only=self._own_sockets)
+        own = self._own_sockets   # (still building: its rendezvous's connections only)
+        count = sockets.shutdown_new_sockets(
+            self._before, self.calls.inodes(),
+            only=own if own is not None else sockets.connected_tcp_inodes(self.master_port))
         log.info("weight-update group %s: %d sockets shut down", self.group_name, count)
 
     def _destroy_pg_bounded(self, pg: ProcessGroup) -> None:

@@ -9,7 +9,9 @@ Listening sockets are left alone: gloo aborts the whole process when its listene
 
 The group's sockets are found as the ones this process opened since a snapshot taken before
 the group was built (Linux ``/proc``; elsewhere nothing is torn down), TCP only, minus
-listeners and minus the sockets the caller says are not the group's (its own HTTP calls).
+listeners and minus the sockets the caller says are not the group's (its own HTTP calls); and
+while it is being built, only those to or from its rendezvous port (the TCPStore's), never
+what another thread of the trainer opened meanwhile.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def socket_inodes() -> dict[int, int]:
     return found
 
 
-def connected_tcp_inodes() -> set[int]:
-    """Inodes of this network namespace's TCP sockets that are not listening."""
+def connected_tcp_inodes(port: int | None = None) -> set[int]:
+    """Inodes of this network namespace's TCP sockets that are not listening (with `port`:
+    only those whose local or remote port it is)."""
     connected: set[int] = set()
     for table in _TCP_TABLES:
         try:
@@ -50,9 +53,15 @@ def connected_tcp_inodes() -> set[int]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) > 9 and fields[3] != _LISTEN:
+            if len(fields) > 9 and fields[3] != _LISTEN and (
+                    port is None or port in (_port_of(fields[1]), _port_of(fields[2]))):
                 connected.add(int(fields[9]))
     return connected
+
+
+def _port_of(address: str) -> int:
+    """The port of a /proc/net/tcp address ("0100007F:1F90")."""
+    return int(address.rsplit(":", 1)[1], 16)
 
 
 def inode_of(sock: socket.socket) -> int:
