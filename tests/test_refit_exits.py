@@ -209,7 +209,6 @@ class Engines:
         self.version: str | None = None
         self.report: str | None = None
         self.reports: dict[int, str] = {}
-        self.refuse: dict[int, str] = {}   # port -> a path it answers with an error
         self.paths: list[str] = []
         engines = self
 
@@ -231,11 +230,6 @@ class Engines:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 engines.paths.append(self.path)
-                if engines.refuse.get(self.server.server_address[1]) == self.path:
-                    self.send_response(500)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
                 if self.path == "/update_weight_version":
                     engines.version = body["new_version"]
                 self._answer({"success": True})
@@ -458,22 +452,6 @@ def test_a_lease_lost_while_waiting_for_relaunched_engines_is_lease_lost(
     with pytest.raises(LeaseLost, match="lease lost"), fleet.refit("v1", timeout_s=60):
         pytest.fail("the block is not entered")
     assert lock.cmds() == ["refit_acquire", "refit_members"]   # nothing to release
-
-
-def test_a_member_lost_for_an_error_it_answered_generates_again_after_the_abort(
-        standin: StandIn, engines: Engines) -> None:
-    """e1 answers pause_generation with an error: it is lost (the refit goes on without it,
-    EngineLost), but it is alive, and is told to continue like the others; left paused, its
-    next deep probe would fail and get it killed."""
-    lock = Lock(standin, engines.members())
-    engines.refuse[engines.servers[1].server_address[1]] = "/pause_generation"
-    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
-    with pytest.raises(EngineLost, match="pause_generation") as lost, \
-            fleet.refit("v1", timeout_s=60) as refit:
-        refit.update_weights([("w", object())])   # type: ignore[list-item]
-    assert lost.value.lost == [("n1", "e1", 1)]
-    assert engines.paths.count("/continue_generation") == 2   # both generate again
-    assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
 
 
 def test_a_member_gone_before_the_update_is_engine_lost_and_the_others_continue(

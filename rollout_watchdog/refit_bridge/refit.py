@@ -424,7 +424,7 @@ class Refit:
             lost = self._state.snapshot().lost
             group.destroy(skip=[m for m in group.members if _of(m) in lost])
         if before.generation_paused:
-            self._continue_generation(skip=set(wedged))
+            self._continue_generation()
         if self.token is None or self._state.snapshot().lease_lost:
             return
         try:
@@ -459,12 +459,11 @@ class Refit:
         if self.token is not None and not snap.lease_lost and snap.phase is not Phase.COMMITTED:
             self._release()
 
-    def _continue_generation(self, skip: set[Member]) -> None:
-        """Let every member generate again but the wedged ones (`skip`: they would not
-        answer): one lost for an error it answered is alive, and left paused its next deep
-        probe would fail and get it killed."""
+    def _continue_generation(self) -> None:
+        """Let the members that are not lost generate again (a wedged one would not answer)."""
         timeout = self._call_timeout()
-        members = [str(e.url) for e in self.engines if _member(e) not in skip]
+        lost = self._state.snapshot().lost
+        members = [str(e.url) for e in self.engines if _member(e) not in lost]
         engine_calls.on_each(members, lambda url: self._continue(url, timeout))
 
     def _continue(self, url: str, timeout_s: float) -> None:
