@@ -34,9 +34,10 @@ def _response(status: int, body: bytes = b"") -> bytes:
 
 
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """One connection, by path: /ok /503 /metrics answer; /trickle sends a byte every 0.2 s and
-    never a status line; /silent never answers; /garbage answers binary garbage; /slow?S waits
-    S seconds, then answers 200 (with metrics)."""
+    """One connection, by path: /ok /503 /metrics answer; /split-metrics answers 200 KB of
+    metrics 0.2 s after its headers; /trickle sends a byte every 0.2 s and never a status line;
+    /silent never answers; /garbage answers binary garbage; /slow?S waits S seconds, then
+    answers 200 (with metrics)."""
     try:
         path = (await reader.readuntil(b"\r\n\r\n")).split(b" ", 2)[1].decode()
         if path == "/trickle":
@@ -45,6 +46,13 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
             await reader.read()  # until the client gives up
         elif path == "/garbage":
             writer.write(GARBAGE)
+        elif path == "/split-metrics":   # a real engine's /metrics: big, after its headers
+            body = METRICS + b"# padding\n" * 20_000
+            head = _response(200, body)[: -len(body)]
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(body)
         elif path.startswith("/slow?"):
             await asyncio.sleep(float(path.split("?", 1)[1]))
             writer.write(_response(200, METRICS))
@@ -252,6 +260,15 @@ def test_progress_comes_with_the_result(runner: ProbeRunner, server: str) -> Non
     assert (result.ok, result.progress) == (True, Progress(tokens=42.0, running=1.0))
     result = probe(runner, server + "/ok", progress_url=server + "/404")
     assert (result.ok, result.progress) == (True, None)  # no metrics: no verdict, no failure
+
+
+def test_a_body_sent_apart_from_its_headers_is_read(runner: ProbeRunner, server: str) -> None:
+    """An SGLang /metrics is bigger than one buffer, and may come after its headers: it was
+    read from a socket http.client had already closed ("Bad file descriptor"), so the
+    progress probe saw nothing and no stall could ever be found."""
+    result = probe(runner, server + "/ok", timeout_s=10.0,
+                   progress_url=server + "/split-metrics")
+    assert (result.ok, result.progress) == (True, Progress(tokens=42.0, running=1.0))
 
 
 def test_garbage_answer_detail_is_escaped_and_trimmed(runner: ProbeRunner, server: str) -> None:

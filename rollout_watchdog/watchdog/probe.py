@@ -289,7 +289,7 @@ class ProbeRunner:
                 sock.settimeout(_left(flight.deadline))
                 if isinstance(sock, ssl.SSLSocket):
                     sock.do_handshake()
-                conn = http.client.HTTPConnection(host, parts.port)
+                conn = _BorrowedConnection(host, parts.port)
                 conn.sock = sock
                 conn.response_class = cast("type[http.client.HTTPResponse]", functools.partial(
                     _DeadlineResponse, deadline=flight.deadline))
@@ -300,6 +300,17 @@ class ProbeRunner:
                 self._hold(flight, None)
         finally:
             sock.close()
+
+
+class _BorrowedConnection(http.client.HTTPConnection):
+    """http.client's connection over a socket the probe owns. On a response that ends the
+    connection, getresponse() closes the connection, which would close the socket before the
+    body is read through it (a body not already buffered with the headers then read as
+    "Bad file descriptor": a /metrics of more than a buffer, or one sent apart from its
+    headers). Here closing only lets go of the socket; the probe closes it once done."""
+
+    def close(self) -> None:
+        self.sock = None
 
 
 class _DeadlineReader(io.RawIOBase):
