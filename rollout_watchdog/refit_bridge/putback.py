@@ -18,6 +18,7 @@ from rollout_watchdog.refit_bridge import engine_calls
 
 log = logging.getLogger(__name__)
 PUTBACK_CALL_S = 5.0   # one engine call; a member that does not answer is left to its watchdog
+SHOWN_ERRORS = 5       # members named in the warning of a put-back that failed somewhere
 
 
 class PutBack:
@@ -35,9 +36,13 @@ class PutBack:
     def _run(self) -> None:
         try:
             errors = engine_calls.on_each(self.urls, self._one)
-            for url, error in errors.items():
-                log.warning("%s: %s not put back in service (its watchdog decides): %s",
-                            self.what, url, error)
+            if errors:   # one line, not one per member: a fleet has thousands
+                shown = "; ".join(f"{url}: {error}" for url, error in
+                                  list(errors.items())[:SHOWN_ERRORS])
+                more = len(errors) - SHOWN_ERRORS
+                log.warning("%s: %d member(s) not put back in service (their watchdogs "
+                            "decide): %s%s", self.what, len(errors), shown,
+                            f"; and {more} more" if more > 0 else "")
         finally:
             self._ended.set()
 
