@@ -616,8 +616,12 @@ def test_adoption_resuming_one_kill_leaves_a_later_engines_processes_alone(
     try:
         first.adopt_or_launch()
         e0, e1 = first.engines["e0"], first.engines["e1"]
-        wait_until(lambda: all(read_marker(e.main.pid) for e in (e0, e1) if e.main), 10,
-                   what="both engines running with their markers")
+
+        def running() -> bool:   # (a first launch may wait a turn for its ports)
+            for engine in (e0, e1):
+                first.supervisor.tick(engine, first.clock.monotonic())
+            return all(e.main is not None and read_marker(e.main.pid) for e in (e0, e1))
+        wait_until(running, 10, what="both engines running with their markers")
         first.supervisor.start_kill(e0, Cause.COMMANDED, "restart", AfterKill.RESTART)
         first.save_state()   # the daemon goes: e0 stopping, e1 running
         e1_main = e1.main
@@ -679,7 +683,9 @@ def test_a_stop_cut_short_leaves_its_kills_to_the_next_daemon(tmp_path: Path) ->
     daemon.setup()
     daemon.adopt_or_launch()
     engine = daemon.engines["e0"]
-    try:
+    try:   # (the first launch may wait a turn for its ports)
+        wait_until(lambda: (daemon.supervisor.tick(engine, daemon.clock.monotonic()),
+                            engine.state.running)[1], 10, what="the engine launched")
         daemon.shutdown_requested = "stop"
         daemon.begin_shutdown()
         assert engine.kill is not None and not daemon.finished()
