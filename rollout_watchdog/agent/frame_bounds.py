@@ -24,11 +24,11 @@ def encoded_size(event: protocol.Event) -> int:
         return protocol.MAX_MESSAGE_BYTES + 1
 
 
-def expands_small(common: object, count: int) -> bool:
+def expands_small(has_common: bool, count: int) -> bool:
     """Whether a run's events, each given its `common` fields again, stay within a few times
     its frame: a node's runs hold at most BATCH_EVENTS; a longer one with `common` (hostile or
     broken) could stand for events of thousands of times its bytes, and goes event by event."""
-    return common is None or count <= protocol.BATCH_EVENTS
+    return not has_common or count <= protocol.BATCH_EVENTS
 
 
 def reencodes_small(frame: bytes) -> bool:

@@ -291,17 +291,17 @@ class Hub:
              ) -> None:
         """A node's run (1.4), taken whole when plain (FleetView.run: no object per event) and
         relayed as it came; else as the events it stands for, each on its own."""
+        common = msg.common is not None
         if len(frame) <= protocol.MAX_RUN_BYTES and frame_bounds.reencodes_small(frame) \
-                and frame_bounds.expands_small(msg.common, len(msg.events)):
+                and frame_bounds.expands_small(common, len(msg.events)):
             own = self.view.run(msg, peer, now, wall)
             if own is not None:
                 self.own_events(own)
                 self.acks.took(peer, len(msg.events))
                 self._relay(Relayed(peer, msg.boot, msg.seq, frame, len(msg.events), msg.KIND,
-                                    msg.common is not None))
+                                    common))
                 return
-        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND,
-                     msg.common is not None)
+        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND, common)
 
     def _events(self, msg: protocol.PlainEvents | protocol.Events, frame: bytes, peer: str,
                 now: float, wall: float, kind: str = protocol.Events.KIND, common: bool = False
@@ -346,7 +346,7 @@ class Hub:
         if taken:
             self.acks.took(peer, len(events))
         if len(new) == len(events) and small and (   # kept together: relayed as it came
-                frame_bounds.expands_small(common or None, len(new))) and all(
+                frame_bounds.expands_small(common, len(new))) and all(
                 e.seq == new[0].seq + i for i, e in enumerate(new)):
             self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind, common))
         else:
