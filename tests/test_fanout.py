@@ -169,3 +169,22 @@ def test_a_reply_too_big_for_one_message_keeps_its_errors_and_counts() -> None:
     assert result["ok"] == 20_000 and result["missing"] == ["nX"]
     assert result["nodes"] == {"n99999": {"status": "error", "reason": "no engine e9",
                                           "result": None}}
+
+
+def test_a_finisher_that_answers_by_itself_leaves_nothing_to_send_or_repeat() -> None:
+    """A refit's lock reply goes out once its listing is on disk: its finisher answers by
+    itself (None), so the gathering has no frame to send and keeps none for a repeat, whose
+    request id then reaches the command again (which knows it is waiting)."""
+    fanout, finished = Fanout(), []
+    cmd = Command("r1", "pause", {"all": True})
+    g = Gathering(CLIENT, cmd, ["n1"], T0 + 5, finish=lambda done: finished.append(done))
+    fanout.start(g)
+    done = fanout.answered(Reply("r1/n1", "ok"), "n1")
+    assert done is g and finished == [g] and (g.finished, g.final, g.frame) == (True, None, b"")
+    assert fanout.known("r1") is None
+    assert fanout.settle(g) is False and finished == [g]   # finished once, not again
+    none = Gathering(CLIENT, Command("r2", "pause", {"all": True}), [], T0 + 5,
+                     finish=lambda done: finished.append(done))
+    fanout.start(none)
+    assert fanout.settle(none) is False and finished == [g, none]   # no node at all: at once
+    assert fanout.settle(none) is False and finished == [g, none]

@@ -12,11 +12,14 @@ wire is test_refit_scale.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import shutil
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -96,9 +99,9 @@ class Core:
 
     def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
                now: float, finish: Any = None) -> None:
-        if finish is not None:
-            self.reply(b"client", finish(SimpleNamespace(reply=lambda: protocol.Reply(
-                cmd.request_id, "ok", None, {"nodes": {}, "missing": []}))))
+        if finish is not None:   # (it answers by itself once its listing is saved)
+            finish(SimpleNamespace(client=client, reply=lambda: protocol.Reply(
+                cmd.request_id, "ok", None, {"nodes": {}, "missing": []})))
 
     def reply(self, client: bytes, reply: protocol.Reply) -> None:
         decoded = protocol.decode(encode_reply(reply))
@@ -264,8 +267,9 @@ def test_an_engine_lost_during_the_acquisitions_pause_is_never_committed() -> No
     service.handle(core, b"client", protocol.Command(   # type: ignore[arg-type]
         "r0", "refit_acquire", {"holder": "t", "version": "v1"}), time.monotonic())
     core.view.nodes["n1"].engines["e1"]["state"] = "suspect"   # while the pause is under way
-    answer = pauses.pop()(SimpleNamespace(reply=lambda: protocol.Reply(
+    pauses.pop()(SimpleNamespace(client=b"client", reply=lambda: protocol.Reply(
         "r0", "ok", None, {"nodes": {}, "missing": []})))
+    answer = core.replies[-1]
     given = [(m["node_id"], m["id"]) for m in answer.result["members"]]
     assert given == [("n1", "e0"), ("n1", "e2")]
     committed = core.call(service, "refit_commit", {
@@ -273,3 +277,62 @@ def test_an_engine_lost_during_the_acquisitions_pause_is_never_committed() -> No
     assert committed.status == "ok" and committed.result["members"] == 2
     assert service.book.version_of("n1", "e1", 1, "p1") is None
     assert service.book.version_of("n1", "e2", 1, "p2") == "v1"
+
+
+def saved_turns(service: RefitService, until: Callable[[], bool]) -> None:
+    """The coordinator's loop turns for its refit state: woken by the writer, `saved`."""
+    deadline = time.monotonic() + 10
+    while not until():
+        assert time.monotonic() < deadline, "the refit state was not written within 10 s"
+        assert service.wakeup_fd is not None
+        select.select([service.wakeup_fd], [], [], 0.5)
+        service.saved(time.monotonic())
+
+
+@pytest.mark.parametrize("disk", ["works", "fails"])
+def test_the_acquisitions_answer_waits_until_its_members_are_on_disk(
+        tmp_path: Path, disk: str) -> None:
+    """The members listed when the fleet-wide pause answers are what a commit commits, also
+    after a coordinator restart (refit.json): the token goes out only once that listing is on
+    disk, and a listing that cannot be written lets the lock go (NOT_SAVED), since a
+    restarted coordinator would commit the listing from before the pause."""
+    rows = [{"node_id": "n1", "id": f"e{i}", "incarnation": 1, "tp_size": 1,
+             "url": f"http://127.0.0.1:{i + 1}", "process": f"p{i}"} for i in range(3)]
+    state = tmp_path / "state"
+    core, service = Core(rows), RefitService(str(state))
+    pauses: list[Any] = []
+    gathered: list[str] = []
+
+    def gather(client: bytes | None, cmd: protocol.Command, targets: list[str], now: float,
+               finish: Any = None) -> None:
+        gathered.append(cmd.cmd)
+        if finish is not None:
+            pauses.append(finish)
+    core.gather = gather   # type: ignore[method-assign]
+    service.handle(core, b"client", protocol.Command(   # type: ignore[arg-type]
+        "r0", "refit_acquire", {"holder": "t", "version": "v1"}), time.monotonic())
+    saved_turns(service, lambda: bool(pauses))   # the lease on disk: the fleet is paused
+    core.view.nodes["n1"].engines["e1"]["state"] = "suspect"   # while the pause is under way
+    if disk == "fails":
+        (state / "refit.json.tmp").mkdir()   # every write of refit.json fails from now on
+    on_disk_when_answered: list[list[str]] = []
+    reply = core.reply
+
+    def answered(client: bytes, answer: protocol.Reply) -> None:
+        on_disk_when_answered.extend(
+            m[:2] for m in json.loads((state / "refit.json").read_text())["in_flight"])
+        reply(client, answer)
+    core.reply = answered   # type: ignore[method-assign]
+    pauses.pop()(SimpleNamespace(client=b"client", reply=lambda: protocol.Reply(
+        "r0", "ok", None, {"nodes": {}, "missing": []})))
+    saved_turns(service, lambda: bool(core.replies))
+    answer = core.replies[-1]
+    if disk == "works":
+        assert answer.status == "ok", answer
+        assert [m["id"] for m in answer.result["members"]] == ["e0", "e2"]
+        assert on_disk_when_answered == [["n1", "e0"], ["n1", "e2"]]
+        return
+    assert (answer.status, answer.code) == ("error", protocol.NOT_SAVED), answer
+    assert str(answer.reason).startswith("refit lock not taken: cannot write")
+    assert str(state / "refit.json") in str(answer.reason)
+    assert service.lock.lease is None and gathered[-1] == "resume"   # let go, pause lifted

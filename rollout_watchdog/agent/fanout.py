@@ -35,10 +35,12 @@ class Gathering:
     deadline: float                   # monotonic
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)
-    final: protocol.Reply | None = None   # set once complete or expired ...
+    finished: bool = False                # complete or expired: its final reply made ...
+    final: protocol.Reply | None = None   # ... (None: its finisher answers by itself) ...
     frame: bytes = b""                    # ... and encoded, once
-    # Makes the final reply out of the gathered one (a refit's lock reply after its pause).
-    finish: Callable[[Gathering], protocol.Reply] | None = None
+    # Makes the final reply out of the gathered one (a refit's lock reply after its pause);
+    # None: the finisher answers by itself, later (nothing is sent or kept for repeats here).
+    finish: Callable[[Gathering], protocol.Reply | None] | None = None
 
     def complete(self) -> bool:
         """O(gone), not O(answers): asked at each of a fleet-wide command's 1,000 answers."""
@@ -108,8 +110,9 @@ class Fanout:
         return out
 
     def settle(self, gathering: Gathering) -> bool:
-        """Finish a gathering that is complete already (every target gone, or none at all)."""
-        if gathering.complete() and gathering.final is None:
+        """Finish a gathering that is complete already (every target gone, or none at all);
+        whether it has a final reply to send."""
+        if gathering.complete() and not gathering.finished:
             self._finish(gathering)
         return gathering.final is not None
 
@@ -128,9 +131,11 @@ class Fanout:
         self.pending.pop(request_id, None)
         for node in gathering.targets:
             self.by_node_request.pop((node_request_id(request_id, node), node), None)
+        gathering.finished = True
         gathering.final = (gathering.finish(gathering) if gathering.finish is not None
                            else gathering.reply())
-        gathering.frame = self.remember(gathering.final)
+        if gathering.final is not None:
+            gathering.frame = self.remember(gathering.final)
         return gathering
 
     def remember(self, reply: protocol.Reply) -> bytes:

@@ -389,7 +389,7 @@ class Hub:
     # ------------------------------------------------------------------ commands down
 
     def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
-               now: float, finish: Callable[[Gathering], protocol.Reply] | None = None
+               now: float, finish: Callable[[Gathering], protocol.Reply | None] | None = None
                ) -> None:
         """Fan `cmd` out to `targets`; its gathered reply goes to `client` (None: nobody),
         made by `finish` if given."""

@@ -92,7 +92,9 @@ log = logging.getLogger(__name__)
 PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
 RELEASE_TIMEOUT_S = 5.0
 PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
-Finish = Callable[[Gathering], protocol.Reply]
+# Makes a gathering's final reply (a refit's lock reply after its pause); None: it answers
+# by itself, later (once what the reply reports is on disk).
+Finish = Callable[[Gathering], "protocol.Reply | None"]
 
 
 class Core(Protocol):
@@ -241,8 +243,9 @@ class RefitService:
 
     def _acquired(self, core: Core, client: bytes, cmd: protocol.Command, lease: Lease,
                   deadline_s: float, paged: bool) -> None:
-        """The lease is on disk: pause the fleet, relaunch deferred engines, then answer (the
-        first page of the members, for a client that pages)."""
+        """The lease is on disk: pause the fleet, relaunch deferred engines, list the members
+        again, then answer once that listing is on disk too (the first page of the members,
+        for a client that pages)."""
         now = time.monotonic()
         self.relaunched = self._relaunch_deferred(core, now)
         log.info("refit lock taken by %s (refit #%d, version %r, %d member(s))", lease.holder,
@@ -251,7 +254,7 @@ class RefitService:
                                  {"all": True, "deadline_s": deadline_s, "owner": lease.pause_owner,
                                   "wait_s": PAUSE_WAIT_S - 1.0}, None, None, PAUSE_WAIT_S)
 
-        def finish(gathering: Gathering) -> protocol.Reply:
+        def finish(gathering: Gathering) -> None:
             paused = gathering.reply()
             lease.granted(time.monotonic())   # (the pause is bounded by PAUSE_WAIT_S)
             for node_id, engine in self.relaunched:   # a starting engine needs its probes
@@ -270,24 +273,28 @@ class RefitService:
             try:
                 protocol.encode(reply)
             except protocol.ProtocolError as exc:   # never an "ok" stripped of its token
-                return self._unsendable(core, cmd, lease, str(exc) + (
-                    "" if paged else f"; {len(lease.listing)} members: a client of protocol "
-                    "1.3 takes them in pages"))
-            return reply
+                reply = self._not_granted(core, cmd, lease, "the answer cannot be sent (" + str(
+                    exc) + ("" if paged else f"; {len(lease.listing)} members: a client of "
+                            "protocol 1.3 takes them in pages") + ")", protocol.TOO_BIG)
+
+            def saved(to: bytes, error: str | None) -> None:   # (a crash before: the token
+                core.reply(to, reply if error is None or reply.status == "error"   # unknown)
+                           else self._not_granted(core, cmd, lease, error, protocol.NOT_SAVED))
+            self.saves.once_saved(cmd.request_id, gathering.client or client, saved)
         core.gather(client, pause, core.view.reachable(), now, finish)
 
-    def _unsendable(self, core: Core, cmd: protocol.Command, lease: Lease, why: str
-                    ) -> protocol.Reply:
-        """The acquisition's answer cannot be sent: its holder would never know the token, so
-        the lock is let go at once (nothing was done to the members but the pause)."""
-        lease.members = []
-        if self.lock.lease is lease:
+    def _not_granted(self, core: Core, cmd: protocol.Command, lease: Lease, why: str, code: str
+                     ) -> protocol.Reply:
+        """The acquisition cannot be answered with its token (too big to send, or the members
+        not saved): its holder would never know the token, so the lock is let go at once
+        (nothing was done to the members but the pause)."""
+        if self.lock.lease is lease:   # (not ended meanwhile)
+            lease.members = []
             self.lock.lease = None
-        self._ended(core, lease, time.monotonic(), "its answer was too big to send",
-                    expired=False)
-        log.error("refit lock of %s let go: its answer cannot be sent: %s", lease.holder, why)
-        return protocol.Reply(cmd.request_id, "error", f"refit lock not taken: the answer "
-                              f"cannot be sent ({why})", None, protocol.TOO_BIG)
+            self._ended(core, lease, time.monotonic(), why, expired=False)
+        log.error("refit lock of %s let go: %s", lease.holder, why)
+        return protocol.Reply(cmd.request_id, "error", f"refit lock not taken: {why}", None,
+                              code)
 
     @COMMANDS.command("refit_members", *FENCE, Arg("paged", flag, False),
                       Arg("after", member_pages.cursor))
