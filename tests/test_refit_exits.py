@@ -35,7 +35,7 @@ from rollout_watchdog import (
 )
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
-from rollout_watchdog.refit_bridge import refit as refit_module
+from rollout_watchdog.refit_bridge import lock_holder
 from rollout_watchdog.refit_bridge.engine_calls import EngineCallError
 from rollout_watchdog.refit_bridge.group import GroupAborted, GroupMember, GroupMemberFailed
 from rollout_watchdog.refit_bridge.refit_state import (
@@ -210,12 +210,14 @@ class Engines:
         self.report: str | None = None
         self.reports: dict[int, str] = {}
         self.paths: list[str] = []
+        self.failing: dict[tuple[int, str], int] = {}   # (port, path) -> the HTTP status it gets
         engines = self
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
-                self.send_response(200)
+                self.send_response(engines.failing.get(
+                    (self.server.server_address[1], self.path), 200))
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -407,7 +409,7 @@ def test_a_commit_refused_for_its_token_is_lease_lost(
 
 def test_a_commit_without_an_answer_is_coordinator_unavailable(
         standin: StandIn, engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(refit_module, "CALL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(lock_holder, "CALL_TIMEOUT_S", 1.0)
     lock = Lock(standin, engines.members())
     lock.answers["refit_commit"] = lambda c: None
     fleet = FleetClient(standin.endpoint, timeout_s=2.0)
@@ -465,6 +467,22 @@ def test_a_member_gone_before_the_update_is_engine_lost_and_the_others_continue(
         refit.update_weights([("w", object())])   # type: ignore[list-item]
     assert lost.value.lost == [("n1", "e1", 1)]
     assert engines.paths.count("/continue_generation") == 1   # the other one generates again
+    assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
+
+
+def test_a_member_lost_for_an_error_it_answered_is_continued_with_the_others(
+        standin: StandIn, engines: Engines) -> None:
+    """A member whose pause_generation answered an error is lost, but it answers: the abort
+    lets it generate again with the others, not leave it paused until the next refit (a
+    trainer that sends rollouts to the engines' own URLs would wait on it)."""
+    lock = Lock(standin, engines.members())
+    engines.failing[(engines.servers[1].server_address[1], "/pause_generation")] = 500
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(EngineLost, match="pause_generation") as lost, \
+            fleet.refit("v1", timeout_s=60) as refit:
+        refit.update_weights([("w", object())])   # type: ignore[list-item]
+    assert lost.value.lost == [("n1", "e1", 1)]
+    assert engines.paths.count("/continue_generation") == 2
     assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
 
 
@@ -559,8 +577,9 @@ class Core:
                now: float, finish: Any = None) -> None:
         self.gathered.append(cmd)
         if finish is not None:
-            done = SimpleNamespace(reply=lambda: ok(cmd, {"nodes": {}, "missing": []}))
-            self.reply(b"client", finish(done))
+            done = SimpleNamespace(client=client, reply=lambda: ok(cmd, {"nodes": {},
+                                                                       "missing": []}))
+            finish(done)   # (it answers by itself once its listing is saved: at once here)
 
     def reply(self, client: bytes, reply: protocol.Reply) -> None:
         self.replies.append(reply)

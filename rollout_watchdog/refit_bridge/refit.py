@@ -20,7 +20,8 @@ raises when): the group's own errors are internal and translated (refit_state.tr
 
 Threads: the caller's thread runs the block; the guard thread (refit_watch.py) renews, follows
 and watches. What both touch is the `RefitGuard` (phase, failures, the group a failure aborts:
-under its lock, read as snapshots); the token is set before `RefitWatch.renewing()` and the
+under its lock, read as snapshots) and the `LockHolder` (lock_holder.py: every call to the lock,
+which the guard renews through); the token is set before `RefitWatch.renewing()` and the
 members handed over by `RefitWatch.hold()`, once each. Everything else is the caller's
 thread's only. The weight-update group outlives the refit in `refit_state.GROUPS`.
 """
@@ -36,18 +37,15 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import (
-    CommandRefused,
     EngineLost,
-    LeaseLost,
     NoMembers,
     RefitTimeout,
     RolloutWatchdogError,
 )
 from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge import engine_calls
-from rollout_watchdog.refit_bridge.member_pages import collect, field_of
+from rollout_watchdog.refit_bridge.lock_holder import CALL_TIMEOUT_S, LockHolder
 from rollout_watchdog.refit_bridge.refit_state import (
     GROUPS,
     Member,
@@ -55,7 +53,6 @@ from rollout_watchdog.refit_bridge.refit_state import (
     RefitGuard,
     check_arguments,
     failure_of,
-    lock_held,
     not_empty,
     translate,
 )
@@ -68,12 +65,9 @@ if TYPE_CHECKING:
     import torch
 
     from rollout_watchdog.refit_bridge.client import FleetClient
-    from rollout_watchdog.refit_bridge.group import GroupMember, WeightUpdateGroup
+    from rollout_watchdog.refit_bridge.group import WeightUpdateGroup
 
 log = logging.getLogger(__name__)
-LOCK_RETRY_S = 0.5
-ACQUIRE_TIMEOUT_S = 40.0  # the fleet-wide pause waits for in-flight probes (up to 30 s)
-CALL_TIMEOUT_S = 10.0     # one control call to the coordinator or an engine
 # Deep probes paused by the lock come back by themselves this long after the refit's deadline
 # (a safety net, should nothing resume them): never before the refit has ended its way.
 PAUSE_MARGIN_S = 60.0
@@ -83,9 +77,6 @@ ABORT_GRACE_S = 1.0
 # In-flight requests are aborted (they end with finish_reason "abort", as slime does): the
 # cache flush after an update needs an empty queue, which `retract` does not give.
 PAUSE_MODE = "abort"
-# The lock's calls that carry the holder's token: a refusal of one by a coordinator before
-# protocol 1.2 (no code) can only be a fenced token, for the calls this module makes.
-TOKEN_CALLS = ("refit_members", "refit_renew", "refit_commit", "refit_abort", "refit_release")
 
 
 class Refit:
@@ -102,15 +93,20 @@ class Refit:
         self.timeout_s, self.backend, self.pause_mode = timeout_s, backend, pause_mode
         self._master_address = master_address
         self.master_address = master_address or "127.0.0.1"
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.deadline = 0.0
         self._state = RefitGuard()   # shared with the guard thread
-        # The caller's thread only:
-        self.token: Any = None   # the fencing token, opaque: sent back as it came
+        # The caller's thread only (the guard thread renews through the lock too):
+        self._lock = LockHolder(client, version, f"{socket.gethostname()}:{os.getpid()}:"
+                                                 f"{uuid.uuid4().hex[:8]}", self._state)
         self.engines: list[EngineView] = []
         self._compact = False   # commit with `members_except` (a coordinator of 1.3)
         self._group: WeightUpdateGroup | None = None
         self._watch: RefitWatch | None = None
+
+    @property
+    def token(self) -> Any:
+        """The lock's fencing token once acquired (opaque: sent back as it came)."""
+        return self._lock.token
 
     @property
     def phase(self) -> Phase:
@@ -128,18 +124,18 @@ class Refit:
         self._state.advance(Phase.ACQUIRING)
         self.deadline = time.monotonic() + self.timeout_s
         self._watch = RefitWatch(self.client, self.version, self._state, self.deadline,
-                                 self.timeout_s, lambda: self._call(
-                                     "refit_renew", {}, timeout_s=RENEW_EVERY_S),
+                                 self.timeout_s, self._lock.renewer(RENEW_EVERY_S),
                                  self._abort_group)
         try:
             self._watch.start()
-            result = self._acquire()
-            self.token = field_of(result, "token", object, "refit_acquire")   # opaque
+            result = self._lock.acquire(self.lease_s, self.timeout_s + PAUSE_MARGIN_S,
+                                        self.deadline, self.timeout_s)
             self._compact = "next" in result   # the coordinator pages: it speaks 1.3
             self._watch.renewing()
-            members = self._all_members(result, "refit_acquire")
+            members = self._lock.members(result, "refit_acquire")
             if result.get("relaunched"):
-                members = self._wait_for_relaunched(result["relaunched"])
+                members = self._lock.relaunched_members(
+                    result["relaunched"], self.deadline - time.monotonic() - CALL_TIMEOUT_S)
             engines = [EngineView.from_json(m["node_id"], True,
                                             {**m, "state": EngineState.HEALTHY.value})
                        for m in members]
@@ -276,13 +272,13 @@ class Refit:
             raise self._lost(wrong, "every member: nothing committed")
         self._check()   # a death or the deadline during the checks: no commit
         self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: this call releases
-        result = self._call("refit_commit", {   # (a 1.3 coordinator: the compact form)
+        result = self._lock.call("refit_commit", {   # (a 1.3 coordinator: the compact form)
             "version": self.version, "release": True, **(
                 {"members_except": [list(_member(engine)) for engine, _ in wrong]}
                 if self._compact else {"members": [list(_member(e)) for e in ok]})})
         self._state.advance(Phase.COMMITTED)
         if "released" not in result:   # a coordinator before `release` ignores it
-            self._release()
+            self._lock.release()
         if wrong and group is not None:   # not reused with a member in an unknown state
             GROUPS.discard(self.client.address, group)
             group.destroy(skip=[in_group[u] for u in unanswered if u in in_group])
@@ -294,70 +290,6 @@ class Refit:
         self._state.lose((_member(engine), why) for engine, why in wrong)
         return EngineLost(list(self._state.snapshot().lost), "; ".join(
             f"{e.name}: {why}" for e, why in wrong) + f" ({outcome})")
-
-    # ------------------------------------------------------------------ the lock
-
-    def _acquire(self) -> dict[str, Any]:
-        while True:
-            left = self.deadline - time.monotonic()
-            try:
-                _, result = self.client.call("refit_acquire", {
-                    "holder": self.holder, "version": self.version, "lease_s": self.lease_s,
-                    "deadline_s": self.timeout_s + PAUSE_MARGIN_S, "paged": True},
-                    timeout_s=max(0.1, min(ACQUIRE_TIMEOUT_S, left)))   # (a late wake-up)
-                if not isinstance(result, dict):
-                    raise CommandRefused(f"the coordinator's answer to refit_acquire is not "
-                                         f"an object: {str(result)[:80]}")
-                return result
-            except CommandRefused as exc:
-                if not lock_held(exc):
-                    raise
-                if time.monotonic() + LOCK_RETRY_S >= self.deadline:
-                    raise CommandRefused(f"no refit lock within {self.timeout_s:g} s: "
-                                         f"{exc.reason}", code=protocol.LOCK_HELD,
-                                         result=exc.result) from None
-            time.sleep(LOCK_RETRY_S)
-
-    def _all_members(self, first: dict[str, Any], cmd: str) -> list[dict[str, Any]]:
-        """Every member of the listing whose first page `first` is, the others fetched
-        (protocol 1.3; a coordinator before it sends them all at once)."""
-        return collect(first, cmd, lambda cursor: self._call(
-            "refit_members", {"paged": True, "after": cursor}))
-
-    def _wait_for_relaunched(self, relaunched: list[list[str]]) -> list[dict[str, Any]]:
-        """Deferred engines the refit relaunched join once healthy (or at the deadline)."""
-        wanted = {(n, e) for n, e in relaunched}
-        try:
-            self.client.wait_until(
-                lambda view: all(v.state == EngineState.HEALTHY for v in view
-                                 if (v.node_id, v.id) in wanted),
-                max(0.1, self.deadline - time.monotonic() - CALL_TIMEOUT_S))
-        except TimeoutError as exc:
-            log.warning("refit %r: relaunched engines not healthy in time, going on without "
-                        "them: %s", self.version, exc)
-        return self._all_members(self._call("refit_members", {"paged": True}), "refit_members")
-
-    def _call(self, cmd: str, args: dict[str, Any], timeout_s: float | None = None
-              ) -> dict[str, Any]:
-        try:
-            _, result = self.client.call(cmd, {**args, "holder": self.holder,
-                                               "token": self.token},
-                                         timeout_s=timeout_s or CALL_TIMEOUT_S)
-        except CommandRefused as exc:
-            if exc.code == protocol.LEASE_LOST or (exc.code is None and cmd in TOKEN_CALLS
-                                                   and exc.result is None):
-                if cmd != "refit_renew":   # (the guard thread's: RefitWatch records it)
-                    self._state.fenced(exc.reason)
-                raise LeaseLost(exc.reason) from None
-            raise
-        return result if isinstance(result, dict) else {}
-
-    def _release(self) -> None:
-        try:
-            self._call("refit_release", {})
-        except RolloutWatchdogError as exc:
-            log.error("refit %r: lock not released (its lease will end): %s", self.version,
-                      exc)
 
     # ------------------------------------------------------------------ the group
 
@@ -403,7 +335,6 @@ class Refit:
         group.abort(why)
         GROUPS.discard(self.client.address, group)
 
-
     def _check(self) -> None:
         error = failure_of(self._state.snapshot(), self.version, self.timeout_s)
         if error is None and time.monotonic() >= self.deadline:
@@ -412,43 +343,50 @@ class Refit:
             raise error
 
     def _abort(self, reason: str) -> None:
-        """Tear the group down, tell the coordinator (members stale, wedged ones restarted)."""
+        """Tear the group down, end the members' sessions and continue their generation (those
+        that answer), tell the coordinator (members stale, wedged ones restarted)."""
         before = self._state.advance(Phase.ABORTED)
         group = self._state.detach()
         self._group = None
         wedged: list[Member] = []
-        if group is not None:
+        answering: set[str] = set()
+        if group is not None or before.generation_paused:
             self._abort_group(group, "the refit failed")
-            lost = self._state.snapshot().lost
-            wedged = self._wedged([m for m in group.members if _of(m) not in lost])
-            lost = self._state.snapshot().lost
-            group.destroy(skip=[m for m in group.members if _of(m) in lost])
+            answering, wedged = self._responsive(group)
+        if group is not None:
+            group.destroy(skip=[m for m in group.members if m.url not in answering])
         if before.generation_paused:
-            self._continue_generation()
+            self._continue_generation(answering)
         if self.token is None or self._state.snapshot().lease_lost:
             return
         try:
-            self._call("refit_abort", {   # (no members: every member of the listing)
+            self._lock.call("refit_abort", {   # (no members: every member of the listing)
                 "wedged": [list(m) for m in wedged], "reason": reason[:400]})
         except RolloutWatchdogError as exc:
             log.error("refit %r: the coordinator did not record the abort (its lease will "
                       "end and do it): %s", self.version, exc)
 
-    def _wedged(self, candidates: list[GroupMember]) -> list[Member]:
-        """Once the group is torn down, the members (not known lost) that take no further
-        control call: still blocked in the collective (a gloo peer is usually freed by the
-        teardown, but one waiting on a dead peer in gloo's tree is not; an NCCL one waits out
-        its timeout). They are lost and restarted by their watchdogs; members that are gone
-        are lost too. Those that answer are only stale."""
+    def _responsive(self, group: WeightUpdateGroup | None) -> tuple[set[str], list[Member]]:
+        """Once the group (if any) is torn down: the URLs of the members that take a control
+        call, lost or not (each then has its session ended, its side of the group destroyed
+        and its generation continued: one lost for an error it answered would otherwise stay
+        paused), and the wedged. A member of the group that takes none is still blocked in the
+        collective (a gloo peer is usually freed by the teardown, but one waiting on a dead
+        peer in gloo's tree is not; an NCCL one waits out its timeout): wedged, lost and
+        restarted by its watchdog. A member that is gone is lost too. Those that answer are
+        only stale."""
         state: dict[str, str] = {}
-        engine_calls.on_each([m.url for m in candidates], lambda url: state.__setitem__(
+        engine_calls.on_each([str(e.url) for e in self.engines], lambda url: state.__setitem__(
             url, engine_calls.responsiveness(url, ABORT_GRACE_S)))
-        wedged = [_of(m) for m in candidates if state.get(m.url) == "stuck"]
+        lost = self._state.snapshot().lost
+        in_group = set() if group is None else {m.url for m in group.members}
+        wedged = [_member(e) for e in self.engines if state.get(str(e.url)) == "stuck"
+                  and str(e.url) in in_group and _member(e) not in lost]
         self._state.lose([(m, "its update call did not complete and it takes no control "
                               "call (wedged in the collective)") for m in wedged])
-        self._state.lose([(_of(m), "gone (its server refuses connections)")
-                          for m in candidates if state.get(m.url) == "gone"])
-        return wedged
+        self._state.lose([(_member(e), "gone (its server refuses connections)")
+                          for e in self.engines if state.get(str(e.url)) == "gone"])
+        return {url for url, how in state.items() if how == "ok"}, wedged
 
     def _finish(self) -> None:
         """Release the lock. The guard thread is told to stop and not waited for: the pipe
@@ -457,13 +395,12 @@ class Refit:
             self._watch.stop(wait=False)
         snap = self._state.snapshot()
         if self.token is not None and not snap.lease_lost and snap.phase is not Phase.COMMITTED:
-            self._release()
+            self._lock.release()
 
-    def _continue_generation(self) -> None:
-        """Let the members that are not lost generate again (a wedged one would not answer)."""
+    def _continue_generation(self, answering: set[str]) -> None:
+        """Let the members that take control calls generate again (`answering`: their URLs)."""
         timeout = self._call_timeout()
-        lost = self._state.snapshot().lost
-        members = [str(e.url) for e in self.engines if _member(e) not in lost]
+        members = [str(e.url) for e in self.engines if str(e.url) in answering]
         engine_calls.on_each(members, lambda url: self._continue(url, timeout))
 
     def _continue(self, url: str, timeout_s: float) -> None:
@@ -490,10 +427,6 @@ class Refit:
 
 def _member(engine: EngineView) -> Member:
     return (engine.node_id, engine.id, engine.incarnation)
-
-
-def _of(m: GroupMember) -> Member:
-    return (m.node_id, m.engine, m.incarnation)
 
 
 def _process(engine: EngineView) -> str | None:
