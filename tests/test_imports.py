@@ -73,3 +73,24 @@ def test_the_check_sees_a_forbidden_import() -> None:
     """The same check flags the emulator once it is loaded, so the rule above can fail."""
     loaded = _loaded_after("import rollout_watchdog.emulator.server")
     assert "rollout_watchdog.emulator.server" in _forbidden(loaded)
+
+
+# The node daemon's own start-up (what `rollout-watchdog run` imports) and a control command of
+# the CLI: no HTTP client library and no asyncio (a third of their start-up before: `requests`
+# for the coordinator's router defaults, asyncio through pyzmq's monitor helpers).
+DAEMON_AND_CLI = """
+import contextlib, io
+import rollout_watchdog.node
+import rollout_watchdog.watchdog.daemon
+from rollout_watchdog import cli
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    cli.main(["status", "--control", "ipc:///nonexistent/rollout-watchdog-test", "--timeout",
+              "0.5"])
+"""
+
+
+def test_the_daemon_and_a_cli_call_start_without_requests_or_asyncio() -> None:
+    loaded = _loaded_after(DAEMON_AND_CLI)
+    assert {"rollout_watchdog.watchdog.daemon", "rollout_watchdog.cli.client",
+            "rollout_watchdog.refit_bridge.router_sync"} <= loaded   # (the parser's defaults)
+    assert sorted(m for m in loaded if m.split(".")[0] in ("requests", "asyncio")) == []

@@ -29,18 +29,14 @@ from rollout_watchdog.agent import frame_bounds
 from rollout_watchdog.agent.acks import AckSchedule
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
-from rollout_watchdog.agent.hub_socket import (
-    HANDSHAKE_TIMEOUT_S,
-    FailedHandshakes,
-    NodeRoutes,
-    bind_hub,
-)
+from rollout_watchdog.agent.hub_socket import FailedHandshakes, NodeRoutes, bind_hub
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.pipe import RELOAD, STOP, Pipe
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import NamedKeyAuthenticator
 from rollout_watchdog.common import frames, handshakes, protocol
 from rollout_watchdog.common.events import Event
+from rollout_watchdog.common.handshakes import HANDSHAKE_TIMEOUT_S
 from rollout_watchdog.common.lograte import worth_logging
 
 log = logging.getLogger(__name__)

@@ -35,12 +35,11 @@ from collections.abc import Callable, Container, Iterable
 from typing import Any, Protocol, cast
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from rollout_watchdog.common import frames, protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
-from rollout_watchdog.common.handshakes import close_monitored
+from rollout_watchdog.common.handshakes import close_monitored, read_event
 from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.common.lograte import worth_logging
 from rollout_watchdog.common.replies import (
@@ -175,7 +174,7 @@ class NodeLink:
     def handle(self, ready: Container[Any]) -> None:
         if self.monitor in ready:
             while self.monitor.poll(0):
-                self._on_monitor_event(recv_monitor_message(self.monitor)["event"])
+                self._on_monitor_event(read_event(self.monitor).event)
         if self.socket in ready:
             for _ in range(MAX_MESSAGES_PER_ROUND):
                 if not cast(int, self.socket.get(_EVENTS)) & _POLLIN:   # (no zmq.Again: ~5 us)

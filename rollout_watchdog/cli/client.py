@@ -14,8 +14,8 @@ import uuid
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from rollout_watchdog.common.handshakes import read_event
 from rollout_watchdog.config import DEFAULT_CONTROL
 from rollout_watchdog.watchdog.control import socket_listening
 
@@ -96,7 +96,7 @@ class ControlClient:
             ready = dict(poller.poll(max(1, int(left * 1000))))
             if sock in ready:
                 return sock.recv()
-            if monitor in ready and peer_gone(recv_monitor_message(monitor)["event"], path):
+            if monitor in ready and peer_gone(read_event(monitor).event, path):
                 try:  # a reply that came in just before the end is still the answer
                     return sock.recv(zmq.NOBLOCK)
                 except zmq.Again:

@@ -152,7 +152,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def add_coordinator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                            seconds: Callable[[str], float]) -> None:
-    from rollout_watchdog.agent.hub_socket import HANDSHAKE_TIMEOUT_S
+    from rollout_watchdog.common.handshakes import HANDSHAKE_TIMEOUT_S
     from rollout_watchdog.refit_bridge.router_sync import VERIFY_S  # (requests: not at import)
 
     p = sub.add_parser("coordinator", help="run the fleet's coordinator", description=(

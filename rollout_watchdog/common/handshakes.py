@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 TIMEOUT, CLOSED, AUTH, PROTOCOL = "timeout", "closed", "auth", "protocol"
 FAILURE_KINDS = (TIMEOUT, CLOSED, AUTH, PROTOCOL)
@@ -37,6 +37,9 @@ FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
 FAILURES = FAILED[0] | FAILED[1] | FAILED[2]   # a monitor's mask: the failed ones only
 MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILURES   # each handshake's end, either way
 DRAIN_EVENTS = 10_000   # more than a full monitor pipe holds
+# The coordinator drops a connection that has not finished its handshake by then (the CLI's
+# default for `coordinator --handshake-timeout`: here, so that the CLI need not import the hub).
+HANDSHAKE_TIMEOUT_S = 5.0
 # NO_DETAIL's errnos that say the peer went (a read or write failed), not that the timer fired
 _PEER_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.ENOTCONN,
                         errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
@@ -47,6 +50,18 @@ class MonitorEvent(NamedTuple):
     event: int
     value: int
     endpoint: str
+
+
+def read_event(monitor: zmq.Socket[bytes], flags: int = 0) -> MonitorEvent:
+    """One event off a socket monitor (zmq.Again, with NOBLOCK, when none waits). libzmq's v1
+    monitor message: a frame of the event (16 bits) and its value (32 bits), then the endpoint.
+    pyzmq's `zmq.utils.monitor` reads the same, but importing it imports asyncio: a third of
+    the start-up of a node daemon or a CLI call."""
+    frames = monitor.recv_multipart(flags)
+    if len(frames) != 2 or len(frames[0]) != 6:
+        raise zmq.ZMQError(msg=f"not a socket monitor's message: {frames!r:.80}")
+    event, value = struct.unpack("=hi", frames[0])
+    return MonitorEvent(event, value, frames[1].decode(errors="replace"))
 
 
 def failure_kind(event: int, value: int) -> str | None:
@@ -75,10 +90,6 @@ def monitor_events(monitor: zmq.Socket[bytes], limit: int) -> Iterator[MonitorEv
     """At most `limit` events waiting on `monitor`, never blocking."""
     for _ in range(limit):
         try:
-            message = recv_monitor_message(monitor, zmq.NOBLOCK)
+            yield read_event(monitor, zmq.NOBLOCK)
         except zmq.Again:
             return
-        endpoint = message["endpoint"]
-        yield MonitorEvent(message["event"], message["value"],
-                           endpoint.decode(errors="replace") if isinstance(endpoint, bytes)
-                           else str(endpoint))

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from rollout_watchdog.common import handshakes, protocol
 from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailable
@@ -179,7 +178,7 @@ class FleetClient:
                                          f"{self.address}: {exc}") from None
         try:
             while conn.monitor.poll(0):   # what happened since the last call
-                conn.heard(recv_monitor_message(conn.monitor)["event"])
+                conn.heard(handshakes.read_event(conn.monitor).event)
             conn.sock.send(data, zmq.NOBLOCK)  # queued until the connection is made
             poller = zmq.Poller()
             poller.register(conn.sock, zmq.POLLIN)
@@ -187,7 +186,7 @@ class FleetClient:
             while (left := deadline - time.monotonic()) > 0:
                 ready = dict(poller.poll(max(1, int(left * 1000))))
                 if conn.monitor in ready and conn.heard(
-                        recv_monitor_message(conn.monitor)["event"]):
+                        handshakes.read_event(conn.monitor).event):
                     with contextlib.suppress(zmq.Again):  # connected again: the first send
                         conn.sock.send(data, zmq.NOBLOCK)  # may be lost
                 if conn.sock in ready:

@@ -22,12 +22,12 @@ from types import TracebackType
 
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, encode_reply
 from rollout_watchdog.agent.hub import HEARTBEAT_S, Hub
-from rollout_watchdog.agent.hub_socket import HANDSHAKE_TIMEOUT_S
 from rollout_watchdog.agent.hub_thread import STOP_TIMEOUT_S, HubThread
 from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.agent.security import check_bind
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.handshakes import HANDSHAKE_TIMEOUT_S
 from rollout_watchdog.refit_bridge import membership, queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S

@@ -29,8 +29,6 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-import requests
-
 from rollout_watchdog.common.errors import RolloutWatchdogError
 from rollout_watchdog.common.validate import bracket_host
 
@@ -42,14 +40,16 @@ _DETAIL_CHARS = 300
 
 class RouterError(RolloutWatchdogError):
     """A router call failed: unreachable, timed out, or an answer we cannot use. ``status`` is
-    the HTTP status when the router answered, None when it did not."""
+    the HTTP status when the router answered, None when it did not; ``refused``: the
+    connection was refused (a router that is down: not one that is slow)."""
 
     def __init__(self, router_url: str, action: str, detail: str,
-                 status: int | None = None) -> None:
+                 status: int | None = None, refused: bool = False) -> None:
         self.router_url = router_url
         self.action = action
         self.detail = detail
         self.status = status
+        self.refused = refused
         super().__init__(f"router {router_url}: {action} failed: {detail}")
 
 
@@ -175,10 +175,13 @@ class RouterClient:
 
     def _call(self, method: str, path: str, action: str, ok: tuple[int, ...],
               body: dict[str, Any] | None = None) -> _Answer:
+        import requests  # (here: a daemon or CLI call that imports this module needs none)
         try:
             resp = requests.request(method, self.url + path, json=body, timeout=self.timeout_s)
         except requests.RequestException as exc:
-            raise RouterError(self.url, action, _short(exc)) from exc
+            refused = isinstance(exc, requests.ConnectionError) \
+                and not isinstance(exc, requests.Timeout)
+            raise RouterError(self.url, action, _short(exc), refused=refused) from exc
         if resp.status_code not in ok:
             raise RouterError(self.url, action,
                               f"answered {resp.status_code}: {resp.text[:_DETAIL_CHARS]!r}",

@@ -37,8 +37,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import requests
-
 from rollout_watchdog.refit_bridge import engine_calls
 from rollout_watchdog.refit_bridge.router import (
     WORKER_STARTUP_TIMEOUT_S,
@@ -369,9 +367,7 @@ class RouterSync:
                 self._generation += 1
 
     def _fail_router(self, exc: RouterError) -> None:
-        cause = exc.__cause__
-        if isinstance(cause, requests.ConnectionError) and not isinstance(cause,
-                                                                            requests.Timeout):
+        if exc.refused:
             self._next_try.clear()   # refused: a router that is down lost its registrations
         self._fail(str(exc), reachable=exc.status is not None)
 

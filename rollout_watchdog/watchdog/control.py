@@ -26,8 +26,8 @@ from collections.abc import Callable, Container
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
+from rollout_watchdog.common.handshakes import read_event
 from rollout_watchdog.common.replies import (
     PROTOCOL_VERSION,
     CommandError,
@@ -130,14 +130,14 @@ class ControlServer:
         Events of a closed binding are skipped: its connections went with it."""
         for _ in range(MAX_MONITOR_EVENTS_PER_ROUND):
             try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                event = read_event(self._monitor, zmq.NOBLOCK).event
             except zmq.Again:
                 break
             if not self.bound:
                 continue
-            if event["event"] == zmq.EVENT_ACCEPTED:
+            if event == zmq.EVENT_ACCEPTED:
                 self.connections += 1
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif event == zmq.EVENT_DISCONNECTED:
                 self.connections = max(0, self.connections - 1)
         if self.bound and self.connections >= self.max_connections:
             self._stop_accepting()
