@@ -36,6 +36,7 @@ from rollout_watchdog.common.ports import free_port
 from rollout_watchdog.emulator.common import NO_MODEL_ENV, ORPHAN_MARKER
 
 T = TypeVar("T")
+MAX_POLL_S = 0.1   # wait_until's longest pause between polls
 
 __all__ = [
     "ORPHAN_MARKER",
@@ -63,15 +64,24 @@ def emulator_command(port: int, *args: str) -> list[str]:
 def wait_until(
     predicate: Callable[[], T], timeout: float, interval: float = 0.02, what: str = "condition"
 ) -> T:
-    """Poll ``predicate`` until it returns something truthy (returned) or raise TimeoutError."""
+    """Poll ``predicate`` until it returns something truthy (returned) or raise TimeoutError.
+
+    The pause between polls starts at ``interval`` and grows by half each time, up to
+    MAX_POLL_S (or ``interval``, if longer): a short wait ends quickly, a long one (an engine
+    booting, a refit) polls a few times a second. A poll is seldom free: a daemon's status over
+    its control socket costs ~3 ms of CPU on both sides, so 50 polls a second while four test
+    workers wait kept a core busy with nothing but asking."""
     deadline = time.monotonic() + timeout
+    pause, longest = interval, max(interval, MAX_POLL_S)
     while True:
         value = predicate()
         if value:
             return value
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {what}")
-        time.sleep(interval)
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, longest)
 
 
 def http_request(
