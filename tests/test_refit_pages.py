@@ -289,17 +289,20 @@ def saved_turns(service: RefitService, until: Callable[[], bool]) -> None:
         service.saved(time.monotonic())
 
 
-@pytest.mark.parametrize("disk", ["works", "fails"])
+@pytest.mark.parametrize("disk", ["works", "fails", "hangs"])
 def test_the_acquisitions_answer_waits_until_its_members_are_on_disk(
         tmp_path: Path, disk: str) -> None:
     """The members listed when the fleet-wide pause answers are what a commit commits, also
     after a coordinator restart (refit.json): the token goes out only once that listing is on
     disk, and a listing that cannot be written lets the lock go (NOT_SAVED), since a
-    restarted coordinator would commit the listing from before the pause."""
+    restarted coordinator would commit the listing from before the pause. While the save
+    hangs, the lease does not run out: its holder has no token to renew it with yet."""
     rows = [{"node_id": "n1", "id": f"e{i}", "incarnation": 1, "tp_size": 1,
              "url": f"http://127.0.0.1:{i + 1}", "process": f"p{i}"} for i in range(3)]
     state = tmp_path / "state"
-    core, service = Core(rows), RefitService(str(state))
+    core = Core(rows)   # (a hung save is given up after 1 s; the others get the default)
+    service = RefitService(str(state), **({"state_write_timeout_s": 1.0} if disk == "hangs"
+                                          else {}))
     pauses: list[Any] = []
     gathered: list[str] = []
 
@@ -315,6 +318,8 @@ def test_the_acquisitions_answer_waits_until_its_members_are_on_disk(
     core.view.nodes["n1"].engines["e1"]["state"] = "suspect"   # while the pause is under way
     if disk == "fails":
         (state / "refit.json.tmp").mkdir()   # every write of refit.json fails from now on
+    if disk == "hangs":   # the writer's open() waits for a reader, as on a hung disk
+        os.mkfifo(state / "refit.json.tmp")
     on_disk_when_answered: list[list[str]] = []
     reply = core.reply
 
@@ -325,7 +330,15 @@ def test_the_acquisitions_answer_waits_until_its_members_are_on_disk(
     core.reply = answered   # type: ignore[method-assign]
     pauses.pop()(SimpleNamespace(client=b"client", reply=lambda: protocol.Reply(
         "r0", "ok", None, {"nodes": {}, "missing": []})))
-    saved_turns(service, lambda: bool(core.replies))
+    if disk == "hangs":
+        assert core.replies == []   # (the write cannot have ended: nobody reads the FIFO)
+        assert service.lock.expire(time.monotonic() + 600) is None   # no lease clock yet
+    try:
+        saved_turns(service, lambda: bool(core.replies))
+    finally:
+        if disk == "hangs":   # the writer let go (its write then fails), and stopped
+            os.close(os.open(state / "refit.json.tmp", os.O_RDONLY | os.O_NONBLOCK))
+        service.close()
     answer = core.replies[-1]
     if disk == "works":
         assert answer.status == "ok", answer
@@ -333,6 +346,9 @@ def test_the_acquisitions_answer_waits_until_its_members_are_on_disk(
         assert on_disk_when_answered == [["n1", "e0"], ["n1", "e2"]]
         return
     assert (answer.status, answer.code) == ("error", protocol.NOT_SAVED), answer
-    assert str(answer.reason).startswith("refit lock not taken: cannot write")
+    why = ("cannot write" if disk == "fails"
+           else f"{state / 'refit.json'} was not written within 1 s")
+    assert str(answer.reason).startswith(f"refit lock not taken: {why}")
     assert str(state / "refit.json") in str(answer.reason)
+    assert on_disk_when_answered == [["n1", "e0"], ["n1", "e1"], ["n1", "e2"]]   # (before)
     assert service.lock.lease is None and gathered[-1] == "resume"   # let go, pause lifted

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOCK_RETRY_S = 0.5
-ACQUIRE_TIMEOUT_S = 40.0  # the fleet-wide pause waits for in-flight probes (up to 30 s)
+# The coordinator saves the lease, pauses the fleet (waiting for in-flight probes up to 30 s),
+# saves the members it lists then, and only then answers: each save may take up to 10 s.
+ACQUIRE_TIMEOUT_S = 55.0
 CALL_TIMEOUT_S = 10.0     # one control call to the coordinator
 # The lock's calls that carry the holder's token: a refusal of one by a coordinator before
 # protocol 1.2 (no code) can only be a fenced token, for the calls a refit makes.

@@ -256,7 +256,6 @@ class RefitService:
 
         def finish(gathering: Gathering) -> None:
             paused = gathering.reply()
-            lease.granted(time.monotonic())   # (the pause is bounded by PAUSE_WAIT_S)
             for node_id, engine in self.relaunched:   # a starting engine needs its probes
                 resume = protocol.Command(f"refit-relaunch-{uuid.uuid4().hex}", "resume",
                                           {"owner": lease.pause_owner}, node_id, engine,
@@ -278,8 +277,13 @@ class RefitService:
                             "protocol 1.3 takes them in pages") + ")", protocol.TOO_BIG)
 
             def saved(to: bytes, error: str | None) -> None:   # (a crash before: the token
-                core.reply(to, reply if error is None or reply.status == "error"   # unknown)
-                           else self._not_granted(core, cmd, lease, error, protocol.NOT_SAVED))
+                if reply.status == "ok" and error is None:       # unknown, the lock let go)
+                    lease.granted(time.monotonic())   # the lease runs from its token's answer
+                elif reply.status == "ok":
+                    core.reply(to, self._not_granted(core, cmd, lease, error or "",
+                                                     protocol.NOT_SAVED))
+                    return
+                core.reply(to, reply)
             self.saves.once_saved(cmd.request_id, gathering.client or client, saved)
         core.gather(client, pause, core.view.reachable(), now, finish)
 
