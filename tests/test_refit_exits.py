@@ -211,10 +211,12 @@ class Engines:
         self.reports: dict[int, str] = {}
         self.paths: list[str] = []
         self.failing: dict[tuple[int, str], int] = {}   # (port, path) -> the HTTP status it gets
+        self.slow: dict[tuple[int, str], float] = {}    # (port, path) -> seconds before answering
         engines = self
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self, body: dict[str, Any]) -> None:
+                time.sleep(engines.slow.get((self.server.server_address[1], self.path), 0.0))
                 data = json.dumps(body).encode()
                 self.send_response(engines.failing.get(
                     (self.server.server_address[1], self.path), 200))
@@ -477,6 +479,22 @@ def test_a_member_lost_for_an_error_it_answered_is_continued_with_the_others(
     trainer that sends rollouts to the engines' own URLs would wait on it)."""
     lock = Lock(standin, engines.members())
     engines.failing[(engines.servers[1].server_address[1], "/pause_generation")] = 500
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(EngineLost, match="pause_generation") as lost, \
+            fleet.refit("v1", timeout_s=60) as refit:
+        refit.update_weights([("w", object())])   # type: ignore[list-item]
+    assert lost.value.lost == [("n1", "e1", 1)]
+    assert engines.paths.count("/continue_generation") == 2
+    assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
+
+
+def test_a_slow_member_is_continued_when_an_abort_comes_before_the_group(
+        standin: StandIn, engines: Engines) -> None:
+    """Before a group exists nothing can block a member in a collective: one slow to answer
+    (past ABORT_GRACE_S) is continued all the same, not left paused as if wedged."""
+    lock = Lock(standin, engines.members())
+    engines.failing[(engines.servers[1].server_address[1], "/pause_generation")] = 500
+    engines.slow[(engines.servers[0].server_address[1], "/server_info")] = 1.5
     fleet = FleetClient(standin.endpoint, timeout_s=2.0)
     with pytest.raises(EngineLost, match="pause_generation") as lost, \
             fleet.refit("v1", timeout_s=60) as refit:

@@ -349,14 +349,14 @@ class Refit:
         group = self._state.detach()
         self._group = None
         wedged: list[Member] = []
-        answering: set[str] = set()
+        to_continue: set[str] = set()
         if group is not None or before.generation_paused:
             self._abort_group(group, "the refit failed")
-            answering, wedged = self._responsive(group)
+            to_continue, wedged = self._responsive(group)
         if group is not None:
-            group.destroy(skip=[m for m in group.members if m.url not in answering])
+            group.destroy(skip=[m for m in group.members if m.url not in to_continue])
         if before.generation_paused:
-            self._continue_generation(answering)
+            self._continue_generation(to_continue)
         if self.token is None or self._state.snapshot().lease_lost:
             return
         try:
@@ -367,14 +367,15 @@ class Refit:
                       "end and do it): %s", self.version, exc)
 
     def _responsive(self, group: WeightUpdateGroup | None) -> tuple[set[str], list[Member]]:
-        """Once the group (if any) is torn down: the URLs of the members that take a control
-        call, lost or not (each then has its session ended, its side of the group destroyed
-        and its generation continued: one lost for an error it answered would otherwise stay
-        paused), and the wedged. A member of the group that takes none is still blocked in the
-        collective (a gloo peer is usually freed by the teardown, but one waiting on a dead
-        peer in gloo's tree is not; an NCCL one waits out its timeout): wedged, lost and
-        restarted by its watchdog. A member that is gone is lost too. Those that answer are
-        only stale."""
+        """Once the group (if any) is torn down: the URLs of the members to continue, and the
+        wedged. Every member that takes a control call is continued, lost or not (first, in a
+        group, its session is ended and its side destroyed): one lost for an error it answered
+        would otherwise stay paused. A member of the group that takes none within
+        ABORT_GRACE_S is still blocked in the collective (a gloo peer is usually freed by the
+        teardown, but one waiting on a dead peer in gloo's tree is not; an NCCL one waits out
+        its timeout): wedged, lost and restarted by its watchdog. Without a group nothing can
+        block it, so a slow one is only slow: it is continued too, within the call timeout. A
+        member that is gone is lost. Those continued are only stale."""
         state: dict[str, str] = {}
         engine_calls.on_each([str(e.url) for e in self.engines], lambda url: state.__setitem__(
             url, engine_calls.responsiveness(url, ABORT_GRACE_S)))
@@ -386,7 +387,8 @@ class Refit:
                               "call (wedged in the collective)") for m in wedged])
         self._state.lose([(_member(e), "gone (its server refuses connections)")
                           for e in self.engines if state.get(str(e.url)) == "gone"])
-        return {url for url, how in state.items() if how == "ok"}, wedged
+        return {url for url, how in state.items()
+                if how == "ok" or (how == "stuck" and url not in in_group)}, wedged
 
     def _finish(self) -> None:
         """Release the lock. The guard thread is told to stop and not waited for: the pipe
@@ -397,10 +399,10 @@ class Refit:
         if self.token is not None and not snap.lease_lost and snap.phase is not Phase.COMMITTED:
             self._lock.release()
 
-    def _continue_generation(self, answering: set[str]) -> None:
-        """Let the members that take control calls generate again (`answering`: their URLs)."""
+    def _continue_generation(self, urls: set[str]) -> None:
+        """Let these members (their URLs) generate again."""
         timeout = self._call_timeout()
-        members = [str(e.url) for e in self.engines if str(e.url) in answering]
+        members = [str(e.url) for e in self.engines if str(e.url) in urls]
         engine_calls.on_each(members, lambda url: self._continue(url, timeout))
 
     def _continue(self, url: str, timeout_s: float) -> None:
