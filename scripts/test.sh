@@ -15,29 +15,25 @@ bash scripts/setup-env.sh
 # first failure's status is the script's. Exit status 5 of a pass means "$@" selected none of
 # its tests.
 
-# The first two passes run in the background, each pytest in a process group of its own with
-# SIGINT's handler put back (a job started with & has it ignored, and Python keeps it so): a
-# Ctrl-C, or an INT or TERM sent to this script, reaches each pass exactly once, through the
-# trap, and each ends as pytest ends on a Ctrl-C (its tests torn down). The heavy pass's output
-# is shown once it ends (two passes' progress would interleave).
-in_own_group() {
-    exec .venv/bin/python -c 'import os, signal, sys, pytest
-os.setpgrp()
-signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.exit(pytest.main(sys.argv[1:]))' -q "$@"
-}
+# Each pass runs as a job of its own (`set -m`: its own process group, made before its pid is
+# known, and SIGINT not ignored in it, as it is in a plain background job), so that a Ctrl-C, or
+# an INT, TERM or HUP sent to this script, reaches each running pass exactly once, through the
+# trap, and each ends as pytest ends on a Ctrl-C (its tests torn down); the script then exits
+# 130, 143 or 129. The heavy pass's output is shown once it ends (two passes' progress would
+# interleave).
 heavy_log=$(mktemp)
 trap 'rm -f "$heavy_log"' EXIT
-in_own_group -n 2 --dist loadfile -m heavy "$@" >"$heavy_log" 2>&1 &
-heavy=$!
-in_own_group -n "${RW_TEST_WORKERS:-4}" -m "not serial and not heavy" "$@" &
-first=$!
+running=()
 stopped=0
-stop() { stopped=$1; kill -INT -- "-$first" "-$heavy" 2>/dev/null || true; }
+stop() {
+    stopped=$1
+    for pid in ${running[@]+"${running[@]}"}; do kill -INT -- "-$pid" 2>/dev/null || true; done
+}
 trap 'stop 130' INT
 trap 'stop 143' TERM
-# pass_status PID: its exit status (a trapped signal ends a wait early: waited for again), 0
-# for "no test selected" (5)
+trap 'stop 129' HUP
+# pass_status PID: its exit status in $rc (a trapped signal ends a wait early: waited for
+# again), 0 for "no test selected" (5)
 pass_status() {
     rc=0
     wait "$1" || rc=$?
@@ -47,6 +43,14 @@ pass_status() {
     done
     [ "$rc" -ne 5 ] || rc=0
 }
+set -m
+.venv/bin/python -m pytest -q -n 2 --dist loadfile -m heavy "$@" >"$heavy_log" 2>&1 &
+heavy=$!
+running+=("$heavy")
+.venv/bin/python -m pytest -q -n "${RW_TEST_WORKERS:-4}" -m "not serial and not heavy" "$@" &
+first=$!
+running+=("$first")
+set +m
 pass_status "$first"
 status=$rc
 pass_status "$heavy"
@@ -54,6 +58,12 @@ echo "---- the heavy pass (it ran beside the first):"
 cat "$heavy_log"
 [ "$status" -ne 0 ] || status=$rc
 [ "$stopped" -eq 0 ] || exit "$stopped"
-trap - INT TERM
-.venv/bin/python -m pytest -q -m serial "$@" || { rc=$?; [ "$rc" -eq 5 ] || { [ "$status" -ne 0 ] || status=$rc; }; }
+set -m
+.venv/bin/python -m pytest -q -m serial "$@" &
+serial=$!
+running=("$serial")
+set +m
+pass_status "$serial"
+[ "$status" -ne 0 ] || status=$rc
+[ "$stopped" -eq 0 ] || exit "$stopped"
 exit "$status"

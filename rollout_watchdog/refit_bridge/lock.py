@@ -56,8 +56,9 @@ class Lease:
     # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts
     # that pause only (a finish_generation pause stays until prepare_for_generation).
     pause_owner: str = field(default_factory=lambda: f"refit-{secrets.token_hex(6)}")
-    # Until the acquisition's pause is answered the holder has no token to renew with: the
-    # lease is held, its clock starts with the answer (`granted`).
+    # Until the acquisition is answered (after its pause, and once what it lists is on disk)
+    # the holder has no token to renew with: the lease is held, its clock starts with the
+    # answer (`granted`).
     granting: bool = True
     taken: float = 0.0   # monotonic: when the lock was taken (the refit's duration starts)
 
