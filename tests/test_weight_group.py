@@ -482,5 +482,42 @@ def test_bad_members_are_refused() -> None:
                           master_address="127.0.0.1", http_timeout_s=1, init_timeout_s=1)
 
 
+def test_a_call_freed_by_the_teardown_is_not_taken_for_a_gone_member() -> None:
+    """One member's update call fails with no answer (its engine died); the group is torn down
+    and the others' calls, still under way, are freed by shutting their sockets, which ends
+    them as if their engines hung up. Only the first is gone (and lost); the freed ones are
+    pending (the refit then asks whether they answer), not gone. Before, a freed call that
+    ended before the failure was judged counted as gone: every member was lost."""
+    from concurrent.futures import Future
+
+    from rollout_watchdog.refit_bridge.engine_calls import EngineCallError
+
+    members = [GroupMember(f"n{i}", "e0", 1, f"http://127.0.0.1:{i + 1}", 1) for i in range(3)]
+    group = WeightUpdateGroup(members, master_address="127.0.0.1", http_timeout_s=1,
+                              init_timeout_s=1)
+    calls: dict[GroupMember, Future[dict[str, Any]]] = {m: Future() for m in members}
+    hung_up = EngineCallError("no answer (RemoteDisconnected: Remote end closed connection "
+                              "without response)", answered=False)
+    calls[members[1]].set_exception(EngineCallError("no answer (ConnectionResetError)",
+                                                    answered=False))
+
+    class Calls:
+        """The group's calls, as they go: `release` shuts the sockets of those under way."""
+
+        def abort(self) -> list[GroupMember]:
+            return [m for m, fut in calls.items() if not fut.done()]
+
+        def release(self) -> None:
+            for fut in calls.values():
+                if not fut.done():
+                    fut.set_exception(hung_up)
+
+    group.calls = Calls()   # type: ignore[assignment]
+    with pytest.raises(GroupMemberFailed) as failed:
+        group._fail(calls, [], "update_weights_from_distributed")
+    assert failed.value.gone == [members[1]]
+    assert failed.value.members == [members[1]]
+
+
 if __name__ == "__main__":  # pragma: no cover - the peer
     _peer_main(sys.argv[1], sys.argv[2])

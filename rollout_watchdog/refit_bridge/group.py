@@ -397,11 +397,14 @@ class WeightUpdateGroup:
             if len(ended) == len(calls) or any(unanswered(f) for f in ended):
                 break
             self._wake.wait(max(0.0, grace - time.monotonic()))
+        # Judged before the calls still under way are freed: a call that `release` shuts ends
+        # as if its engine hung up (RemoteDisconnected), and is no sign that the engine is gone.
+        judged = {m: f for m, f in calls.items() if f.done()}
         self.calls.release()
         gone: list[GroupMember] = []
         refused: dict[GroupMember, str] = {}
-        for m, fut in calls.items():
-            exc = fut.exception() if fut.done() else None
+        for m, fut in judged.items():
+            exc = fut.exception()
             if exc is None:
                 continue
             if unanswered(fut):
@@ -409,7 +412,7 @@ class WeightUpdateGroup:
             else:
                 refused[m] = f"{what}: {exc}"
             reasons.append(f"{m.label()}: {exc}")
-        pending = [m for m, f in calls.items() if not f.done()]
+        pending = [m for m in calls if m not in judged]
         reasons += [f"{m.label()}: no answer" for m in pending]
         first.sort(key=lambda m: m not in gone)
         culprits = first or gone or list(refused) or pending
