@@ -19,6 +19,7 @@ from rollout_watchdog import Coordinator, FleetClient
 from rollout_watchdog.common.server_info import tp_size_of
 from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.config import EngineConfig, ProbeConfig
+from rollout_watchdog.emulator.testing import wait_until
 from rollout_watchdog.watchdog.engine import EngineRuntime
 from rollout_watchdog.watchdog.engine_info import EngineInfo, read_tp_size
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
@@ -85,13 +86,7 @@ def test_read_tp_size_over_http(server: tuple[str, dict[str, Any]]) -> None:
 def probe(runner: ProbeRunner, url: str, info: bool) -> ProbeResult:
     assert runner.submit("e0", 1, url + "/health", 30.0, None,
                          url + "/server_info" if info else None)
-    deadline = time.monotonic() + 40
-    while time.monotonic() < deadline:
-        results = runner.drain()
-        if results:
-            return results[0]
-        time.sleep(0.01)
-    raise AssertionError("no probe result")
+    return wait_until(runner.drain, 40, interval=0.01, what="the probe's result")[0]
 
 
 def test_a_starting_engines_probe_reads_its_tp_size_and_never_fails_for_it(
@@ -120,10 +115,11 @@ def engine(engine_id: str, tp: int | None = None) -> EngineRuntime:
 def drive(info: EngineInfo, now: float) -> None:
     """A loop turn at `now`, then until the read it started (if any) is taken."""
     info.tick(now)
-    deadline = time.monotonic() + 10
-    while info.next_deadline() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
+
+    def taken() -> bool:
         info.tick(now)
+        return info.next_deadline() is None
+    wait_until(taken, 10, interval=0.01, what="the read taken")
 
 
 def test_each_incarnation_is_read_once_a_failure_later_and_a_configured_size_never() -> None:

@@ -472,29 +472,18 @@ def test_a_member_gone_before_the_update_is_engine_lost_and_the_others_continue(
     assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
 
 
+@pytest.mark.parametrize("other", ["prompt", "slow"])
 def test_a_member_lost_for_an_error_it_answered_is_continued_with_the_others(
-        standin: StandIn, engines: Engines) -> None:
+        standin: StandIn, engines: Engines, other: str) -> None:
     """A member whose pause_generation answered an error is lost, but it answers: the abort
     lets it generate again with the others, not leave it paused until the next refit (a
-    trainer that sends rollouts to the engines' own URLs would wait on it)."""
+    trainer that sends rollouts to the engines' own URLs would wait on it). `slow`: the other
+    member answers /server_info past ABORT_GRACE_S; before a group exists nothing can block it
+    in a collective, so it is continued too, not left paused as if wedged."""
     lock = Lock(standin, engines.members())
     engines.failing[(engines.servers[1].server_address[1], "/pause_generation")] = 500
-    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
-    with pytest.raises(EngineLost, match="pause_generation") as lost, \
-            fleet.refit("v1", timeout_s=60) as refit:
-        refit.update_weights([("w", object())])   # type: ignore[list-item]
-    assert lost.value.lost == [("n1", "e1", 1)]
-    assert engines.paths.count("/continue_generation") == 2
-    assert lock.cmds() == ["refit_acquire", "refit_abort", "refit_release"]
-
-
-def test_a_slow_member_is_continued_when_an_abort_comes_before_the_group(
-        standin: StandIn, engines: Engines) -> None:
-    """Before a group exists nothing can block a member in a collective: one slow to answer
-    (past ABORT_GRACE_S) is continued all the same, not left paused as if wedged."""
-    lock = Lock(standin, engines.members())
-    engines.failing[(engines.servers[1].server_address[1], "/pause_generation")] = 500
-    engines.slow[(engines.servers[0].server_address[1], "/server_info")] = 1.5
+    if other == "slow":
+        engines.slow[(engines.servers[0].server_address[1], "/server_info")] = 1.5
     fleet = FleetClient(standin.endpoint, timeout_s=2.0)
     with pytest.raises(EngineLost, match="pause_generation") as lost, \
             fleet.refit("v1", timeout_s=60) as refit:

@@ -402,8 +402,7 @@ class Refit:
     def _continue_generation(self, urls: set[str]) -> None:
         """Let these members (their URLs) generate again."""
         timeout = self._call_timeout()
-        members = [str(e.url) for e in self.engines if str(e.url) in urls]
-        engine_calls.on_each(members, lambda url: self._continue(url, timeout))
+        engine_calls.on_each(sorted(urls), lambda url: self._continue(url, timeout))
 
     def _continue(self, url: str, timeout_s: float) -> None:
         """Continue generation on one member; a failure is logged (the member is not lost for

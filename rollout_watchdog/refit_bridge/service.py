@@ -272,18 +272,20 @@ class RefitService:
             try:
                 protocol.encode(reply)
             except protocol.ProtocolError as exc:   # never an "ok" stripped of its token
-                reply = self._not_granted(core, cmd, lease, "the answer cannot be sent (" + str(
-                    exc) + ("" if paged else f"; {len(lease.listing)} members: a client of "
-                            "protocol 1.3 takes them in pages") + ")", protocol.TOO_BIG)
+                pages = "" if paged else (f"; {len(lease.listing)} members: a client of "
+                                          "protocol 1.3 takes them in pages")
+                reply = self._not_granted(core, cmd, lease, f"the answer cannot be sent "
+                                          f"({exc}{pages})", protocol.TOO_BIG)
 
-            def saved(to: bytes, error: str | None) -> None:   # (a crash before: the token
-                if reply.status == "ok" and error is None:       # unknown, the lock let go)
-                    lease.granted(time.monotonic())   # the lease runs from its token's answer
-                elif reply.status == "ok":
-                    core.reply(to, self._not_granted(core, cmd, lease, error or "",
+            def saved(to: bytes, error: str | None) -> None:
+                if reply.status == "error":   # (too big: the lock is let go already)
+                    core.reply(to, reply)
+                elif error is not None:   # a crash now would forget what the token covers
+                    core.reply(to, self._not_granted(core, cmd, lease, error,
                                                      protocol.NOT_SAVED))
-                    return
-                core.reply(to, reply)
+                else:
+                    lease.granted(time.monotonic())   # the lease runs from its token's answer
+                    core.reply(to, reply)
             self.saves.once_saved(cmd.request_id, gathering.client or client, saved)
         core.gather(client, pause, core.view.reachable(), now, finish)
 

@@ -109,8 +109,8 @@ class EngineInfo:
             self._take(self._reading, now)
             self._reading = None
         for engine in self.engines.values():
-            if (engine.cfg.tp_size is None and engine.state == EngineState.HEALTHY
-                    and engine.cfg.url and engine.tp_size is None
+            if (engine.tp_size is None and engine.state == EngineState.HEALTHY
+                    and engine.cfg.url
                     and now >= self._retry_at.get((engine.id, engine.incarnation), 0.0)):
                 self._start(engine)
                 return
