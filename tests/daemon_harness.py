@@ -219,6 +219,24 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+# An engine that ignores SIGTERM, so that its kill takes the whole grace.
+IGNORES_SIGTERM = [sys.executable, "-c",
+                   "import signal, time; signal.signal(15, signal.SIG_IGN); time.sleep(60)"]
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """Whether the process ignores SIGTERM now: a kill sent before its handler is in (a slow
+    interpreter start under load) would end it at once."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
 def fd_limit(limit: int, hard: int | None = None) -> list[str]:
     """A wrap (argv prefix) that runs a process with soft RLIMIT_NOFILE `limit`, and hard
     `hard` (default: `limit` too, as the daemon raises its soft limit to the hard one)."""

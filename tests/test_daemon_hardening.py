@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import run_command
+from daemon_harness import IGNORES_SIGTERM, ignores_sigterm, run_command
 from test_daemon_regressions import cleanup, make_daemon, record, write_state
 
 from rollout_watchdog.common.states import Cause, EngineState
@@ -291,16 +291,15 @@ def test_deferred_restart_during_the_failure_cleanup_uses_the_budget(tmp_path: P
     kill is still running (grace period: up to 30 s by default; the coordinator restarts at
     the next refit, which may be right away) turns the job into AfterKill.RESTART: relaunched
     uncounted, so a colocated engine that crash-loops this way never reaches `failed`."""
-    stubborn_cmd = [sys.executable, "-c",
-                    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
-                    " time.sleep(100)"]
     daemon = make_daemon(tmp_path, engines=[{
-        "id": "e0", "url": f"http://127.0.0.1:{free_port()}", "command": stubborn_cmd,
+        "id": "e0", "url": f"http://127.0.0.1:{free_port()}", "command": IGNORES_SIGTERM,
         "restart_policy": "deferred"}], restart={"max_restarts": 1, "grace_s": 0.2,
                                                  "kill_timeout_s": 2.0})
     engine = daemon.engines["e0"]
     try:
         daemon.supervisor.launch(engine, Cause.LAUNCHED)
+        wait_until(lambda: engine.main is not None and ignores_sigterm(engine.main.pid), 10,
+                   what="the engine ignoring SIGTERM")
         for _ in range(4):
             if engine.state == S.FAILED:
                 break

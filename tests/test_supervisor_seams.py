@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import zmq
-from daemon_harness import run_command
+from daemon_harness import IGNORES_SIGTERM, ignores_sigterm, run_command
 
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.states import Cause, EngineState
@@ -604,13 +604,11 @@ def test_adoption_resuming_one_kill_leaves_a_later_engines_processes_alone(
     went. The next daemon resumes e0's kill, which looks for escapees before e1 is restored:
     e1's processes, whose marker no engine carried yet, were SIGKILLed as a finished
     incarnation's, and e1 "adopted" dead. Now e1 is adopted alive, its pid unchanged."""
-    ignore_term = [sys.executable, "-c",
-                   "import signal, time; signal.signal(15, signal.SIG_IGN); time.sleep(60)"]
     config = parse_config({
         "state_dir": str(tmp_path), "control": f"ipc://{tmp_path}/c",
         "containment": "subreaper", "restart": {"grace_s": 30.0},
         "engine": [{"id": engine_id, "url": f"http://127.0.0.1:{free_port()}",
-                    "command": ignore_term} for engine_id in ("e0", "e1")]})
+                    "command": IGNORES_SIGTERM} for engine_id in ("e0", "e1")]})
     first = Daemon(config, inspector=NoGpus(), rng=random.Random(0))
     second: Daemon | None = None
     try:
@@ -620,7 +618,8 @@ def test_adoption_resuming_one_kill_leaves_a_later_engines_processes_alone(
         def running() -> bool:   # (a first launch may wait a turn for its ports)
             for engine in (e0, e1):
                 first.supervisor.tick(engine, first.clock.monotonic())
-            return all(e.main is not None and read_marker(e.main.pid) for e in (e0, e1))
+            return all(e.main is not None and read_marker(e.main.pid)
+                       and ignores_sigterm(e.main.pid) for e in (e0, e1))
         wait_until(running, 10, what="both engines running with their markers")
         first.supervisor.start_kill(e0, Cause.COMMANDED, "restart", AfterKill.RESTART)
         first.save_state()   # the daemon goes: e0 stopping, e1 running
@@ -677,15 +676,15 @@ def test_a_stop_cut_short_leaves_its_kills_to_the_next_daemon(tmp_path: Path) ->
     """The loop left on an error while a stop's kills were still in progress: the state file
     was written clean (nothing to adopt), so those engines were forgotten, and the next daemon
     killed them as escapees. Now they stay in it, their kill for the next daemon to finish."""
-    ignore_term = [sys.executable, "-c",
-                   "import signal, time; signal.signal(15, signal.SIG_IGN); time.sleep(60)"]
-    daemon = make_daemon(tmp_path, command=ignore_term, restart={"grace_s": 30.0})
+    daemon = make_daemon(tmp_path, command=IGNORES_SIGTERM, restart={"grace_s": 30.0})
     daemon.setup()
     daemon.adopt_or_launch()
     engine = daemon.engines["e0"]
     try:   # (the first launch may wait a turn for its ports)
         wait_until(lambda: (daemon.supervisor.tick(engine, daemon.clock.monotonic()),
-                            engine.state.running)[1], 10, what="the engine launched")
+                            engine.state.running and engine.main is not None
+                            and ignores_sigterm(engine.main.pid))[1],
+                   10, what="the engine launched, ignoring SIGTERM")
         daemon.shutdown_requested = "stop"
         daemon.begin_shutdown()
         assert engine.kill is not None and not daemon.finished()
