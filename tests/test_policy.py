@@ -192,14 +192,16 @@ def test_failures_beyond_threshold_stay_declared() -> None:
     assert judge_probe(False, 5, 3).declare_failed
 
 
-@pytest.mark.parametrize(("state", "interval", "expected"), [
-    (EngineState.STARTING, 5.0, 1.0),      # boot completion seen within a second
-    (EngineState.STARTING, 0.5, 0.5),      # a shorter interval stands
-    (EngineState.HEALTHY, 5.0, 5.0),
-    (EngineState.SUSPECT, 5.0, 0.0),       # probe again at once: timeouts back to back
+@pytest.mark.parametrize(("state", "interval", "took", "expected"), [
+    (EngineState.STARTING, 5.0, 0.1, 1.0),     # boot completion seen within a second
+    (EngineState.STARTING, 0.5, 0.1, 0.5),     # a shorter interval stands
+    (EngineState.HEALTHY, 5.0, 30.0, 5.0),
+    (EngineState.SUSPECT, 5.0, 30.0, 0.0),     # timeouts back to back: a hang is declared
+    (EngineState.SUSPECT, 5.0, 1.0, 4.0),      # fast failures spread over the intervals
 ])
-def test_probe_interval_by_state(state: EngineState, interval: float, expected: float) -> None:
-    assert probe_interval(state, ProbeConfig(health_interval_s=interval)) == expected
+def test_probe_interval_by_state(state: EngineState, interval: float, took: float,
+                                 expected: float) -> None:
+    assert probe_interval(state, ProbeConfig(health_interval_s=interval), took) == expected
 
 
 def test_progress_count_starts_on_the_first_reading_a_move_or_an_idle_engine() -> None:

@@ -480,6 +480,28 @@ def test_a_probe_failure_of_a_dying_engine_waits_for_its_exit(tmp_path: Path) ->
     assert engine.last_failure is not None and engine.last_failure.cause == Cause.PROBE_FAILED
 
 
+def test_a_suspect_engines_probes_start_an_interval_apart_unless_they_time_out(
+        tmp_path: Path) -> None:
+    """A suspect engine was probed again the moment a probe ended: one refusing connections
+    for a moment (each probe failing in a millisecond) went healthy -> suspect -> failed in a
+    few milliseconds, its failure_threshold worth nothing. Now the next probe starts
+    health_interval_s after the last one started; a probe that ran that long (a timeout: a hang)
+    is still followed at once."""
+    clock = FakeClock()
+    daemon = make_daemon(tmp_path, clock=clock, probe={"failure_threshold": 4,
+                                                       "health_interval_s": 5.0})
+    engine = healthy(daemon)
+    sup = daemon.supervisor
+    for probe_id, took_s, wait_s in ((1, 0.001, 4.999), (2, 0.001, 4.999), (3, 30.0, 0.0)):
+        engine.probe_id, engine.probe_started = probe_id, clock.monotonic()
+        sup.judge_probe(engine, ProbeResult("e0", probe_id, False,
+                                            "probe error: connection refused", 100.0,
+                                            100.0 + took_s))
+        assert engine.state == S.SUSPECT
+        assert engine.next_probe == pytest.approx(clock.monotonic() + wait_s)
+        clock.mono += 5.0
+
+
 class Vanished(ProcessOps):
     """An OS whose process table and cgroups no longer show the engine (once `vanished`),
     while its main process's exit is not waitable yet: the moment inside the kernel's exit."""

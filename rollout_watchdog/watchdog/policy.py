@@ -54,13 +54,16 @@ def judge_probe(ok: bool, failures_before: int, threshold: int) -> ProbeVerdict:
     return ProbeVerdict(failures, True, failures >= threshold)
 
 
-def probe_interval(state: EngineState, probe: ProbeConfig) -> float:
-    """While starting, probe at least every second: boot completion should be seen quickly.
-    While suspect, probe again as soon as the last probe ended: a hang is declared after
-    `failure_threshold` timeouts, with no interval in between."""
-    if state == EngineState.SUSPECT:
-        return 0.0
+def probe_interval(state: EngineState, probe: ProbeConfig, took_s: float = 0.0) -> float:
+    """The wait from a probe's end to the next one's start (`took_s`: how long that probe
+    ran). While starting, at least every second: boot completion should be seen quickly.
+    While suspect, the next probe starts `health_interval_s` after the last one *started*:
+    timeouts run back to back, so a hang is declared after `failure_threshold` timeouts (issue
+    5's floor), while failures that come fast (a refused connection, a 503 while draining) are
+    still spread over the threshold's intervals, not declared within milliseconds."""
     interval = probe.health_interval_s
+    if state == EngineState.SUSPECT:
+        return max(0.0, interval - took_s)
     return min(interval, 1.0) if state == EngineState.STARTING else interval
 
 

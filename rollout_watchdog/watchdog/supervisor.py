@@ -340,7 +340,7 @@ class Supervisor:
             if engine.state == S.HEALTHY:
                 self.transition(engine, S.SUSPECT, Cause.PROBE_FAILED, detail)
         engine.next_probe = self.clock.monotonic() + policy.probe_interval(
-            engine.state, engine.cfg.probe)
+            engine.state, engine.cfg.probe, result.finished - result.started)
 
     def fail_if_stalled(self, engine: EngineRuntime, result: ProbeResult) -> bool:
         """Fails an engine whose token counter stands still while requests run
