@@ -198,7 +198,8 @@ def test_fleet_view_shape_and_unreachable_node(make_node: Callable[..., Node],
         client.wait_event(lambda e: e["kind"] == "node_unreachable", "node1 unreachable")
         node1 = next(n for n in client.fleet()["nodes"] if n["node_id"] == "node1")
         assert node1["reachable"] is False
-        assert [e["reachable"] for e in node1["engines"]] == [False]   # listed, flagged
+        assert [(e["reachable"], e["state"], e["serving"]) for e in node1["engines"]] \
+            == [(False, "healthy", False)]   # listed, flagged, as last heard; not routed
         refused = client.call("restart", node="node1", engine="e0")
         assert refused is not None and refused.status == "error"
         assert "unreachable" in str(refused.reason)

@@ -181,12 +181,14 @@ def test_a_silent_node_becomes_unreachable_once_and_its_engines_stay_listed() ->
     assert view.reachable() == ["n2"]
     n1 = view.status("n1")["nodes"][0]
     assert n1["reachable"] is False and n1["last_seen"] == WALL0
-    assert [(e["id"], e["reachable"]) for e in n1["engines"]] == [("e0", False)]
+    assert [(e["id"], e["reachable"], e["serving"]) for e in n1["engines"]] \
+        == [("e0", False, False)]
     # the next message from it makes it reachable again, announced once
     back = view.heard("n1", T0 + 9.0, WALL0 + 9.0)
     assert [(e["kind"], e["node_id"]) for e in back] == [("node_reachable", "n1")]
     assert view.heard("n1", T0 + 9.5, WALL0 + 9.5) == []
-    assert view.status("n1")["nodes"][0]["engines"][0]["reachable"] is True
+    again = view.status("n1")["nodes"][0]["engines"][0]
+    assert (again["reachable"], again["serving"]) == (True, True)
 
 
 def test_a_hello_after_silence_makes_the_node_reachable_again() -> None:

@@ -64,8 +64,11 @@ def test_a_fresh_process_under_a_reused_incarnation_inherits_no_weights() -> Non
     assert book.version_of("n", "e0", 1, "b:200:9.0") is None
     assert not book.serving("n", fresh)
     view = dict(fresh)
-    book.decorate("n", view)
+    book.decorate("n", view, reachable=True)
     assert (view["weight_version"], view["serving"]) == (None, False)
+    view = dict(old)
+    book.decorate("n", view, reachable=False)   # its weights current, its node silent
+    assert (view["weight_version"], view["serving"]) == ("v1", False)
     # persisted with the process; a book written before it (4 columns) still loads
     again = WeightBook.from_json(json.loads(json.dumps(book.to_json())))
     assert not again.serving("n", fresh) and again.serving("n", old)

@@ -280,8 +280,9 @@ def apply_event(engines: dict[str, dict[str, Any]], event: dict[str, Any],
 
 def engine_view(engine: dict[str, Any], reachable: bool) -> dict[str, Any]:
     """An engine as the fleet shows it: its node's status object plus the fleet's fields.
-    Until the refit bridge records weights, `serving` means healthy and `weight_version` is
-    unknown (null)."""
+    Until the refit bridge records weights, `serving` means healthy on a reachable node and
+    `weight_version` is unknown (null)."""
     return {**engine, "weight_version": engine.get("weight_version"),
-            "serving": engine.get("state") == EngineState.HEALTHY, "reachable": reachable}
+            "serving": reachable and engine.get("state") == EngineState.HEALTHY,
+            "reachable": reachable}
 

@@ -58,7 +58,7 @@ def status(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, A
     view = hub.view.status(cmd.node, args["after"])
     for node in view["nodes"]:
         for engine in node["engines"]:
-            hub.refit.book.decorate(node["node_id"], engine)
+            hub.refit.book.decorate(node["node_id"], engine, node["reachable"])
     return view
 
 

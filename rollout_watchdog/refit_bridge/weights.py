@@ -97,12 +97,13 @@ class WeightBook:
             return held is None or not held.of(incarnation, process) or held.version is not None
         return self.version_of(node, engine_id, incarnation, process) == self.current
 
-    def decorate(self, node: str, engine: dict[str, Any]) -> None:
-        """Set an engine view's `weight_version` and `serving` (in place)."""
+    def decorate(self, node: str, engine: dict[str, Any], reachable: bool) -> None:
+        """Set an engine view's `weight_version` and `serving` (in place). An engine of an
+        unreachable node is not serving: the router holds no such engine (membership.py)."""
         engine["weight_version"] = self.version_of(node, str(engine.get("id")),
                                                    engine.get("incarnation"),
                                                    engine.get("process"))
-        engine["serving"] = self.serving(node, engine)
+        engine["serving"] = reachable and self.serving(node, engine)
 
     def commit(self, version: str, members: list[Member],
                process_of: ProcessOf | None = None) -> None:
