@@ -79,6 +79,23 @@ def _at_least_two(text: str) -> int:
     return int(text)
 
 
+# What a command keeps of its --timeout for its own exit (printing, closing its sockets).
+EXIT_MARGIN_S = 0.2
+
+
+def _answer_wait(timeout_s: float) -> float:
+    """How long to wait for the answer (in tenths, as the messages show it): --timeout counts
+    from this process's start, less EXIT_MARGIN_S, so that "each answers within 5 s or exits
+    non-zero" holds as its caller times it, however long the interpreter took to start (0.1 s,
+    a second under load). At least a tenth of the timeout is left for the answer."""
+    from rollout_watchdog.common.clock import Clock
+    from rollout_watchdog.watchdog.process import read_stat
+
+    stat = read_stat(os.getpid())
+    started_ago = 0.0 if stat is None else max(0.0, Clock().since_boot() - stat.start_time)
+    return max(timeout_s / 10, math.floor((timeout_s - started_ago - EXIT_MARGIN_S) * 10) / 10)
+
+
 def _client(args: argparse.Namespace) -> ControlClient:
     return ControlClient(args.control, timeout_s=args.timeout)
 
@@ -291,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     elif rest and args.command != "launch":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if isinstance(getattr(args, "timeout", None), float):
+        args.timeout = _answer_wait(args.timeout)
     try:
         return int(args.func(args))
     except ControlError as exc:
