@@ -5,6 +5,7 @@ on (the cluster's address is not a loopback one)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -364,7 +365,9 @@ def _start_in(namespace: str, **kwargs: Any) -> str:
 
 def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
     """... of a fleet that three processes started at once: one coordinator, one daemon a
-    node."""
+    node; even with its coordinator actor gone (killed here; its node dies, on a cluster):
+    shutdown() returned at once and left every daemon and engine running. Its launched engine
+    is forgotten too (a later fleet on the same state dir does not bring it back)."""
     namespace = "rw-shutdown"
     options = {"state_dir": str(ray_fleet.tmp / "other"), "node_config": NODE_CONFIG,
                "log_dir": str(ray_fleet.tmp / "other-logs"), "timeout_s": WAIT_S}
@@ -382,6 +385,7 @@ def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
             if (k := proc_key(pid)) is not None]
     assert len(keys) == 4
     fleet.close()
+    ray.kill(ray.get_actor("coordinator", namespace=namespace), no_restart=True)
     start = time.monotonic()
     rw_ray.shutdown(namespace)
     assert [k for k in keys if is_alive(k)] == []
@@ -390,6 +394,9 @@ def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
     left = [p.pid for p in psutil.process_iter(["cmdline"])
             if str(ray_fleet.tmp / "other") in " ".join(p.info["cmdline"] or [])]
     assert left == [], f"left after shutdown ({time.monotonic() - start:.1f} s): {left}"
+    launched = [json.loads(p.read_text()) for p in (ray_fleet.tmp / "other").rglob(
+        "launched.json")]
+    assert launched and not any("gone" in str(books) for books in launched), launched
     with pytest.raises(Exception, match="no rollout-watchdog fleet"):
         rw_ray.fleet(namespace)
     # the other fleet goes on

@@ -13,8 +13,9 @@ pytest.importorskip("ray")
 
 from rollout_watchdog.common.validate import MAX_IPC_PATH_BYTES  # noqa: E402
 from rollout_watchdog.config import ConfigError, parse_config  # noqa: E402
-from rollout_watchdog.ray.daemon_process import daemon_environment  # noqa: E402
+from rollout_watchdog.ray.daemon_process import daemon_environment, find_raylet  # noqa: E402
 from rollout_watchdog.ray.layout import NodeLayout, check_extra, node_config, to_toml  # noqa: E402
+from rollout_watchdog.watchdog.process import ProcStat  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,3 +75,18 @@ def test_the_daemon_never_gets_rays_empty_device_lists() -> None:
     env = daemon_environment({"CUDA_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
                               "PATH": "/bin", "RAY_ADDRESS": "x"})
     assert env == {"PATH": "/bin", "RAY_ADDRESS": "x"}
+
+
+def test_the_lifeline_is_the_raylet_even_behind_a_runtime_envs_wrapper() -> None:
+    """Under a runtime env's `py_executable` (`uv run`, nsys) the actor's parent is the
+    wrapper, not the raylet: the daemon took the wrapper for its lifeline, and a watchdog actor
+    that Ray restarted stopped every engine. Ray's $RAY_RAYLET_PID, else the ancestors."""
+    table = {100: ProcStat(100, b"S", 50, 100, 1.0, "pywrap.sh"),
+             50: ProcStat(50, b"S", 1, 50, 1.0, "raylet"),
+             70: ProcStat(70, b"S", 1, 70, 1.0, "raylet")}
+    assert find_raylet({}, 100, table.get) == 50
+    assert find_raylet({"RAY_RAYLET_PID": "70"}, 100, table.get) == 70
+    assert find_raylet({"RAY_RAYLET_PID": "100"}, 100, table.get) == 50   # not a raylet
+    assert find_raylet({}, 50, table.get) == 50
+    alone = {100: ProcStat(100, b"S", 1, 100, 1.0, "python")}
+    assert find_raylet({}, 100, alone.get) == 100   # none: the parent (a warning says so)

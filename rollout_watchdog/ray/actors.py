@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.keys import keygen, load_keypair, load_public
@@ -34,7 +35,7 @@ from rollout_watchdog.ray import daemon_process
 from rollout_watchdog.ray.layout import NodeLayout, node_config, tcp_endpoint, to_toml
 from rollout_watchdog.ray.runtime import alive_nodes, node_ip, ray_dirs, remote
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
-from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key, read_stat
+from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -191,12 +192,7 @@ class NodeWatchdog:
         state_root, log_root = _roots(settings)
         self.layout = NodeLayout.of(self.node_id, state_root, log_root, settings["namespace"])
         self.layout.prepare()
-        # The worker's parent is its raylet (measured, docs/ray.md): the daemon's lifeline.
-        self.raylet = os.getppid()
-        stat = read_stat(self.raylet)
-        if stat is None or stat.comm != "raylet":
-            log.warning("the parent %d of this Ray worker is %r, not the raylet: the node "
-                        "daemon will stop when it ends", self.raylet, stat and stat.comm)
+        self.raylet = daemon_process.find_raylet(os.environ, os.getppid())   # its lifeline
         self.daemon: ProcKey | None = None
         self.metrics_port: int | None = None
         self.kept = False           # the daemon was running already when this actor began
@@ -208,31 +204,40 @@ class NodeWatchdog:
 
     def _curve(self) -> tuple[str | None, str | None]:
         """This node's keypair (made once) registered with the coordinator; the key paths
-        for the node config, or (None, None) without CURVE."""
+        for the node config, or (None, None) without CURVE. A coordinator that does not
+        answer (its node died, it is restarting) leaves the keys registered before: a daemon
+        that died is replaced all the same, with what its predecessor had."""
         if not self.settings["curve"]:
             return None, None
         keys = self.layout.keys_dir
-        secret = keys / f"{self.node_id}.key_secret"
+        secret, server_key = keys / f"{self.node_id}.key_secret", keys / COORDINATOR_PUBLIC
         if not secret.exists():
             keygen(keys, self.node_id)
-        coordinator = ray.get_actor(COORDINATOR, namespace=self.settings["namespace"])
-        server = ray.get(coordinator.authorize.remote(
-            self.node_id, (keys / f"{self.node_id}.key").read_text()),
-            timeout=self.settings["timeout_s"])
-        _write_atomic(keys / COORDINATOR_PUBLIC, server)
-        return str(secret), str(keys / COORDINATOR_PUBLIC)
+        try:
+            coordinator = ray.get_actor(COORDINATOR, namespace=self.settings["namespace"])
+            server = ray.get(coordinator.authorize.remote(
+                self.node_id, (keys / f"{self.node_id}.key").read_text()),
+                timeout=self.settings["timeout_s"])
+        except (ValueError, RayError) as exc:
+            if not server_key.exists():
+                raise
+            log.warning("the coordinator actor does not answer (%s): the node keeps the keys "
+                        "it registered before", exc)
+        else:
+            _write_atomic(server_key, server)
+        return str(secret), str(server_key)
 
     def ensure_daemon(self) -> None:
         """Keep the node's running daemon, else start one; never two (the spawn lock, and
         the daemon's own lock on its state dir)."""
         layout, timeout = self.layout, self.settings["timeout_s"]
         with self._lock, _flocked(layout.spawn_lock):
-            key, coordinator_key = self._curve()
             if (running := self._running(timeout)) is not None:
                 self.daemon, self.kept = running, self.daemon is None
                 config = tomllib.loads(layout.config_path.read_text())
                 self.metrics_port = config.get("metrics_port")
                 return
+            key, coordinator_key = self._curve()
             self.metrics_port = free_port(self.host)
             config = node_config(layout, coordinator=self.settings["coordinator"],
                                  metrics_host=self.host, metrics_port=self.metrics_port,
@@ -285,9 +290,15 @@ class NodeWatchdog:
                 "actor_pid": os.getpid()}
 
     def stop(self, timeout_s: float) -> bool:
-        """Stop the daemon (its engines first) and watch no more; whether it ended in time."""
+        """Watch no more, take the launched engines out of the daemon's books (no later
+        daemon brings them back), and stop the daemon (it stops its engines first); whether it
+        ended in time."""
         self._stop.set()
         self._watcher.join(timeout=self.settings["daemon_check_s"] + timeout_s)
         with self._lock:
             daemon, self.daemon = self.daemon, None
-        return daemon is None or daemon_process.stop(daemon, timeout_s)
+        if daemon is None:
+            return True
+        if is_alive(daemon):
+            daemon_process.forget_launched(self.layout.control, timeout_s)
+        return daemon_process.stop(daemon, timeout_s)

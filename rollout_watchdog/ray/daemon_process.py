@@ -16,11 +16,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
-from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key
+from rollout_watchdog.watchdog.process import ProcKey, ProcStat, is_alive, proc_key, read_stat
 
 log = logging.getLogger(__name__)
 # What Ray sets for a worker that holds no accelerator ("" for CUDA: vllm#3198). The daemon
@@ -47,6 +47,36 @@ os.dup2(log, 1)
 os.dup2(log, 2)
 os.execv(sys.argv[2], sys.argv[2:])
 """
+
+
+RAYLET = "raylet"             # the raylet's process name
+MAX_ANCESTORS = 16
+
+
+def find_raylet(environ: Mapping[str, str], parent: int,
+                read: Callable[[int], ProcStat | None] = read_stat) -> int:
+    """This node's raylet, the daemon's lifeline: Ray's $RAY_RAYLET_PID, else the first
+    `raylet` among the worker's ancestors. The worker's parent is the raylet only when nothing
+    runs between them: a runtime env's `py_executable` (`uv run`, nsys) puts its wrapper there,
+    and a wrapper that ends with the actor would stop every engine. Neither found: the parent,
+    with a warning (the daemon stops when it ends)."""
+    candidates = [int(pid)] if (pid := environ.get("RAY_RAYLET_PID", "")).isdigit() else []
+    ancestor = parent
+    for _ in range(MAX_ANCESTORS):
+        stat = read(ancestor) if ancestor > 1 else None
+        if stat is None:
+            break
+        candidates.append(ancestor)
+        ancestor = stat.ppid
+    for candidate in candidates:
+        stat = read(candidate)
+        if stat is not None and stat.comm == RAYLET and stat.alive:
+            return candidate
+    stat = read(parent)
+    log.warning("no raylet found (RAY_RAYLET_PID, the worker's ancestors): the node daemon's "
+                "lifeline is the worker's parent %d (%r), and it stops when that ends",
+                parent, stat and stat.comm)
+    return parent
 
 
 def daemon_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -101,6 +131,20 @@ def ping(control: str, node_id: str, timeout_s: float) -> bool:
     except ControlError:
         return False
     return isinstance(answer, dict) and answer.get("node_id") == node_id
+
+
+def forget_launched(control: str, timeout_s: float) -> None:
+    """Take every engine launched at run time out of the daemon's books (`remove`: its spec
+    leaves launched.json at once, and its stop begins), so that no later daemon on this state
+    dir brings it back. A daemon that does not answer is logged: its own stop still stops
+    every engine."""
+    client = ControlClient(control, timeout_s)
+    try:
+        for engine in client.call("status")["engines"]:
+            if engine.get("origin") == "launched":
+                client.call("remove", {"engine": engine["id"]})
+    except (ControlError, KeyError, TypeError) as exc:
+        log.warning("cannot remove the launched engines at %s: %s", control, exc)
 
 
 def wait_gone(key: ProcKey, timeout_s: float) -> bool:

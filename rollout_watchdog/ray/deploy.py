@@ -136,57 +136,50 @@ def wait_reachable(client: FleetClient, node_ids: list[str], timeout_s: float) -
 def fleet(namespace: str = NAMESPACE) -> FleetClient:
     """The client of the fleet running in `namespace`, from any driver, task or actor of the
     cluster; RolloutWatchdogError when none runs there."""
-    try:
-        coordinator = ray.get_actor(COORDINATOR, namespace=namespace)
-    except ValueError:
+    coordinator = _named(COORDINATOR, namespace)
+    if coordinator is None:
         raise RolloutWatchdogError(f"no rollout-watchdog fleet runs in Ray namespace "
-                                   f"{namespace!r}: call rollout_watchdog.ray.start()") from None
+                                   f"{namespace!r}: call rollout_watchdog.ray.start()")
     return _client(ray.get(coordinator.info.remote(), timeout=START_TIMEOUT_S))
 
 
 def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """Remove the launched engines, stop every node daemon (each stops what is left of its
-    engines) and the coordinator, and end their actors. Nothing runs in `namespace` after."""
-    try:
-        coordinator = ray.get_actor(COORDINATOR, namespace=namespace)
-    except ValueError:
-        return
-    ray.get(coordinator.stop_watching.remote(), timeout=timeout_s)   # no new watchdogs
-    client = _client(ray.get(coordinator.info.remote(), timeout=timeout_s))
-    try:
-        remove_launched(client, timeout_s)
-    finally:
-        client.close()
-    for name in sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == namespace and a["name"].startswith(NODE_PREFIX)):
+    """Stop every node daemon (each takes its launched engines out of its books, then stops
+    its engines and exits: every node at once) and the coordinator, and end their actors.
+    Nothing runs in `namespace` after, even when the coordinator's actor is gone or does not
+    answer (its node died, say)."""
+    coordinator = _named(COORDINATOR, namespace)
+    if coordinator is not None:
         try:
-            actor = ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            continue
+            ray.get(coordinator.stop_watching.remote(), timeout=timeout_s)   # no new watchdogs
+        except RayError as exc:
+            log.warning("the coordinator actor does not answer (%s): stopping the node "
+                        "watchdogs all the same", exc)
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == namespace and a["name"].startswith(NODE_PREFIX))
+    nodes = [(name, actor) for name in names if (actor := _named(name, namespace)) is not None]
+    stops = [actor.stop.remote(timeout_s) for _, actor in nodes]   # every node at once
+    deadline = time.monotonic() + timeout_s + 30
+    for (name, actor), stopped in zip(nodes, stops, strict=True):
         try:
-            if not ray.get(actor.stop.remote(timeout_s), timeout=timeout_s + 30):
+            if not ray.get(stopped, timeout=max(0.1, deadline - time.monotonic())):
                 log.error("%s: its daemon did not stop within %g s", name, timeout_s)
         except RayError as exc:   # its node is gone, and its daemon with it (the lifeline)
             log.warning("%s: %s", name, exc)
         ray.kill(actor, no_restart=True)
+    if coordinator is None:
+        return
     try:
         ray.get(coordinator.stop.remote(), timeout=timeout_s)
+    except RayError as exc:
+        log.warning("the coordinator actor did not stop: %s", exc)
     finally:
         ray.kill(coordinator, no_restart=True)
 
 
-def remove_launched(client: FleetClient, wait_s: float) -> None:
-    """`fleet.remove` every engine launched at run time on a reachable node, each gone
-    within `wait_s`. One that cannot be (its node just died, say) is logged, and the others
-    are removed all the same: a daemon stops what is left when it stops."""
+def _named(name: str, namespace: str) -> Any:
+    """The named actor, or None if there is none (gone, or never created)."""
     try:
-        engines = client.engines()
-    except RolloutWatchdogError as exc:
-        log.warning("cannot list the launched engines: %s", exc)
-        return
-    for engine in engines:
-        if engine.origin == "launched" and engine.reachable:
-            try:
-                client.remove(engine.name, wait_s=wait_s)
-            except RolloutWatchdogError as exc:
-                log.warning("cannot remove %s: %s", engine.name, exc)
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
