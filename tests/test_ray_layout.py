@@ -3,7 +3,9 @@ environment (no cluster needed; rollout_watchdog.ray imports ray, hence the skip
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,11 @@ pytest.importorskip("ray")
 
 from rollout_watchdog.common.validate import MAX_IPC_PATH_BYTES  # noqa: E402
 from rollout_watchdog.config import ConfigError, parse_config  # noqa: E402
-from rollout_watchdog.ray.daemon_process import daemon_environment, find_raylet  # noqa: E402
+from rollout_watchdog.ray.daemon_process import (  # noqa: E402
+    daemon_environment,
+    find_raylet,
+    process_environ,
+)
 from rollout_watchdog.ray.layout import NodeLayout, check_extra, node_config, to_toml  # noqa: E402
 from rollout_watchdog.watchdog.process import ProcStat  # noqa: E402
 
@@ -77,6 +83,16 @@ def test_the_daemon_never_gets_rays_empty_device_lists() -> None:
     assert env == {"PATH": "/bin", "RAY_ADDRESS": "x"}
 
 
+def test_the_engines_do_not_inherit_the_thread_count_ray_gave_the_watchdog_actor() -> None:
+    """Ray sets OMP_NUM_THREADS to a worker's num_cpus (1 for the watchdog's 0): every engine
+    inherited it. Kept only when the node's own environment (the raylet's) has that value."""
+    worker = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    assert daemon_environment(worker, {"PATH": "/bin"}) == {"PATH": "/bin"}
+    assert daemon_environment(worker, {"OMP_NUM_THREADS": "1"}) == worker   # the node's own
+    assert daemon_environment(worker, None) == worker   # the raylet's unreadable: as it is
+    assert process_environ(os.getpid()) is not None and process_environ(0) is None
+
+
 def test_the_lifeline_is_the_raylet_even_behind_a_runtime_envs_wrapper() -> None:
     """Under a runtime env's `py_executable` (`uv run`, nsys) the actor's parent is the
     wrapper, not the raylet: the daemon took the wrapper for its lifeline, and a watchdog actor
@@ -90,3 +106,23 @@ def test_the_lifeline_is_the_raylet_even_behind_a_runtime_envs_wrapper() -> None
     assert find_raylet({}, 50, table.get) == 50
     alone = {100: ProcStat(100, b"S", 1, 100, 1.0, "python")}
     assert find_raylet({}, 100, alone.get) == 100   # none: the parent (a warning says so)
+
+
+def test_a_control_socket_directory_others_may_enter_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control socket's directory is in the shared temporary directory: one made first by
+    someone else (or left open to all) was taken as it was, and whoever could write there
+    could replace the daemon's socket."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    layout = NodeLayout.of(NODE, tmp_path / "state", tmp_path / "logs", "ns")
+    sockets = Path(layout.control[len("ipc://"):]).parent
+    sockets.mkdir(mode=0o700)
+    sockets.chmod(0o777)
+    with pytest.raises(RuntimeError, match="others may enter it"):
+        layout.prepare()
+    sockets.chmod(0o700)
+    layout.prepare()   # ours alone: taken
+    if os.getuid() == 0:   # (only root can give it away)
+        os.chown(sockets, 65534, 65534)
+        with pytest.raises(RuntimeError, match="owned by uid 65534"):
+            layout.prepare()

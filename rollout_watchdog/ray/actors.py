@@ -247,7 +247,9 @@ class NodeWatchdog:
             _write_atomic(layout.config_path, to_toml(config), 0o600)
             started = daemon_process.spawn_detached(
                 daemon_process.daemon_argv(layout.config_path),
-                daemon_process.daemon_environment(os.environ), layout.daemon_log)
+                daemon_process.daemon_environment(
+                    os.environ, daemon_process.process_environ(self.raylet)),
+                layout.daemon_log)
             deadline = time.monotonic() + timeout
             while not daemon_process.ping(layout.control, self.node_id, 1.0):
                 if not is_alive(started) or time.monotonic() > deadline:

@@ -50,6 +50,7 @@ os.execv(sys.argv[2], sys.argv[2:])
 
 
 RAYLET = "raylet"             # the raylet's process name
+OMP_THREADS = "OMP_NUM_THREADS"
 MAX_ANCESTORS = 16
 
 
@@ -79,9 +80,30 @@ def find_raylet(environ: Mapping[str, str], parent: int,
     return parent
 
 
-def daemon_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The daemon's environment: the worker's, without Ray's accelerator visibility."""
-    return {k: v for k, v in environ.items() if k not in RAY_VISIBILITY_VARS}
+def daemon_environment(environ: Mapping[str, str],
+                       node_environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The daemon's environment, which its engines inherit: the worker's, without Ray's
+    accelerator visibility, and without the OMP_NUM_THREADS that Ray gives a worker
+    (its num_cpus, 1 for the watchdog's 0) unless the node's own environment (`node_environ`,
+    the raylet's) has that value: an engine would run its CPU ops on one thread."""
+    env = {k: v for k, v in environ.items() if k not in RAY_VISIBILITY_VARS}
+    threads = env.get(OMP_THREADS)
+    if node_environ is not None and threads is not None \
+            and node_environ.get(OMP_THREADS) != threads:
+        del env[OMP_THREADS]
+    return env
+
+
+def process_environ(pid: int) -> dict[str, str] | None:
+    """A process's environment as it started (/proc/PID/environ); None if it cannot be
+    read (gone, another user's)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
 def daemon_argv(config_path: Path) -> list[str]:

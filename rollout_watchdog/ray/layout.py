@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,13 +65,31 @@ class NodeLayout:
 
     def prepare(self) -> None:
         """Make the directories (0700: the keys and the control socket are there), and send
-        the engines' log files (state_dir/logs) to the log directory."""
-        for folder in (self.node_dir, self.state_dir, self.log_dir,
-                       Path(self.control[len("ipc://"):]).parent):
+        the engines' log files (state_dir/logs) to the log directory. RuntimeError if the
+        control socket's directory (in the shared temporary directory) is not this user's
+        alone: whoever else may write there can replace the socket."""
+        sockets = Path(self.control[len("ipc://"):]).parent
+        for folder in (self.node_dir, self.state_dir, self.log_dir, sockets):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(sockets)
         logs = self.state_dir / "logs"
         if not logs.exists() and not logs.is_symlink():
             logs.symlink_to(self.log_dir, target_is_directory=True)
+
+
+def check_private(folder: Path) -> None:
+    """RuntimeError unless `folder` is a directory (not a link) of this user that no one else
+    may enter (made by someone else first, in a shared /tmp, it is not ours)."""
+    info = os.lstat(folder)
+    problems = [what for what, bad in (
+        ("not a directory (a link?)", not stat.S_ISDIR(info.st_mode)),
+        (f"owned by uid {info.st_uid}, not {os.getuid()}", info.st_uid != os.getuid()),
+        (f"mode {stat.S_IMODE(info.st_mode):o}: others may enter it",
+         bool(info.st_mode & 0o077))) if bad]
+    if problems:
+        raise RuntimeError(f"{folder}, the node daemon's control socket directory, is "
+                           f"{'; '.join(problems)}: remove it, or set TMPDIR to a directory "
+                           "of this user")
 
 
 def node_config(layout: NodeLayout, *, coordinator: str, metrics_host: str, metrics_port: int,
