@@ -222,9 +222,16 @@ def test_bundles_map_to_their_nodes_gpus_and_engines(ray_fleet: RayFleet) -> Non
             assert environ(engine.pid)["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpu_ids))
         # the daemon itself holds no GPU, and never Ray's empty value
         assert "CUDA_VISIBLE_DEVICES" not in environ(node_info(ray_fleet.gpu)["daemon_pid"])
+        # The group removed (its job ended, say), Ray's books show its GPUs free: its engines
+        # go too (they stayed, and the next group on those GPUs shared them)
+        remove_placement_group(pg)
+        names = {engine.name for engine in views}
+        wait_until(lambda: not names & {e.name for e in fleet.engines()}, WAIT_S,
+                   what="the placement group's engines removed")
     finally:
         for engine in views:
-            fleet.remove(engine.name, wait_s=WAIT_S)
+            if view(fleet, engine.name) is not None:
+                fleet.remove(engine.name, wait_s=WAIT_S)
         remove_placement_group(pg)
 
 

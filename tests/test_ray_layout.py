@@ -21,6 +21,7 @@ from rollout_watchdog.ray.daemon_process import (  # noqa: E402
     process_environ,
 )
 from rollout_watchdog.ray.layout import NodeLayout, check_extra, node_config, to_toml  # noqa: E402
+from rollout_watchdog.ray.placement import PlacedEngines  # noqa: E402
 from rollout_watchdog.watchdog.process import ProcStat  # noqa: E402
 
 if sys.version_info >= (3, 11):
@@ -126,3 +127,17 @@ def test_a_control_socket_directory_others_may_enter_is_refused(
         os.chown(sockets, 65534, 65534)
         with pytest.raises(RuntimeError, match="owned by uid 65534"):
             layout.prepare()
+
+
+def test_placed_engines_follow_their_groups_and_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "placed.json"
+    placed = PlacedEngines(path)
+    placed.add("aa", ["n1/e0"])
+    placed.add("aa", ["n1/e1", "n1/e0"])
+    placed.add("bb", ["n2/e0"])
+    table = {"aa": {"state": "CREATED"}, "bb": {"state": "REMOVED"}}
+    assert placed.removed(table) == {"bb": ["n2/e0"]}
+    assert placed.removed({"aa": {"state": "CREATED"}}) == {"bb": ["n2/e0"]}  # gone from it
+    placed.forget("bb")
+    again = PlacedEngines(path)   # a restarted coordinator actor
+    assert again.groups == {"aa": ["n1/e0", "n1/e1"]} and again.removed(table) == {}

@@ -28,13 +28,17 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rollout_watchdog.common.keys import keygen, load_keypair, load_public
+from rollout_watchdog.common.errors import CommandRefused, RolloutWatchdogError
+from rollout_watchdog.common.keys import ClientKeys, keygen, load_keypair, load_public
 from rollout_watchdog.common.ports import free_port
 from rollout_watchdog.common.validate import check_engine_id
 from rollout_watchdog.ray import daemon_process
 from rollout_watchdog.ray.layout import NodeLayout, node_config, tcp_endpoint, to_toml
+from rollout_watchdog.ray.placement import PlacedEngines
 from rollout_watchdog.ray.runtime import alive_nodes, node_ip, ray_dirs, remote
+from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
+from rollout_watchdog.refit_bridge.keyed_client import KeyedFleetClient
 from rollout_watchdog.watchdog.process import ProcKey, is_alive, proc_key
 
 if sys.version_info >= (3, 11):
@@ -77,6 +81,14 @@ def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     tmp.replace(path)
 
 
+def client_of(info: dict[str, Any]) -> FleetClient:
+    """A client of the fleet, from a coordinator actor's `info()`."""
+    if info["keys"] is None:
+        return FleetClient(info["endpoint"])
+    public, secret, server = (k.encode() for k in info["keys"])
+    return KeyedFleetClient(info["endpoint"], ClientKeys(public, secret, server))
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -104,6 +116,7 @@ class CoordinatorActor:
             state_dir=str(self.dir / "state"), **settings["coordinator_options"])
         self.coordinator.start()
         _write_atomic(port_file, str(port))
+        self.placed = PlacedEngines(self.dir / "placed.json")
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="rw-ray-nodes", daemon=True)
         self._watcher.start()
@@ -165,12 +178,44 @@ class CoordinatorActor:
                 ).remote(node_settings)
         return names
 
+    def track(self, group: str, names: list[str]) -> None:
+        """These launched engines hold the bundles of placement group `group` (hex id): they
+        are removed once Ray removes the group."""
+        self.placed.add(group, names)
+
+    def _remove_unplaced(self) -> None:
+        """Remove the engines of the placement groups that Ray removed (an engine gone
+        already is forgotten; one that cannot be removed now is tried next round)."""
+        if not self.placed.groups:
+            return
+        removed = self.placed.removed(ray.util.placement_group_table())
+        if not removed:
+            return
+        client = client_of(self.info())
+        try:
+            for group, names in removed.items():
+                left = False
+                for name in names:
+                    try:
+                        client.remove(name)
+                        log.info("%s removed: its placement group %s is gone", name, group)
+                    except CommandRefused as exc:   # gone already, or its node is
+                        log.warning("%s (placement group %s gone): %s", name, group, exc)
+                    except RolloutWatchdogError as exc:
+                        log.warning("cannot remove %s yet: %s", name, exc)
+                        left = True
+                if not left:
+                    self.placed.forget(group)
+        finally:
+            client.close()
+
     def _watch(self) -> None:
         while not self._stop.wait(self.settings["watch_s"]):
             try:
                 self.ensure_nodes()
+                self._remove_unplaced()
             except Exception:   # the GCS unreachable for a moment: the next round retries
-                log.exception("cannot list the Ray nodes")
+                log.exception("cannot keep the fleet's watchdogs and placements")
 
     def stop_watching(self) -> None:
         """No more watchdogs (`shutdown`, before it stops them)."""

@@ -13,12 +13,10 @@ from ray.exceptions import ActorUnschedulableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
-from rollout_watchdog.common.keys import ClientKeys
-from rollout_watchdog.ray.actors import COORDINATOR, NODE_PREFIX, CoordinatorActor
+from rollout_watchdog.ray.actors import COORDINATOR, NODE_PREFIX, CoordinatorActor, client_of
 from rollout_watchdog.ray.layout import check_extra
 from rollout_watchdog.ray.runtime import alive_nodes, remote
 from rollout_watchdog.refit_bridge.client import FleetClient
-from rollout_watchdog.refit_bridge.keyed_client import KeyedFleetClient
 
 log = logging.getLogger(__name__)
 NAMESPACE = "rollout-watchdog"
@@ -66,7 +64,7 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
     ).remote(settings)
     deadline = time.monotonic() + timeout_s
     names = ray.get(coordinator.ensure_nodes.remote(), timeout=timeout_s)
-    client = _client(ray.get(coordinator.info.remote(), timeout=timeout_s))
+    client = client_of(ray.get(coordinator.info.remote(), timeout=timeout_s))
     up = _watchdogs_up(namespace, names, max(1.0, deadline - time.monotonic()))
     wait_reachable(client, up, max(1.0, deadline - time.monotonic()))
     return client
@@ -111,13 +109,6 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _client(info: dict[str, Any]) -> FleetClient:
-    if info["keys"] is None:
-        return FleetClient(info["endpoint"])
-    public, secret, server = (k.encode() for k in info["keys"])
-    return KeyedFleetClient(info["endpoint"], ClientKeys(public, secret, server))
-
-
 def wait_reachable(client: FleetClient, node_ids: list[str], timeout_s: float) -> None:
     """Until every node of `node_ids` is reachable at the coordinator; TimeoutError naming the
     others."""
@@ -140,7 +131,7 @@ def fleet(namespace: str = NAMESPACE) -> FleetClient:
     if coordinator is None:
         raise RolloutWatchdogError(f"no rollout-watchdog fleet runs in Ray namespace "
                                    f"{namespace!r}: call rollout_watchdog.ray.start()")
-    return _client(ray.get(coordinator.info.remote(), timeout=START_TIMEOUT_S))
+    return client_of(ray.get(coordinator.info.remote(), timeout=START_TIMEOUT_S))
 
 
 def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> None:

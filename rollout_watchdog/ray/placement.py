@@ -1,19 +1,27 @@
-"""`launch_in_placement_group`: the frameworks' engine start, as one call (docs/ray.md)."""
+"""`launch_in_placement_group`: the frameworks' engine start, as one call (docs/ray.md); and
+`PlacedEngines`, the engines each placement group's bundles hold, which the coordinator actor
+removes once Ray removes the group."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rollout_watchdog.common.atomic_file import write_atomically
 from rollout_watchdog.common.spec import EngineSpec
 from rollout_watchdog.ray.runtime import node_ip
 from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.views import EngineView
 
+log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 600.0
 MakeSpec = Callable[[int, str, list[int], str], EngineSpec]
 
@@ -46,9 +54,12 @@ def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec:
     once every engine is healthy (TimeoutError otherwise). A refusal raises CommandRefused;
     the engines of the bundles before it stay launched. The engines belong to their node
     daemons, not to Ray: they hold the bundle's GPUs without a Ray actor of their own."""
-    views = []
-    for index, (node_id, gpus, host) in enumerate(bundle_locations(pg)):
-        views.append(fleet.launch(node_id, make_spec(index, node_id, gpus, host)))
+    views: list[EngineView] = []
+    try:
+        for index, (node_id, gpus, host) in enumerate(bundle_locations(pg)):
+            views.append(fleet.launch(node_id, make_spec(index, node_id, gpus, host)))
+    finally:
+        _track(fleet, pg.id.hex(), [v.name for v in views])
     if wait_s is None:
         return views
     names = {(v.node_id, v.id) for v in views}
@@ -58,4 +69,58 @@ def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec:
     return [current[(v.node_id, v.id)] for v in views]
 
 
-__all__ = ["bundle_locations", "launch_in_placement_group"]
+def _track(fleet: FleetClient, group: str, names: list[str]) -> None:
+    """Tell the coordinator actor of `fleet` (found by its endpoint, in any namespace) that
+    these engines hold the bundles of placement group `group`."""
+    if not names:
+        return
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"] != "coordinator":
+            continue
+        try:
+            coordinator = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            if ray.get(coordinator.info.remote(), timeout=30)["endpoint"] == fleet.address:
+                ray.get(coordinator.track.remote(group, names), timeout=30)
+                return
+        except (ValueError, ray.exceptions.RayError) as exc:
+            log.warning("cannot ask the coordinator actor in %r: %s", actor["namespace"], exc)
+    log.warning("no coordinator actor serves %s: engines %s stay when placement group %s is "
+                "removed", fleet.address, ", ".join(names), group)
+
+
+class PlacedEngines:
+    """The launched engines each placement group's bundles hold (group id hex -> engine
+    names), kept in a file (a restarted coordinator actor goes on). A group that Ray removed
+    (its job ended, `remove_placement_group`) gives its GPUs back in Ray's books: its engines
+    must go too, or the next group on those GPUs would share them. Thread-safe (the actor's
+    calls and its watcher)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            self.groups: dict[str, list[str]] = json.loads(path.read_text())
+        except FileNotFoundError:
+            self.groups = {}
+
+    def add(self, group: str, names: list[str]) -> None:
+        with self._lock:
+            self.groups[group] = sorted({*self.groups.get(group, []), *names})
+            self._save()
+
+    def removed(self, table: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+        """The groups of `table` (Ray's placement group table) that are gone, with their
+        engines."""
+        with self._lock:
+            return {group: names for group, names in self.groups.items()
+                    if table.get(group, {}).get("state", "REMOVED") == "REMOVED"}
+
+    def forget(self, group: str) -> None:
+        with self._lock:
+            self.groups.pop(group, None)
+            self._save()
+
+    def _save(self) -> None:
+        write_atomically(self.path, json.dumps(self.groups).encode(), durable=True)
+
+__all__ = ["PlacedEngines", "bundle_locations", "launch_in_placement_group"]
