@@ -205,7 +205,7 @@ def test_bad_frames_are_dropped_counted_and_logged(
             standin.publish("n1", "b1", 1)
             assert next(first).seq == 1
             stats = stream.stats()   # (a stalled host may make it subscribe once more)
-            assert set(stats) == {"subscriptions", "duplicates", "bad_frames"}
+            assert set(stats) == {"subscriptions", "duplicates", "before_start", "bad_frames"}
             assert stats["bad_frames"] == 2 and stats["subscriptions"] >= 1
     logged = [r.getMessage() for r in caplog.records
               if "dropped a bad frame from the coordinator" in r.getMessage()]
@@ -297,6 +297,40 @@ def test_events_follow_a_real_coordinator_restart_once(make_node: Callable[..., 
         assert [e.to for e in from_node if e.kind == "state"] == [
             e["to"] for e in node.events("e0") if e["kind"] == "state"]
         assert stream.subscriptions >= 2
+    finally:
+        for coordinator in coordinators:
+            coordinator.stop()
+
+
+def test_a_follower_gets_nothing_older_than_itself_from_a_restarted_coordinator(
+        make_node: Callable[..., Node], tmp_path: Path) -> None:
+    """A coordinator with a state dir, restarted, sent a follower everything its journal held
+    of the nodes the follower had no event of, and its own node events: a follower started at
+    T printed events from minutes before T (found by a contract review). Now only what came
+    after it, and nothing lost: the crash during the outage comes, once."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    state = str(tmp_path / "coordinator")
+    coordinators = [Coordinator(bind=endpoint, state_dir=state)]
+    coordinators[0].start()
+    try:
+        node = make_node([EngineSpec("e0")], node_id="n1", top={"coordinator": endpoint}).start()
+        client = FleetClient(endpoint, timeout_s=5.0)
+        wait_for(lambda: any(e.state == "healthy" for e in client.engines()), 60, "n1/e0 up")
+        with client.events(idle_s=30.0) as stream:
+            wait_for(lambda: coordinators[0].relay.subscribers, 10, "the subscription")
+            coordinators[0].stop()   # away while the engine dies and comes back
+            os.kill(node.engine("e0")["pid"], signal.SIGKILL)
+            node.wait_state("e0", "healthy", incarnation=2)
+            coordinators.append(Coordinator(bind=endpoint, state_dir=state))
+            coordinators[1].start()
+            got: list[FleetEvent] = []
+            _until(stream, got, node_id="n1", to="healthy", incarnation=2)
+        assert stream.subscriptions >= 2
+        old = [(e.kind, e.to, e.incarnation) for e in got
+               if e.ts is not None and e.ts < stream.created]
+        assert old == [], f"events from before the follower: {old}"
+        assert [e.to for e in got if e.kind == "state"] == ["stopping", "backoff", "starting",
+                                                              "healthy"]
     finally:
         for coordinator in coordinators:
             coordinator.stop()

@@ -10,6 +10,12 @@ and dedupes each of their events on its own. Anything sent twice is dropped: per
 the highest seq seen is kept, and an event at or below it is a duplicate. The coordinator's own
 `node_reachable`/`node_unreachable` events (numbered by the coordinator's boot and count) are
 deduplicated the same way but are never resume points.
+
+A restarted coordinator (with a state dir) sends again everything it holds of a node the
+stream has no resume point for, and all of its own events: events from before the stream's
+creation, which the stream never promised. After a re-subscription, an event of a (node, boot)
+the stream has not seen, from a node it has no point for (any for the coordinator's own), is
+dropped when its `ts` is before the stream's creation.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class EventStream:
         self.positions: dict[str, protocol.ResumePoint] = {}  # last node event, per node
         self.subscriptions = 0   # how often it subscribed: 1 + the coordinator's departures
         self.duplicates = 0      # events dropped as already delivered
+        self.before_start = 0    # replayed events older than the stream, dropped
+        self.created = time.time()
         self._bad_frames = DropCount(log, "a bad frame from the coordinator")
         self._last: dict[tuple[str, str], int] = {}
         self._ready: deque[FleetEvent] = deque()   # the rest of a received batch
@@ -146,11 +154,22 @@ class EventStream:
         if message.seq <= self._last.get(key, 0):
             self.duplicates += 1
             return None
-        self._last[key] = message.seq
         event = FleetEvent.from_json(message.node_id, message.boot, message.seq, message.event)
+        if self._older_than_the_stream(key, event):
+            self.before_start += 1
+            return None
+        self._last[key] = message.seq
         if not event.is_node_event:
             self.positions[event.node_id] = protocol.ResumePoint(event.boot, event.seq)
         return event
+
+    def _older_than_the_stream(self, key: tuple[str, str], event: FleetEvent) -> bool:
+        """A replay, after a re-subscription, of an event from before the stream began (see
+        the module docstring); the first subscription's events are all new to the stream."""
+        if self.subscriptions < 2 or key in self._last or event.ts is None \
+                or event.ts >= self.created:
+            return False
+        return event.is_node_event or event.node_id not in self.positions
 
     @property
     def bad_frames(self) -> int:
@@ -160,7 +179,7 @@ class EventStream:
     def stats(self) -> dict[str, int]:
         """The stream's counts: its subscriptions, the duplicates and bad frames it dropped."""
         return {"subscriptions": self.subscriptions, "duplicates": self.duplicates,
-                "bad_frames": self.bad_frames}
+                "before_start": self.before_start, "bad_frames": self.bad_frames}
 
     def close(self) -> None:
         if self._sock is not None:
