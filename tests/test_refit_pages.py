@@ -122,7 +122,8 @@ class Core:
 
 def test_an_acquisition_and_refit_members_page_one_listing_and_a_client_before_1_3_is_refused(
         ) -> None:
-    listing = [{**m, "weight_version": None} for m in fleet_members(9_000)]   # (no refit yet)
+    listing = [{**m, "weight_version": None, "pid": 1000 + i, "paused": False, "serving": True}
+               for i, m in enumerate(fleet_members(9_000))]   # (no refit yet: all serve)
     core, service = Core(listing), RefitService(None)
     old = core.call(service, "refit_acquire", {"holder": "old", "version": "v1"})
     assert (old.status, old.code) == ("error", protocol.TOO_BIG)

@@ -75,8 +75,12 @@ def test_frameworks_that_move_weights_themselves_only_commit_and_the_hooks_pause
     fleet.wait_until(all_healthy(2), 90)
     fleet.finish_generation()
     assert all(e.paused for e in fleet.engines())
+    pids = {e.name: e.pid for e in fleet.engines()}
     with fleet.refit("ipc-1", backend="gloo", timeout_s=60) as refit:
         assert {e.name for e in refit.engines} == {"node0/e0", "node0/e1"}
+        # views as the fleet shows them (they showed pid None, not paused, not serving)
+        assert {(e.name, e.pid, e.paused, e.serving) for e in refit.engines} == {
+            (name, pid, True, True) for name, pid in pids.items()}
         refit.commit()          # the weights went over CUDA IPC, say: only the version is ours
         assert refit.committed
         with pytest.raises(RuntimeError, match="committed"):   # nothing after the commit

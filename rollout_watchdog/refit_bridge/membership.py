@@ -21,7 +21,8 @@ def refit_members(view: FleetView, book: WeightBook,
                   allowed: set[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     """The engines a refit updates: healthy on reachable nodes (and, given `allowed`, only
     those (node, engine)). In the order of their pages (node id, then engine id); each names
-    its main process (`process`: a trainer's cached group is rebuilt for a new one)."""
+    its main process (`process`: a trainer's cached group is rebuilt for a new one), and
+    carries what `refit.engines` shows of it (`pid`, `paused`, `serving`)."""
     out = []
     for node_id, record in view.nodes.items():
         if not record.reachable:
@@ -34,6 +35,8 @@ def refit_members(view: FleetView, book: WeightBook,
             out.append({"node_id": node_id, "id": engine["id"],
                         "incarnation": engine.get("incarnation"), "url": engine.get("url"),
                         "tp_size": engine.get("tp_size"), "process": engine.get("process"),
+                        "pid": engine.get("pid"), "paused": engine.get("paused"),
+                        "serving": book.serving(node_id, engine),
                         "weight_version": book.version_of(
                             node_id, engine["id"], engine.get("incarnation"),
                             engine.get("process"))})
