@@ -23,10 +23,12 @@ ray = pytest.importorskip("ray")
 from daemon_harness import EMULATOR_ENV, FAST_PROBE, FAST_RESTART  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 import rollout_watchdog.ray as rw_ray  # noqa: E402
 from rollout_watchdog import EngineSpec, FleetClient  # noqa: E402
 from rollout_watchdog.emulator.testing import emulator_command, free_port, wait_until  # noqa: E402
+from rollout_watchdog.ray.placement import bundle_locations  # noqa: E402
 from rollout_watchdog.refit_bridge.views import EngineView  # noqa: E402
 from rollout_watchdog.watchdog.process import is_alive, proc_key, read_stat  # noqa: E402
 
@@ -235,6 +237,31 @@ def test_bundles_map_to_their_nodes_gpus_and_engines(ray_fleet: RayFleet) -> Non
         remove_placement_group(pg)
 
 
+@ray.remote(num_cpus=0, num_gpus=0.5)
+class _Colocated:
+    """A framework's actor sharing its bundle's GPU (the colocated layout)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_bundle_whose_gpu_another_actor_shares_is_a_timeout_that_says_why(
+        ray_fleet: RayFleet) -> None:
+    """The lookup task takes its bundle's whole GPUs: beside a colocated actor holding half of
+    one it never ran, and the call waited 600 s for nothing."""
+    pg = placement_group([{"GPU": 1, "CPU": 0.01}])
+    try:
+        ray.get(pg.ready(), timeout=WAIT_S)
+        colocated = _Colocated.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)).remote()
+        assert ray.get(colocated.ready.remote(), timeout=WAIT_S)
+        with pytest.raises(TimeoutError, match="colocated layout"):
+            bundle_locations(pg, lookup_s=2.0)
+        ray.kill(colocated)
+    finally:
+        remove_placement_group(pg)
+
+
 def test_the_watchdog_actor_killed_is_not_the_engines_lifeline(ray_fleet: RayFleet) -> None:
     fleet = ray_fleet.fleet
     node = ray_fleet.cpu
@@ -368,6 +395,34 @@ def test_a_raylet_crash_stops_its_daemon_and_engines(ray_fleet: RayFleet) -> Non
 @ray.remote(num_cpus=0)
 def _start_in(namespace: str, **kwargs: Any) -> str:
     return rw_ray.start(namespace, **kwargs).address
+
+
+def test_a_coordinator_made_again_on_another_port_gets_every_node_back(
+        ray_fleet: RayFleet) -> None:
+    """The coordinator actor gone (its node died, say) and made again by a later start() on
+    another endpoint: the node watchdogs kept dialing the old one, and start() timed out with
+    every kept node unreachable. Now each is told; its daemon is replaced and the new one adopts
+    the engines (same process, same incarnation)."""
+    namespace = "rw-moved"
+    options = {"state_dir": str(ray_fleet.tmp / "moved"), "node_config": NODE_CONFIG,
+               "log_dir": str(ray_fleet.tmp / "moved-logs"), "timeout_s": WAIT_S}
+    try:
+        fleet = rw_ray.start(namespace, **options)
+        engine = fleet.launch(ray_fleet.cpu, emulator("kept"), wait_s=WAIT_S)
+        fleet.close()
+        ray.kill(ray.get_actor("coordinator", namespace=namespace), no_restart=True)
+        (ray_fleet.tmp / "moved" / namespace / "coordinator" / "port").unlink()
+        again = rw_ray.start(namespace, **options)   # every node reachable, or TimeoutError
+        assert again.address != fleet.address
+        same = again.wait_until(lambda v: any(
+            e.name == engine.name and e.reachable and e.state == "healthy" for e in v), WAIT_S)
+        assert same
+        kept = view(again, engine.name)
+        assert kept is not None and (kept.pid, kept.incarnation) == (engine.pid,
+                                                                      engine.incarnation)
+        again.close()
+    finally:
+        rw_ray.shutdown(namespace)
 
 
 def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:

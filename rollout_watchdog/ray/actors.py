@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -106,20 +108,33 @@ class CoordinatorActor:
         self.dir = state_root / self.namespace / "coordinator"
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.host = node_ip()
-        port_file = self.dir / "port"   # a restarted actor binds the same port: nodes redial it
-        port = int(port_file.read_text()) if port_file.exists() else free_port(self.host)
         self.keys = self._keys() if settings["curve"] else None
         self._node_actor = remote(NodeWatchdog)
-        self.coordinator = Coordinator(
-            bind=tcp_endpoint(self.host, port), keys=str(self.keys) if self.keys else None,
-            insecure=self.keys is None, router_url=settings["router_url"],
-            state_dir=str(self.dir / "state"), **settings["coordinator_options"])
-        self.coordinator.start()
-        _write_atomic(port_file, str(port))
+        port_file = self.dir / "port"   # a restarted actor binds the same port: nodes redial it
+        if port_file.exists():
+            try:
+                self.coordinator = self._serving_on(int(port_file.read_text()))
+            except ValueError as exc:   # taken meanwhile: a fresh port, the nodes told of it
+                log.warning("%s: serving on a fresh port", exc)
+                self.coordinator = self._serving_on(free_port(self.host))
+        else:
+            self.coordinator = self._serving_on(free_port(self.host))
+        _write_atomic(port_file, self.coordinator.endpoint.rsplit(":", 1)[1])
+        # This actor's endpoint, and since when: a node watchdog keeps the newest it was told
+        self.since = time.time()
+        self._pointed: set[str] = set()   # node watchdogs told of this endpoint
         self.placed = PlacedEngines(self.dir / "placed.json")
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="rw-ray-nodes", daemon=True)
         self._watcher.start()
+
+    def _serving_on(self, port: int) -> Coordinator:
+        coordinator = Coordinator(
+            bind=tcp_endpoint(self.host, port), keys=str(self.keys) if self.keys else None,
+            insecure=self.keys is None, router_url=self.settings["router_url"],
+            state_dir=str(self.dir / "state"), **self.settings["coordinator_options"])
+        coordinator.start()   # (ValueError if the port cannot be bound)
+        return coordinator
 
     def _keys(self) -> Path:
         """The keys dir: the coordinator's and the clients' keypairs, `authorized/`."""
@@ -160,14 +175,21 @@ class CoordinatorActor:
         """A watchdog actor on every alive Ray node (get it by name, else create it: Ray's
         `get_if_exists` settles a race of two creators); the names of those actors."""
         names = []
-        node_settings = {**self.settings, "coordinator": self.coordinator.endpoint}
+        endpoint = self.coordinator.endpoint
+        node_settings = {**self.settings, "coordinator": endpoint, "coordinator_since": self.since}
         existing = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                     if a["namespace"] == self.namespace}   # one call, not one per node
         for node in alive_nodes():
             name = node_actor_name(node["NodeID"])
             names.append(name)
             if name in existing:
+                if name not in self._pointed:   # made by an earlier coordinator actor, maybe
+                    with contextlib.suppress(ValueError):   # (elsewhere, or on another port)
+                        ray.get_actor(name, namespace=self.namespace).point_to.remote(
+                            endpoint, self.since)
+                        self._pointed.add(name)
                 continue
+            self._pointed.add(name)
             with contextlib.suppress(ValueError):   # alive here, gone a moment later
                 self._node_actor.options(
                     name=name, namespace=self.namespace, get_if_exists=True,
@@ -223,20 +245,26 @@ class CoordinatorActor:
         self._watcher.join(timeout=self.settings["watch_s"] + 30)
 
     def stop(self) -> None:
+        """The fleet's end (`shutdown`): its port is let go for good (a later fleet binds a
+        free one; this one may be someone else's by then)."""
         self.stop_watching()
         self.coordinator.stop()
+        (self.dir / "port").unlink(missing_ok=True)
 
 
 class NodeWatchdog:
     """One Ray node's watchdog actor (see the module docstring)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
+        self.settings = dict(settings)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.host = node_ip()
         state_root, log_root = _roots(settings)
         self.layout = NodeLayout.of(self.node_id, state_root, log_root, settings["namespace"])
         self.layout.prepare()
+        pointed = self._pointed_file()   # a restarted actor gets its creation's settings back
+        if pointed is not None and pointed[1] > self.settings.get("coordinator_since", 0.0):
+            self.settings["coordinator"], self.settings["coordinator_since"] = pointed
         self.raylet = daemon_process.find_raylet(os.environ, os.getppid())   # its lifeline
         self.daemon: ProcKey | None = None
         self.metrics_port: int | None = None
@@ -246,6 +274,34 @@ class NodeWatchdog:
         self.ensure_daemon()
         self._watcher = threading.Thread(target=self._watch, name="rw-ray-daemon", daemon=True)
         self._watcher.start()
+
+    def _pointed_file(self) -> tuple[str, float] | None:
+        try:
+            saved = json.loads((self.layout.node_dir / "coordinator.json").read_text())
+            return str(saved["endpoint"]), float(saved["since"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def point_to(self, endpoint: str, since: float) -> bool:
+        """The coordinator actor serving since `since` is at `endpoint`. When that is news (a
+        coordinator actor made again elsewhere, or on another port), the daemon is told to go
+        and leave its engines running (SIGUSR2), and the one that replaces it adopts them and
+        dials `endpoint` (with CURVE, with the coordinator's key asked again). Whether the
+        daemon is replaced."""
+        with self._lock:
+            if since <= self.settings.get("coordinator_since", 0.0):
+                return False
+            moved = endpoint != self.settings["coordinator"]
+            self.settings["coordinator"], self.settings["coordinator_since"] = endpoint, since
+            _write_atomic(self.layout.node_dir / "coordinator.json",
+                          json.dumps({"endpoint": endpoint, "since": since}), 0o600)
+            daemon = self.daemon
+        if not moved or daemon is None or not is_alive(daemon):
+            return False
+        log.warning("the coordinator is at %s now: replacing node daemon %d (it leaves its "
+                    "engines to the next)", endpoint, daemon.pid)
+        os.kill(daemon.pid, signal.SIGUSR2)
+        return True
 
     def _curve(self) -> tuple[str | None, str | None]:
         """This node's keypair (made once) registered with the coordinator; the key paths
@@ -281,7 +337,9 @@ class NodeWatchdog:
                 self.daemon, self.kept = running, self.daemon is None
                 config = tomllib.loads(layout.config_path.read_text())
                 self.metrics_port = config.get("metrics_port")
-                return
+                if config.get("coordinator") != self.settings["coordinator"]:
+                    os.kill(running.pid, signal.SIGUSR2)   # it dials an old endpoint: the
+                return                                     # watch replaces it (adopting)
             key, coordinator_key = self._curve()
             self.metrics_port = free_port(self.host)
             config = node_config(layout, coordinator=self.settings["coordinator"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import logging
 import time
@@ -9,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnschedulableError, RayError
+from ray.exceptions import ActorUnschedulableError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
@@ -17,6 +18,7 @@ from rollout_watchdog.ray.actors import COORDINATOR, NODE_PREFIX, CoordinatorAct
 from rollout_watchdog.ray.layout import check_extra
 from rollout_watchdog.ray.runtime import alive_nodes, remote
 from rollout_watchdog.refit_bridge.client import FleetClient
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 NAMESPACE = "rollout-watchdog"
@@ -48,6 +50,15 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() before rollout_watchdog.ray.start()")
     check_extra(node_config or {})   # here, not in an actor on every node
+    for name, value in (("timeout_s", timeout_s), ("watch_s", watch_s),
+                        ("daemon_check_s", daemon_check_s), ("node_timeout_s", node_timeout_s)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    known = set(inspect.signature(Coordinator).parameters) - {"bind", "keys", "insecure",
+                                                              "router_url", "state_dir"}
+    if unknown := sorted(set(coordinator_options or {}) - known):
+        raise ValueError(f"coordinator_options: unknown {', '.join(unknown)} (known: "
+                         f"{', '.join(sorted(known))})")
     options = dict(coordinator_options or {})
     if node_timeout_s is not None:
         options["node_timeout_s"] = node_timeout_s
@@ -63,7 +74,10 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
     ).remote(settings)
     deadline = time.monotonic() + timeout_s
-    names = ray.get(coordinator.ensure_nodes.remote(), timeout=timeout_s)
+    try:
+        names = ray.get(coordinator.ensure_nodes.remote(), timeout=timeout_s)
+    except RayActorError as exc:   # its constructor failed (its port taken, say)
+        raise RuntimeError(f"the coordinator actor did not start: {exc}") from exc
     client = client_of(ray.get(coordinator.info.remote(), timeout=timeout_s))
     up = _watchdogs_up(namespace, names, max(1.0, deadline - time.monotonic()))
     wait_reachable(client, up, max(1.0, deadline - time.monotonic()))

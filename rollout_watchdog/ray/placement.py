@@ -22,29 +22,50 @@ from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.views import EngineView
 
 log = logging.getLogger(__name__)
-PLACEMENT_TIMEOUT_S = 600.0
+PLACEMENT_TIMEOUT_S = 600.0   # for the group to be placed (it may wait for resources)
+LOOKUP_TIMEOUT_S = 60.0       # for the tasks that ask each placed bundle's GPUs
 MakeSpec = Callable[[int, str, list[int], str], EngineSpec]
 
 
 @ray.remote(num_cpus=0)
-def _bundle_info() -> tuple[str, list[int], str]:
+def _bundle_info() -> tuple[str, list[str], str]:
     """Where this task runs: its Ray node id, the GPU ids Ray gave it, the node's address."""
-    ids = [int(i) for i in ray.get_gpu_ids()]
+    ids = [str(i) for i in ray.get_gpu_ids()]
     return ray.get_runtime_context().get_node_id(), ids, node_ip()
 
 
-def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S
-                     ) -> list[tuple[str, list[int], str]]:
+def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
+                     lookup_s: float = LOOKUP_TIMEOUT_S) -> list[tuple[str, list[int], str]]:
     """(node id, GPU ids, host) of every bundle of `pg`, in bundle order: a task in each
-    bundle, taking the bundle's GPUs, asks Ray (as miles' InfoActor does)."""
+    bundle, taking the bundle's GPUs, asks Ray (as miles' InfoActor does). TimeoutError when
+    the group is not placed within `timeout_s`, or the tasks do not run within `lookup_s`
+    (another actor holds part of a bundle's GPUs); ValueError for GPU ids that are not
+    numbers (UUIDs, MIG devices)."""
     ray.get(pg.ready(), timeout=timeout_s)
     bundles: Sequence[dict[str, Any]] = pg.bundle_specs
-    return list(ray.get([
-        _bundle_info.options(
-            num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=index)).remote()
-        for index, bundle in enumerate(bundles)], timeout=timeout_s))
+    tasks = [_bundle_info.options(
+        num_gpus=bundle.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=index)).remote()
+        for index, bundle in enumerate(bundles)]
+    try:
+        found = ray.get(tasks, timeout=lookup_s)
+    except ray.exceptions.GetTimeoutError:
+        for task in tasks:
+            ray.cancel(task, force=True)
+        raise TimeoutError(
+            f"the GPUs of the placement group's bundles could not be asked within {lookup_s:g} "
+            "s: the task in each bundle takes its bundle's whole GPUs, so it cannot run while "
+            "another actor holds part of them (a colocated layout, a trainer actor with "
+            "num_gpus=0.5 in the bundle): launch with fleet.launch() and the GPU ids your "
+            "framework gave the bundle") from None
+    out = []
+    for index, (node_id, ids, host) in enumerate(found):
+        if not all(i.isdigit() for i in ids):
+            raise ValueError(f"bundle {index}: Ray's GPU ids {ids} are not device numbers "
+                             "(UUIDs or MIG devices): an engine spec takes numbers")
+        out.append((node_id, [int(i) for i in ids], host))
+    return out
 
 
 def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec: MakeSpec,
