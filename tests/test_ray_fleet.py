@@ -139,6 +139,14 @@ def test_start_puts_a_watchdog_on_every_node_and_a_second_start_joins(
     port = next(n.metrics_port for n in nodes if n.node_id == ray_fleet.head)
     assert "rollout_watchdog" in requests.get(f"http://{ray.util.get_node_ip_address()}:{port}"
                                               "/metrics", timeout=10).text
+    # what the coordinator actor would die of is refused before anything starts (it died
+    # with RayActorError, or a bad timeout waited its whole start out)
+    with pytest.raises(ValueError, match="coordinator_options: unknown bogus"):
+        rw_ray.start("rw-refused", coordinator_options={"bogus": 1})
+    with pytest.raises(ValueError, match="node_timeout_s must be a number of seconds > 0"):
+        rw_ray.start("rw-refused", node_timeout_s=-1)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "rw-refused"]
 
 
 def test_the_coordinator_actor_killed_comes_back_on_its_port_with_its_nodes(
