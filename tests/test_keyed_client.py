@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import zmq
 
 from rollout_watchdog import Coordinator, CoordinatorUnavailable
 from rollout_watchdog.common.keys import ClientKeys, keygen
+from rollout_watchdog.emulator.testing import wait_until
 from rollout_watchdog.refit_bridge.keyed_client import KeyedFleetClient
 
 # A process of its own, with no key file: it unpickles the client from stdin and pings.
@@ -56,6 +58,29 @@ def test_a_key_not_authorized_hears_nothing(tmp_path: Path) -> None:
     with Coordinator(bind="tcp://127.0.0.1:0", keys=str(tmp_path / "keys")) as coordinator:
         client = pickle.loads(pickle.dumps(KeyedFleetClient(coordinator.endpoint, client_keys,
                                                             timeout_s=2.0)))
+        with pytest.raises(CoordinatorUnavailable, match="CURVE handshake failed"):
+            client.call("ping")
+        client.close()
+
+
+def test_a_call_after_libzmq_closed_a_refused_connection_waits_and_names_curve(
+        tmp_path: Path) -> None:
+    """Once a refused CURVE handshake has closed the DEALER's connection, libzmq takes no
+    message until it reconnects: the call's send raised EAGAIN, reported as "the connection
+    failed: Resource temporarily unavailable" at once (seen under load). Now the call waits
+    for a connection within its timeout, and says what failed."""
+    client_keys = keys(tmp_path)
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(tmp_path / "keys")) as coordinator:
+        client = KeyedFleetClient(coordinator.endpoint, client_keys, timeout_s=1.0)
+        conn = client._connection()
+
+        def closed() -> bool:   # (a frame taken now goes nowhere: the handshake fails)
+            try:
+                conn.sock.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            return False
+        wait_until(closed, 10, what="libzmq to close the refused connection")
         with pytest.raises(CoordinatorUnavailable, match="CURVE handshake failed"):
             client.call("ping")
         client.close()

@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
             fleet.add_options(p, where)
             func = fleet.either(name, func, remote)
         p.add_argument("--timeout", type=_seconds, default=5.0,
-                       help="seconds to wait for the answer (default 5)")
+                       help="seconds to wait for the answer, counted from the command's start "
+                       "(default 5)")
         p.set_defaults(func=func)
         return p
 

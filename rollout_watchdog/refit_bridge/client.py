@@ -18,7 +18,6 @@ makes its own (the parent's are left alone, never closed from the child).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -82,6 +81,17 @@ class _Connection:
 
     def close(self) -> None:
         handshakes.close_monitored(self.sock, self.monitor)
+
+
+def _send_now(sock: zmq.Socket[bytes], data: bytes) -> bool:
+    """Whether libzmq took `data`. It takes none while the DEALER has no connection at all:
+    between a drop and the reconnect, or once a refused handshake has closed it (the call
+    waits for a connection then, and for its timeout)."""
+    try:
+        sock.send(data, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def split_target(target: str | None, node: str | None) -> tuple[str | None, str | None]:
@@ -179,16 +189,17 @@ class FleetClient:
         try:
             while conn.monitor.poll(0):   # what happened since the last call
                 conn.heard(handshakes.read_event(conn.monitor).event)
-            conn.sock.send(data, zmq.NOBLOCK)  # queued until the connection is made
+            sent = _send_now(conn.sock, data)   # queued until the connection is made
             poller = zmq.Poller()
             poller.register(conn.sock, zmq.POLLIN)
             poller.register(conn.monitor, zmq.POLLIN)
             while (left := deadline - time.monotonic()) > 0:
                 ready = dict(poller.poll(max(1, int(left * 1000))))
-                if conn.monitor in ready and conn.heard(
-                        handshakes.read_event(conn.monitor).event):
-                    with contextlib.suppress(zmq.Again):  # connected again: the first send
-                        conn.sock.send(data, zmq.NOBLOCK)  # may be lost
+                if conn.monitor in ready:
+                    event = handshakes.read_event(conn.monitor).event
+                    # connected again (the first send may be lost), or at last
+                    if conn.heard(event) or (not sent and event == zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                        sent = _send_now(conn.sock, data)
                 if conn.sock in ready:
                     reply = self._decode(conn.sock.recv())
                     if reply is not None and reply.request_id == command.request_id:
