@@ -47,7 +47,7 @@ NO_MODEL_MODULES = frozenset({
     "test_sdnotify"})
 SERIAL_TESTS = {   # module: its serial tests
     "test_cli_fleet": frozenset({
-        "test_a_silent_peer_gets_an_exit_within_5_s_of_the_commands_start"}),
+        "test_a_silent_peer_gets_an_exit_within_the_timeout_of_the_commands_start"}),
     "test_coordinator": frozenset({"test_fleet_pause_waits_for_the_inflight_probe"}),
     "test_daemon_logic": frozenset({"test_pause_is_acknowledged_only_after_the_inflight_probe"})}
 # The modules the first two passes of scripts/test.sh (their -m expressions) may find tests in;
