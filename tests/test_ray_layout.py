@@ -15,6 +15,7 @@ pytest.importorskip("ray")
 
 from rollout_watchdog.common.validate import MAX_IPC_PATH_BYTES  # noqa: E402
 from rollout_watchdog.config import ConfigError, parse_config  # noqa: E402
+from rollout_watchdog.ray.actors import recreate_due  # noqa: E402
 from rollout_watchdog.ray.daemon_process import (  # noqa: E402
     daemon_environment,
     find_raylet,
@@ -141,3 +142,11 @@ def test_placed_engines_follow_their_groups_and_survive_a_restart(tmp_path: Path
     placed.forget("bb")
     again = PlacedEngines(path)   # a restarted coordinator actor
     assert again.groups == {"aa": ["n1/e0", "n1/e1"]} and again.removed(table) == {}
+
+
+def test_a_watchdog_that_keeps_dying_is_made_again_less_and_less_often() -> None:
+    """One whose daemon cannot start was made again every watch_s (2 s) for ever."""
+    assert recreate_due(0, 0.0, 0.0, 2.0)                 # never made: now
+    assert not recreate_due(1, 100.0, 103.9, 2.0) and recreate_due(1, 100.0, 104.0, 2.0)
+    assert not recreate_due(3, 100.0, 115.9, 2.0) and recreate_due(3, 100.0, 116.0, 2.0)
+    assert not recreate_due(20, 100.0, 399.0, 2.0) and recreate_due(20, 100.0, 400.0, 2.0)

@@ -53,6 +53,15 @@ COORDINATOR = "coordinator"
 NODE_PREFIX = "node-"
 CLIENT_KEY = "ray-client"
 COORDINATOR_PUBLIC = "coordinator.key"
+MAX_RECREATE_S = 300.0   # the longest wait before a watchdog that keeps dying is made again
+STABLE_S = 600.0         # a watchdog alive this long since it was made starts afresh
+
+
+def recreate_due(tries: int, last: float, now: float, watch_s: float) -> bool:
+    """Whether to make a node's watchdog again, `tries` made already (the last at `last`)
+    and gone: at once the first time, then after a wait that doubles from 2 x `watch_s` up to
+    MAX_RECREATE_S (one whose daemon cannot start was made again every `watch_s`)."""
+    return tries == 0 or now >= last + min(MAX_RECREATE_S, watch_s * 2 ** tries)
 
 
 def node_actor_name(node_id: str) -> str:
@@ -123,6 +132,7 @@ class CoordinatorActor:
         # This actor's endpoint, and since when: a node watchdog keeps the newest it was told
         self.since = time.time()
         self._pointed: set[str] = set()   # node watchdogs told of this endpoint
+        self._made: dict[str, tuple[int, float]] = {}   # watchdog: (times made, when last)
         self.placed = PlacedEngines(self.dir / "placed.json")
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="rw-ray-nodes", daemon=True)
@@ -179,16 +189,23 @@ class CoordinatorActor:
         node_settings = {**self.settings, "coordinator": endpoint, "coordinator_since": self.since}
         existing = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                     if a["namespace"] == self.namespace}   # one call, not one per node
+        now = time.monotonic()
         for node in alive_nodes():
             name = node_actor_name(node["NodeID"])
             names.append(name)
+            tries, last = self._made.get(name, (0, 0.0))
             if name in existing:
+                if tries and now - last >= STABLE_S:
+                    del self._made[name]
                 if name not in self._pointed:   # made by an earlier coordinator actor, maybe
                     with contextlib.suppress(ValueError):   # (elsewhere, or on another port)
                         ray.get_actor(name, namespace=self.namespace).point_to.remote(
                             endpoint, self.since)
                         self._pointed.add(name)
                 continue
+            if not recreate_due(tries, last, now, self.settings["watch_s"]):
+                continue   # it died since it was made: its daemon cannot start, say
+            self._made[name] = (tries + 1, now)
             self._pointed.add(name)
             with contextlib.suppress(ValueError):   # alive here, gone a moment later
                 self._node_actor.options(
