@@ -433,6 +433,25 @@ def test_a_coordinator_made_again_on_another_port_gets_every_node_back(
         rw_ray.shutdown(namespace)
 
 
+def test_shutdown_stops_the_engines_of_a_daemon_that_died(ray_fleet: RayFleet) -> None:
+    """A daemon SIGKILLed and not replaced yet (its watchdog looks every daemon_check_s):
+    shutdown() found it dead and did nothing, and its engine ran on, unwatched. Now a daemon
+    adopts the engines, to stop them."""
+    namespace = "rw-dead-daemon"
+    options = {"state_dir": str(ray_fleet.tmp / "dead"), "node_config": NODE_CONFIG,
+               "log_dir": str(ray_fleet.tmp / "dead-logs"), "timeout_s": WAIT_S,
+               "daemon_check_s": 600.0}
+    fleet = rw_ray.start(namespace, **options)
+    engine = fleet.launch(ray_fleet.cpu, emulator("orphaned"), wait_s=WAIT_S)
+    fleet.close()
+    daemon = ray.get(ray.get_actor(f"node-{ray_fleet.cpu}", namespace=namespace).info.remote())
+    key = proc_key(engine.pid or 0)
+    assert key is not None
+    os.kill(daemon["daemon_pid"], signal.SIGKILL)
+    rw_ray.shutdown(namespace)
+    assert not is_alive(key), "the engine of the dead daemon outlived shutdown()"
+
+
 def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
     """... of a fleet that three processes started at once: one coordinator, one daemon a
     node; even with its coordinator actor gone (killed here; its node dies, on a cluster):

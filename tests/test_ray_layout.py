@@ -13,9 +13,10 @@ import pytest
 pytest.importorskip("ray")
 
 
+from rollout_watchdog.common.errors import CommandRefused  # noqa: E402
 from rollout_watchdog.common.validate import MAX_IPC_PATH_BYTES  # noqa: E402
 from rollout_watchdog.config import ConfigError, parse_config  # noqa: E402
-from rollout_watchdog.ray.actors import recreate_due  # noqa: E402
+from rollout_watchdog.ray.actors import gone_for_good, recreate_due  # noqa: E402
 from rollout_watchdog.ray.daemon_process import (  # noqa: E402
     daemon_environment,
     find_raylet,
@@ -150,3 +151,26 @@ def test_a_watchdog_that_keeps_dying_is_made_again_less_and_less_often() -> None
     assert not recreate_due(1, 100.0, 103.9, 2.0) and recreate_due(1, 100.0, 104.0, 2.0)
     assert not recreate_due(3, 100.0, 115.9, 2.0) and recreate_due(3, 100.0, 116.0, 2.0)
     assert not recreate_due(20, 100.0, 399.0, 2.0) and recreate_due(20, 100.0, 400.0, 2.0)
+
+
+def test_an_engine_launched_again_in_another_group_is_that_groups_alone(tmp_path: Path) -> None:
+    """e0 relaunched in group bb after its removal from aa: aa's removal must not take it."""
+    placed = PlacedEngines(tmp_path / "placed.json")
+    placed.add("aa", ["n1/e0", "n1/e1"])
+    placed.add("bb", ["n1/e0"])
+    assert placed.groups == {"aa": ["n1/e1"], "bb": ["n1/e0"]}
+    placed.add("cc", ["n1/e1"])
+    assert placed.groups == {"bb": ["n1/e0"], "cc": ["n1/e1"]}   # aa held nothing any more
+    placed.clear()   # the fleet's end
+    assert PlacedEngines(tmp_path / "placed.json").groups == {}
+
+
+def test_an_engine_of_a_removed_group_is_forgotten_only_once_its_node_said_so() -> None:
+    """Its node unreachable when the group went, the engine was forgotten and ran on."""
+    answered = CommandRefused("n1: no engine 'e0' on this node", code="NODE_ERRORS")
+    unreachable = CommandRefused("node 'n1' is unreachable", code="NODE_UNREACHABLE")
+    silent = CommandRefused("no answer within 5 s from n1", code="NODE_ERRORS", missing=["n1"])
+    unknown = CommandRefused("unknown node 'n1'", code="UNKNOWN_NODE")
+    assert gone_for_good(answered, True)
+    assert not any(gone_for_good(e, True) for e in (unreachable, silent, unknown))
+    assert all(gone_for_good(e, False) for e in (unreachable, silent, unknown))  # node died

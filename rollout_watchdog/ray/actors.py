@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rollout_watchdog.common.errors import CommandRefused, RolloutWatchdogError
 from rollout_watchdog.common.keys import ClientKeys, keygen, load_keypair, load_public
 from rollout_watchdog.common.ports import free_port
+from rollout_watchdog.common.protocol import NODE_ERRORS
 from rollout_watchdog.common.validate import check_engine_id
 from rollout_watchdog.ray import daemon_process
 from rollout_watchdog.ray.layout import NodeLayout, node_config, tcp_endpoint, to_toml
@@ -54,7 +55,17 @@ NODE_PREFIX = "node-"
 CLIENT_KEY = "ray-client"
 COORDINATOR_PUBLIC = "coordinator.key"
 MAX_RECREATE_S = 300.0   # the longest wait before a watchdog that keeps dying is made again
+FORGET_TIMEOUT_S = 5.0   # each control call that takes a launched engine out of the books
 STABLE_S = 600.0         # a watchdog alive this long since it was made starts afresh
+
+
+def gone_for_good(refusal: CommandRefused, ray_node_alive: bool) -> bool:
+    """Whether an engine whose `remove` was refused can be forgotten: its node answered (no
+    such engine: removed already), or its Ray node died (its engines went with the raylet).
+    Not when the node did not answer (unreachable, unknown yet to a restarted coordinator,
+    silent): it may still run."""
+    answered = refusal.code == NODE_ERRORS and not refusal.missing
+    return answered or not ray_node_alive
 
 
 def recreate_due(tries: int, last: float, now: float, watch_s: float) -> bool:
@@ -223,13 +234,16 @@ class CoordinatorActor:
         self.placed.add(group, names)
 
     def _remove_unplaced(self) -> None:
-        """Remove the engines of the placement groups that Ray removed (an engine gone
-        already is forgotten; one that cannot be removed now is tried next round)."""
+        """Remove the engines of the placement groups that Ray removed. One its node says is
+        gone already (the node answered an error: no such engine) is forgotten, as is one of
+        a Ray node that died (its engines went with its raylet); one whose node does not
+        answer now (unreachable, not heard from yet) is tried again next round."""
         if not self.placed.groups:
             return
         removed = self.placed.removed(ray.util.placement_group_table())
         if not removed:
             return
+        alive = {node["NodeID"] for node in alive_nodes()}
         client = client_of(self.info())
         try:
             for group, names in removed.items():
@@ -238,8 +252,12 @@ class CoordinatorActor:
                     try:
                         client.remove(name)
                         log.info("%s removed: its placement group %s is gone", name, group)
-                    except CommandRefused as exc:   # gone already, or its node is
-                        log.warning("%s (placement group %s gone): %s", name, group, exc)
+                    except CommandRefused as exc:
+                        if gone_for_good(exc, name.split("/")[0] in alive):
+                            log.warning("%s (placement group %s gone): %s", name, group, exc)
+                        else:
+                            log.warning("cannot remove %s yet: %s", name, exc)
+                            left = True
                     except RolloutWatchdogError as exc:
                         log.warning("cannot remove %s yet: %s", name, exc)
                         left = True
@@ -267,6 +285,7 @@ class CoordinatorActor:
         self.stop_watching()
         self.coordinator.stop()
         (self.dir / "port").unlink(missing_ok=True)
+        self.placed.clear()
 
 
 class NodeWatchdog:
@@ -417,10 +436,16 @@ class NodeWatchdog:
         ended in time."""
         self._stop.set()
         self._watcher.join(timeout=self.settings["daemon_check_s"] + timeout_s)
+        if self.daemon is not None and not is_alive(self.daemon):
+            try:   # its engines run on, unwatched: a daemon adopts them, to stop them
+                self.ensure_daemon()
+            except Exception:
+                log.exception("cannot start a node daemon to stop the engines of the last")
         with self._lock:
             daemon, self.daemon = self.daemon, None
         if daemon is None:
             return True
         if is_alive(daemon):
-            daemon_process.forget_launched(self.layout.control, timeout_s)
+            daemon_process.forget_launched(self.layout.control,
+                                           min(FORGET_TIMEOUT_S, timeout_s))
         return daemon_process.stop(daemon, timeout_s)

@@ -164,7 +164,9 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
                    if a["namespace"] == namespace and a["name"].startswith(NODE_PREFIX))
     nodes = [(name, actor) for name in names if (actor := _named(name, namespace)) is not None]
     stops = [actor.stop.remote(timeout_s) for _, actor in nodes]   # every node at once
-    deadline = time.monotonic() + timeout_s + 30
+    deadline = time.monotonic() + 2 * timeout_s + 30   # (a watchdog's own stop: its watch's
+    # last round, a replacement daemon if the last died, the launched engines forgotten, the
+    # daemon's stop)
     for (name, actor), stopped in zip(nodes, stops, strict=True):
         try:
             if not ray.get(stopped, timeout=max(0.1, deadline - time.monotonic())):

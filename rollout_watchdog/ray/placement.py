@@ -125,9 +125,20 @@ class PlacedEngines:
             self.groups = {}
 
     def add(self, group: str, names: list[str]) -> None:
+        """These engines hold `group`'s bundles now: an engine id launched again in another
+        group is that group's alone (an engine is placed once)."""
         with self._lock:
+            moved = set(names)
+            self.groups = {g: kept for g, held in self.groups.items()
+                           if (kept := [n for n in held if n not in moved])}
             self.groups[group] = sorted({*self.groups.get(group, []), *names})
             self._save()
+
+    def clear(self) -> None:
+        """The fleet's end: a later fleet on this state dir starts with no placements."""
+        with self._lock:
+            self.groups = {}
+            self.path.unlink(missing_ok=True)
 
     def removed(self, table: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
         """The groups of `table` (Ray's placement group table) that are gone, with their
