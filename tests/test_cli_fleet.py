@@ -72,6 +72,18 @@ def test_no_coordinator_answers_within_the_timeout() -> None:
     assert 0.05 <= waited <= 0.5, out.stderr   # --timeout's, less the process's own start
 
 
+def test_main_called_in_a_running_process_keeps_its_timeout(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeout counts from the command's own start only as its own process: `cli.main()`
+    called in a process up for seconds (this one: collection alone takes them) cut 5 s to
+    0.5 s."""
+    from rollout_watchdog.cli import main
+
+    assert main(["status", "--coordinator", f"tcp://127.0.0.1:{free_port()}",
+                 "--timeout", "1"]) == 1
+    assert "within 1 s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("where", ["--control", "--coordinator"])
 def test_a_silent_peer_gets_an_exit_within_the_timeout_of_the_commands_start(
         where: str, tmp_path: Path) -> None:

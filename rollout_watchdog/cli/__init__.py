@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     elif rest and args.command != "launch":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if isinstance(getattr(args, "timeout", None), float):
-        args.timeout = _answer_wait(args.timeout)
+    if argv is None and isinstance(getattr(args, "timeout", None), float):
+        args.timeout = _answer_wait(args.timeout)   # (the command's own process only)
     try:
         return int(args.func(args))
     except ControlError as exc:

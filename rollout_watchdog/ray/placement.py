@@ -23,7 +23,7 @@ from rollout_watchdog.refit_bridge.views import EngineView
 
 log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 600.0   # for the group to be placed (it may wait for resources)
-LOOKUP_TIMEOUT_S = 60.0       # for the tasks that ask each placed bundle's GPUs
+LOOKUP_TIMEOUT_S = 120.0      # for the tasks that ask each placed bundle's GPUs
 MakeSpec = Callable[[int, str, list[int], str], EngineSpec]
 
 
@@ -55,10 +55,11 @@ def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
             ray.cancel(task, force=True)
         raise TimeoutError(
             f"the GPUs of the placement group's bundles could not be asked within {lookup_s:g} "
-            "s: the task in each bundle takes its bundle's whole GPUs, so it cannot run while "
+            "s. The task in each bundle takes its bundle's whole GPUs, so it cannot run while "
             "another actor holds part of them (a colocated layout, a trainer actor with "
-            "num_gpus=0.5 in the bundle): launch with fleet.launch() and the GPU ids your "
-            "framework gave the bundle") from None
+            "num_gpus=0.5 in the bundle: launch with fleet.launch() and the GPU ids your "
+            "framework gave the bundle); or its worker took longer to start (a runtime env "
+            "being built: give lookup_s more)") from None
     out = []
     for index, (node_id, ids, host) in enumerate(found):
         if not all(i.isdigit() for i in ids):
@@ -69,7 +70,8 @@ def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
 
 
 def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec: MakeSpec,
-                              wait_s: float | None = None) -> list[EngineView]:
+                              wait_s: float | None = None,
+                              lookup_s: float = LOOKUP_TIMEOUT_S) -> list[EngineView]:
     """Launch `make_spec(bundle_index, node_id, gpu_ids, host)` on each bundle's node, in
     bundle order (`make_spec` runs here, in the caller); the engines' views. With `wait_s`,
     once every engine is healthy (TimeoutError otherwise). A refusal raises CommandRefused;
@@ -77,7 +79,7 @@ def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec:
     daemons, not to Ray: they hold the bundle's GPUs without a Ray actor of their own."""
     views: list[EngineView] = []
     try:
-        for index, (node_id, gpus, host) in enumerate(bundle_locations(pg)):
+        for index, (node_id, gpus, host) in enumerate(bundle_locations(pg, lookup_s=lookup_s)):
             views.append(fleet.launch(node_id, make_spec(index, node_id, gpus, host)))
     finally:
         _track(fleet, pg.id.hex(), [v.name for v in views])
