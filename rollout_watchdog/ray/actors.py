@@ -55,6 +55,7 @@ NODE_PREFIX = "node-"
 CLIENT_KEY = "ray-client"
 COORDINATOR_PUBLIC = "coordinator.key"
 MAX_RECREATE_S = 300.0   # the longest wait before a watchdog that keeps dying is made again
+REAUTHORIZE_S = 10.0     # asking the coordinator again for keys a watchdog already has
 FORGET_TIMEOUT_S = 5.0   # each control call that takes a launched engine out of the books
 STABLE_S = 600.0         # a watchdog alive this long since it was made starts afresh
 
@@ -350,11 +351,14 @@ class NodeWatchdog:
         secret, server_key = keys / f"{self.node_id}.key_secret", keys / COORDINATOR_PUBLIC
         if not secret.exists():
             keygen(keys, self.node_id)
+        # with keys registered before, a coordinator that cannot answer (its node died: its
+        # actor unschedulable) must not hold up a dead daemon's replacement for long
+        wait = min(REAUTHORIZE_S, self.settings["timeout_s"]) if server_key.exists() \
+            else self.settings["timeout_s"]
         try:
             coordinator = ray.get_actor(COORDINATOR, namespace=self.settings["namespace"])
             server = ray.get(coordinator.authorize.remote(
-                self.node_id, (keys / f"{self.node_id}.key").read_text()),
-                timeout=self.settings["timeout_s"])
+                self.node_id, (keys / f"{self.node_id}.key").read_text()), timeout=wait)
         except (ValueError, RayError) as exc:
             if not server_key.exists():
                 raise
