@@ -10,6 +10,11 @@ import socket
 _handed_out: set[int] = set()
 _pick = random.Random()
 LOWEST_PORT = 10_000
+# Ports that engines and trainers take by default, never handed out: torch.distributed's
+# MASTER_PORT (29500), SGLang's server (30000, and the 30000 + i of one per GPU) and the
+# ports it derives from its own. A Ray node's metrics port picked there would make a later
+# engine's launch refused (or a trainer's rendezvous fail).
+ENGINE_PORTS = (range(29_500, 29_600), range(30_000, 31_000))
 
 
 def _ephemeral_start() -> int:
@@ -42,14 +47,19 @@ def _port_range() -> tuple[int, int]:
     return low, top
 
 
+def _engine_port(port: int) -> bool:
+    return any(port in band for band in ENGINE_PORTS)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now, for a server started a moment later: never one this process
     handed out before, and below the kernel's ephemeral range where it can (that is where
-    bind(0) and every outgoing connection take theirs, so one of them could take it meanwhile)."""
+    bind(0) and every outgoing connection take theirs, so one of them could take it meanwhile),
+    and none of ENGINE_PORTS."""
     low, top = _port_range()
     for _ in range(200 if top > low else 0):
         port = _pick.randint(low, top)
-        if port not in _handed_out and _bindable(host, port):
+        if port not in _handed_out and not _engine_port(port) and _bindable(host, port):
             _handed_out.add(port)
             return port
     for _ in range(1000):   # no room below the ephemeral range: let the kernel choose
