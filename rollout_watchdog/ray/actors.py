@@ -38,7 +38,7 @@ from rollout_watchdog.common.validate import check_engine_id
 from rollout_watchdog.ray import daemon_process
 from rollout_watchdog.ray.layout import NodeLayout, node_config, tcp_endpoint, to_toml
 from rollout_watchdog.ray.placement import PlacedEngines
-from rollout_watchdog.ray.runtime import alive_nodes, node_ip, ray_dirs, remote
+from rollout_watchdog.ray.runtime import COORDINATOR, alive_nodes, node_ip, ray_dirs, remote
 from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 from rollout_watchdog.refit_bridge.keyed_client import KeyedFleetClient
@@ -50,7 +50,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 log = logging.getLogger(__name__)
-COORDINATOR = "coordinator"
 NODE_PREFIX = "node-"
 CLIENT_KEY = "ray-client"
 COORDINATOR_PUBLIC = "coordinator.key"
@@ -132,13 +131,13 @@ class CoordinatorActor:
         self.keys = self._keys() if settings["curve"] else None
         self._node_actor = remote(NodeWatchdog)
         port_file = self.dir / "port"   # a restarted actor binds the same port: nodes redial it
-        if port_file.exists():
-            try:
-                self.coordinator = self._serving_on(int(port_file.read_text()))
-            except ValueError as exc:   # taken meanwhile: a fresh port, the nodes told of it
-                log.warning("%s: serving on a fresh port", exc)
-                self.coordinator = self._serving_on(free_port(self.host))
-        else:
+        saved = int(port_file.read_text()) if port_file.exists() else None
+        try:
+            self.coordinator = self._serving_on(saved or free_port(self.host))
+        except ValueError as exc:   # taken meanwhile: a fresh port, the nodes told of it
+            if saved is None:
+                raise
+            log.warning("%s: serving on a fresh port", exc)
             self.coordinator = self._serving_on(free_port(self.host))
         _write_atomic(port_file, self.coordinator.endpoint.rsplit(":", 1)[1])
         # This actor's endpoint, and since when: a node watchdog keeps the newest it was told

@@ -61,18 +61,19 @@ def find_raylet(environ: Mapping[str, str], parent: int,
     runs between them: a runtime env's `py_executable` (`uv run`, nsys) puts its wrapper there,
     and a wrapper that ends with the actor would stop every engine. Neither found: the parent,
     with a warning (the daemon stops when it ends)."""
-    candidates = [int(pid)] if (pid := environ.get("RAY_RAYLET_PID", "")).isdigit() else []
+    def raylet(stat: ProcStat | None) -> bool:
+        return stat is not None and stat.comm == RAYLET and stat.alive
+
+    if (named := environ.get("RAY_RAYLET_PID", "")).isdigit() and raylet(read(int(named))):
+        return int(named)
     ancestor = parent
     for _ in range(MAX_ANCESTORS):
         stat = read(ancestor) if ancestor > 1 else None
         if stat is None:
             break
-        candidates.append(ancestor)
+        if raylet(stat):
+            return ancestor
         ancestor = stat.ppid
-    for candidate in candidates:
-        stat = read(candidate)
-        if stat is not None and stat.comm == RAYLET and stat.alive:
-            return candidate
     stat = read(parent)
     log.warning("no raylet found (RAY_RAYLET_PID, the worker's ancestors): the node daemon's "
                 "lifeline is the worker's parent %d (%r), and it stops when that ends",

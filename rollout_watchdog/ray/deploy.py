@@ -14,9 +14,9 @@ from ray.exceptions import ActorUnschedulableError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
-from rollout_watchdog.ray.actors import COORDINATOR, NODE_PREFIX, CoordinatorActor, client_of
+from rollout_watchdog.ray.actors import NODE_PREFIX, CoordinatorActor, client_of
 from rollout_watchdog.ray.layout import check_extra
-from rollout_watchdog.ray.runtime import alive_nodes, remote
+from rollout_watchdog.ray.runtime import COORDINATOR, alive_nodes, remote
 from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout_watchdog.common.atomic_file import write_atomically
 from rollout_watchdog.common.spec import EngineSpec
-from rollout_watchdog.ray.runtime import node_ip
+from rollout_watchdog.ray.runtime import COORDINATOR, node_ip
 from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.views import EngineView
 
@@ -98,7 +98,7 @@ def _track(fleet: FleetClient, group: str, names: list[str]) -> None:
     if not names:
         return
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"] != "coordinator":
+        if actor["name"] != COORDINATOR:
             continue
         try:
             coordinator = ray.get_actor(actor["name"], namespace=actor["namespace"])
@@ -156,5 +156,6 @@ class PlacedEngines:
 
     def _save(self) -> None:
         write_atomically(self.path, json.dumps(self.groups).encode(), durable=True)
+
 
 __all__ = ["PlacedEngines", "bundle_locations", "launch_in_placement_group"]

@@ -7,6 +7,8 @@ from typing import Any
 
 import ray
 
+COORDINATOR = "coordinator"   # the coordinator actor's name, in its namespace
+
 
 def node_ip() -> str:
     """This Ray node's address (what the other nodes reach it at)."""
