@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import json_frame, protocol
 from rollout_watchdog.common.frames import EventsFrame
 from rollout_watchdog.common.protocol import (
     MAJOR,
@@ -289,3 +289,27 @@ def test_a_long_run_is_split_under_the_frame_limit() -> None:
     assert 4 <= len(frames) <= 5 and all(len(f) <= protocol.MAX_MESSAGE_BYTES for f in frames)
     seqs = [e.seq for f in frames for e in decode(f).events]   # type: ignore[union-attr]
     assert seqs == list(range(1, 40))
+
+
+# Texts with lone surrogates, as a text decoded from a process's bytes with surrogateescape
+# holds them: the encoder writes them as escapes, which orjson (the parser's fast path) refuses.
+lone_surrogates = st.sampled_from(["\ud800", "\udbff", "\udc80", "\udcff", "\udfff"])
+any_texts = st.lists(st.characters() | lone_surrogates, max_size=12).map("".join)
+wide_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | finite | any_texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_texts, inner, max_size=4),
+    max_leaves=12)
+
+
+@FAST
+@given(wide_values)
+@example("detail: \udcff\udcfe")
+@example([1, 1.0, -(1 << 63), (1 << 64) - 1, 1e308, 5e-324, -0.0])
+def test_the_parser_reads_every_value_the_encoder_writes_as_the_stdlib_does(value: Any) -> None:
+    """json_frame.parse (orjson, then the stdlib's parser for what orjson refuses) gives what
+    json.loads gives for every frame text this package's encoder writes: the same values, of
+    the same types (an int stays an int), lone surrogates included."""
+    data = protocol._ENCODER.encode(value).encode("ascii")
+    parsed = json_frame.parse(data, protocol.MAX_MESSAGE_BYTES)
+    expected = json.loads(data)
+    assert json.dumps(parsed) == json.dumps(expected) and parsed == expected

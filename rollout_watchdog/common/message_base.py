@@ -30,7 +30,9 @@ def _check_str(kind: str, name: str, value: object, *, optional: bool = False) -
 
 
 def _check_int(kind: str, name: str, value: object, minimum: int) -> None:
-    if isinstance(value, int) and value >= _INT_LIMIT:
+    if (isinstance(value, int) and value >= _INT_LIMIT) or (
+            type(value) is float and abs(value) >= _INT_LIMIT and value.is_integer()):
+        # (an integer beyond 64 bits unsigned is parsed as a float: json_frame)
         raise ProtocolError(f"{kind}: field {name!r}: integer does not fit in 64 bits")
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value:
         raise _fail(kind, name, f"an integer >= {minimum}", value)
