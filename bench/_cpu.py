@@ -3,6 +3,7 @@ bounds a figure on a machine whose cores are all busy."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -68,3 +69,17 @@ class CpuMeter:
 
 def _busy(times: Any) -> float:
     return float(times.user + times.system)
+
+
+def pin_apart(alone: int, others: list[int]) -> str:
+    """Every thread of process `alone` on the first CPU it may use, every thread of `others`
+    on the rest: the coordinator's CPU with no simulated node on its core, as in a fleet whose
+    nodes are other machines (its threads still share that one core). What was done, said."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs 2 CPUs or more")
+    for pid, where in [(alone, {cpus[0]}), *((pid, set(cpus[1:])) for pid in others)]:
+        for thread in psutil.Process(pid).threads():
+            os.sched_setaffinity(thread.id, where)
+    return (f"pinned: the coordinator on CPU {cpus[0]}, the simulated nodes and the subscriber "
+            f"on CPU {','.join(map(str, cpus[1:]))}")

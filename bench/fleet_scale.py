@@ -71,7 +71,7 @@ from _common import (
     summary,
     wait_for,
 )
-from _cpu import CpuMeter
+from _cpu import CpuMeter, pin_apart
 from _fleet_sim import worker_main
 from fleet_harness import CoordinatorConnection, CoordinatorProcess, start_coordinator_process
 
@@ -102,6 +102,12 @@ def options(parser: argparse.ArgumentParser) -> None:
                         help="profile the coordinator (cProfile) within the pause round trips "
                              "only, write the stats to PATH and print the costliest functions "
                              "(profiling slows it: its CPU figures are not comparable then)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the coordinator alone on one CPU, the simulated nodes and the "
+                             "subscriber on the others (the coordinator's CPU without the "
+                             "nodes' contention, as in a real fleet; the pause round trip is "
+                             "then the nodes' one CPU's; the coordinator started again in the "
+                             "last phase is not pinned)")
 
 
 class Subscriber(threading.Thread):
@@ -321,6 +327,8 @@ def main(args: argparse.Namespace) -> int:
         sub.start()
         wait_for(lambda: sub.native_id, 10, "the subscriber thread")
         cpu.subscriber = sub.native_id
+        if args.pin:
+            print(pin_apart(coord.proc.pid, [os.getpid(), *(p.pid for p in workers.procs)]))
         cpu.measure("idle fleet (heartbeats), 5 s" if not quick else "idle fleet, 1 s",
                     time.sleep, 1.0 if quick else 5.0)
         sub.baseline = workers.emitted()   # the subscription has begun, the fleet is quiet

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_fleet_scale_quick_runs_every_phase() -> None:
     run = subprocess.run(
         [sys.executable, str(REPO / "bench" / "fleet_scale.py"), "--quick", "--nodes", "12",
-         "--engines", "2", "--workers", "2", "--time-limit", "120"],
+         "--engines", "2", "--workers", "2", "--pin", "--time-limit", "120"],
         capture_output=True, text=True, timeout=180,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     out = run.stdout + run.stderr
@@ -23,7 +23,8 @@ def test_fleet_scale_quick_runs_every_phase() -> None:
     for figure in ("pushed (node -> coordinator -> subscriber)", "polling every node's status",
                    "pause, every node acknowledged", "into the coordinator",
                    "out to one subscriber", "kill -> client", "every engine listed",
-                   "peak RSS", "0 dropped from outboxes, 0 bad messages"):
+                   "peak RSS", "0 dropped from outboxes, 0 bad messages",
+                   "pinned: the coordinator on CPU"):
         assert figure in out, f"{figure!r} missing:\n{out}"
 
 
