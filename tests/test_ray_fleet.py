@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,10 +29,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 
 import rollout_watchdog.ray as rw_ray  # noqa: E402
 from rollout_watchdog import EngineSpec, FleetClient  # noqa: E402
+from rollout_watchdog.common.errors import RolloutWatchdogError  # noqa: E402
 from rollout_watchdog.emulator.testing import emulator_command, free_port, wait_until  # noqa: E402
 from rollout_watchdog.ray.placement import bundle_locations  # noqa: E402
 from rollout_watchdog.refit_bridge.views import EngineView  # noqa: E402
 from rollout_watchdog.watchdog.process import is_alive, proc_key, read_stat  # noqa: E402
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 NS = "rw-test"
 NODE_TIMEOUT_S = 3.0
@@ -103,8 +111,8 @@ def wait_view(fleet: FleetClient, name: str, what: str, check: Any) -> EngineVie
     return wait_until(ready, WAIT_S, what=what)
 
 
-def node_info(node_id: str) -> dict[str, Any]:
-    actor = ray.get_actor(f"node-{node_id}", namespace=NS)
+def node_info(node_id: str, namespace: str = NS) -> dict[str, Any]:
+    actor = ray.get_actor(f"node-{node_id}", namespace=namespace)
     info: dict[str, Any] = ray.get(actor.info.remote(), timeout=WAIT_S)
     return info
 
@@ -181,6 +189,18 @@ def test_a_hostile_key_registration_is_refused_and_harms_nothing(ray_fleet: RayF
                                for n in ray_fleet.fleet.nodes()), WAIT_S, what="a new node")
     finally:
         ray_fleet.cluster.remove_node(joined)
+
+
+def test_a_node_registered_by_many_calls_at_once_is_registered(ray_fleet: RayFleet) -> None:
+    """A node's key registered again by calls in flight at once (queued while the coordinator
+    actor did not answer, one each time its watchdog gave up waiting): the actor runs them in
+    threads, and they raced on their files (FileNotFoundError)."""
+    coordinator = ray.get_actor("coordinator", namespace=NS)
+    keys = Path(node_info(ray_fleet.cpu)["state_dir"]).parent / "keys"
+    public = (keys / f"{ray_fleet.cpu}.key").read_text()
+    calls = [coordinator.authorize.remote(ray_fleet.cpu, public) for _ in range(32)]
+    assert set(ray.get(calls, timeout=WAIT_S)) == {(keys / "coordinator.key").read_text()}
+    assert next(n for n in ray_fleet.fleet.nodes() if n.node_id == ray_fleet.cpu).reachable
 
 
 def test_start_refuses_node_config_keys_it_owns(ray_fleet: RayFleet) -> None:
@@ -307,9 +327,9 @@ def test_the_watchdog_actor_killed_is_not_the_engines_lifeline(ray_fleet: RayFle
         fleet.remove(engine.name, wait_s=WAIT_S)
 
 
-def _info_or_none(node_id: str) -> dict[str, Any] | None:
+def _info_or_none(node_id: str, namespace: str = NS) -> dict[str, Any] | None:
     try:
-        return node_info(node_id)
+        return node_info(node_id, namespace)
     except (ValueError, ray.exceptions.RayError):
         return None
 
@@ -428,6 +448,127 @@ def test_a_coordinator_made_again_on_another_port_gets_every_node_back(
         kept = view(again, engine.name)
         assert kept is not None and (kept.pid, kept.incarnation) == (engine.pid,
                                                                       engine.incarnation)
+        again.close()
+    finally:
+        rw_ray.shutdown(namespace)
+
+
+def _coordinator_of(node_id: str, namespace: str) -> str:
+    """The coordinator endpoint node `node_id`'s daemon was started to dial."""
+    state = Path(node_info(node_id, namespace)["state_dir"])
+    return str(tomllib.loads((state.parent / "node.toml").read_text())["coordinator"])
+
+
+def test_a_coordinator_restarted_while_its_port_is_taken_serves_on_another_with_its_nodes(
+        ray_fleet: RayFleet) -> None:
+    """Ray restarts the coordinator actor and its saved port is someone else's by then: it
+    serves on a fresh port, and its watcher tells every node watchdog (`point_to`), whose
+    daemon is replaced by one dialing the new port. (The saved port is one this test holds:
+    binding the old port between the actor's death and its restart would race Ray.)"""
+    namespace = "rw-taken"
+    options = {"state_dir": str(ray_fleet.tmp / "taken"), "node_config": NODE_CONFIG,
+               "log_dir": str(ray_fleet.tmp / "taken-logs"), "timeout_s": WAIT_S}
+    nodes = {ray_fleet.head, ray_fleet.cpu, ray_fleet.gpu}
+    taker = socket.socket()
+    try:
+        first = rw_ray.start(namespace, **options)
+        first.close()
+        host = first.address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
+        taker.bind((host, 0))
+        taker.listen()
+        taken = taker.getsockname()[1]
+        port_file = ray_fleet.tmp / "taken" / namespace / "coordinator" / "port"
+        port_file.write_text(str(taken))
+        ray.kill(ray.get_actor("coordinator", namespace=namespace), no_restart=False)
+
+        def moved() -> FleetClient | None:
+            try:
+                client = rw_ray.fleet(namespace)   # (waits for the actor's restart)
+            except (ray.exceptions.RayError, RolloutWatchdogError):
+                return None
+            if client.address == first.address:   # not restarted yet
+                client.close()
+                return None
+            return client
+        again = wait_until(moved, WAIT_S, what="the coordinator actor restarted")
+        try:
+            port = int(again.address.rsplit(":", 1)[1])
+            assert port != taken and port_file.read_text() == str(port)
+            wait_until(lambda: {n.node_id for n in again.nodes() if n.reachable} >= nodes,
+                       WAIT_S, what="every node reachable through the moved coordinator")
+            assert {_coordinator_of(n, namespace) for n in nodes} == {again.address}
+        finally:
+            again.close()
+    finally:
+        taker.close()
+        rw_ray.shutdown(namespace)
+
+
+def test_a_daemon_dead_while_the_coordinator_cannot_answer_is_replaced_with_its_keys(
+        ray_fleet: RayFleet) -> None:
+    """CURVE: the coordinator actor does not answer (SIGSTOP: its node hangs, say) when a
+    node's daemon dies. The watchdog gives up asking it after a while and starts another daemon
+    with the keys its node registered before; once the coordinator answers again, the node is
+    reachable."""
+    fleet, node = ray_fleet.fleet, ray_fleet.cpu
+    before = node_info(node)
+    keys = Path(before["state_dir"]).parent / "keys"
+    registered = {p.name: p.read_text() for p in keys.iterdir()}
+    assert {f"{node}.key", f"{node}.key_secret", "coordinator.key"} <= set(registered)
+    coordinator = ray.get_actor("coordinator", namespace=NS)
+    pid = ray.get(coordinator.__ray_call__.remote(lambda actor: os.getpid()), timeout=WAIT_S)
+    stopped = psutil.Process(pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        os.kill(before["daemon_pid"], signal.SIGKILL)
+        replaced = wait_until(lambda: (i := _info_or_none(node)) and
+                              i["daemon_pid"] != before["daemon_pid"] and i, WAIT_S,
+                              what="another daemon, the coordinator not answering")
+        assert stopped.status() == psutil.STATUS_STOPPED   # it was replaced without it
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    daemon = proc_key(replaced["daemon_pid"])
+    assert daemon is not None and is_alive(daemon)
+    assert {p.name: p.read_text() for p in keys.iterdir()} == registered   # the same keys
+    wait_until(lambda: {n.node_id for n in fleet.nodes() if n.reachable} >= {
+        ray_fleet.head, ray_fleet.cpu, ray_fleet.gpu}, WAIT_S,
+        what="every node reachable, the coordinator answering again")
+    assert node_info(node)["daemon_pid"] == daemon.pid
+
+
+def test_a_watchdog_actor_restarted_after_the_coordinator_moved_dials_where_it_is_now(
+        ray_fleet: RayFleet) -> None:
+    """A watchdog actor told of a newer coordinator endpoint (`point_to`) and then restarted
+    by Ray gets its creation's settings back, which name the old endpoint: it reads the newer
+    one from its state dir, keeps the daemon that dials it, and the node stays reachable."""
+    namespace = "rw-pointed"
+    options = {"state_dir": str(ray_fleet.tmp / "pointed"), "node_config": NODE_CONFIG,
+               "log_dir": str(ray_fleet.tmp / "pointed-logs"), "timeout_s": WAIT_S}
+    node = ray_fleet.cpu
+    try:
+        first = rw_ray.start(namespace, **options)
+        first.close()
+        ray.kill(ray.get_actor("coordinator", namespace=namespace), no_restart=True)
+        (ray_fleet.tmp / "pointed" / namespace / "coordinator" / "port").unlink()
+        again = rw_ray.start(namespace, **options)   # made again, elsewhere: every node told
+        assert again.address != first.address
+        assert _coordinator_of(node, namespace) == again.address
+
+        def replaced() -> dict[str, Any] | None:   # (reachable already: it said hello)
+            info = node_info(node, namespace)
+            daemon = proc_key(info["daemon_pid"])
+            return info if daemon is not None and is_alive(daemon) else None
+        before = wait_until(replaced, WAIT_S, what="the daemon dialing the new endpoint")
+        ray.kill(ray.get_actor(f"node-{node}", namespace=namespace), no_restart=False)
+        after = wait_until(lambda: (i := _info_or_none(node, namespace)) and
+                           i["actor_pid"] != before["actor_pid"] and i, WAIT_S,
+                           what="the watchdog actor back")
+        watchdog = ray.get_actor(f"node-{node}", namespace=namespace)
+        assert ray.get(watchdog.__ray_call__.remote(
+            lambda actor: actor.settings["coordinator"]), timeout=WAIT_S) == again.address
+        assert after["kept"] and after["daemon_pid"] == before["daemon_pid"]
+        assert _coordinator_of(node, namespace) == again.address
+        assert next(n for n in again.nodes() if n.node_id == node).reachable
         again.close()
     finally:
         rw_ray.shutdown(namespace)

@@ -129,6 +129,9 @@ class CoordinatorActor:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.host = node_ip()
         self.keys = self._keys() if settings["curve"] else None
+        # one registration at a time: calls run in threads (max_concurrency), and two for one
+        # node (queued while this actor did not answer) raced on their files
+        self._authorizing = threading.Lock()
         self._node_actor = remote(NodeWatchdog)
         port_file = self.dir / "port"   # a restarted actor binds the same port: nodes redial it
         saved = int(port_file.read_text()) if port_file.exists() else None
@@ -186,10 +189,11 @@ class CoordinatorActor:
         if (problem := check_engine_id(node_id)) is not None:
             raise ValueError(f"node id: {problem}")
         received = self.dir / f"{node_id}.key.received"
-        _write_atomic(received, public_key)
-        load_public(received)   # ValueError if it is not a key: authorized/ stays readable
-        received.replace(self.keys / "authorized" / f"{node_id}.key")
-        self.coordinator.reload_keys()
+        with self._authorizing:
+            _write_atomic(received, public_key)
+            load_public(received)   # ValueError if not a key: authorized/ stays readable
+            received.replace(self.keys / "authorized" / f"{node_id}.key")
+            self.coordinator.reload_keys()
         return (self.keys / f"{COORDINATOR}.key").read_text()
 
     def ensure_nodes(self) -> list[str]:
