@@ -5,6 +5,7 @@ on (the cluster's address is not a loopback one)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -464,12 +465,15 @@ def test_a_coordinator_restarted_while_its_port_is_taken_serves_on_another_with_
     """Ray restarts the coordinator actor and its saved port is someone else's by then: it
     serves on a fresh port, and its watcher tells every node watchdog (`point_to`), whose
     daemon is replaced by one dialing the new port. (The saved port is one this test holds:
-    binding the old port between the actor's death and its restart would race Ray.)"""
+    binding the old port between the actor's death and its restart would race Ray.) One
+    watchdog actor hangs (SIGSTOP) as it is told, then dies (SIGKILL): the one Ray makes again
+    dials the old port, as its creation said, until the coordinator tells it again."""
     namespace = "rw-taken"
     options = {"state_dir": str(ray_fleet.tmp / "taken"), "node_config": NODE_CONFIG,
                "log_dir": str(ray_fleet.tmp / "taken-logs"), "timeout_s": WAIT_S}
     nodes = {ray_fleet.head, ray_fleet.cpu, ray_fleet.gpu}
     taker = socket.socket()
+    hung: int | None = None
     try:
         first = rw_ray.start(namespace, **options)
         first.close()
@@ -479,6 +483,8 @@ def test_a_coordinator_restarted_while_its_port_is_taken_serves_on_another_with_
         taken = taker.getsockname()[1]
         port_file = ray_fleet.tmp / "taken" / namespace / "coordinator" / "port"
         port_file.write_text(str(taken))
+        hung = node_info(ray_fleet.cpu, namespace)["actor_pid"]
+        os.kill(hung, signal.SIGSTOP)
         ray.kill(ray.get_actor("coordinator", namespace=namespace), no_restart=False)
 
         def moved() -> FleetClient | None:
@@ -494,12 +500,19 @@ def test_a_coordinator_restarted_while_its_port_is_taken_serves_on_another_with_
         try:
             port = int(again.address.rsplit(":", 1)[1])
             assert port != taken and port_file.read_text() == str(port)
+            told = nodes - {ray_fleet.cpu}
+            wait_until(lambda: {n.node_id for n in again.nodes() if n.reachable} >= told,
+                       WAIT_S, what="the other nodes reachable through the moved coordinator")
+            os.kill(hung, signal.SIGKILL)   # its point_to call fails; Ray makes it again
             wait_until(lambda: {n.node_id for n in again.nodes() if n.reachable} >= nodes,
                        WAIT_S, what="every node reachable through the moved coordinator")
             assert {_coordinator_of(n, namespace) for n in nodes} == {again.address}
         finally:
             again.close()
     finally:
+        if hung is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)
         taker.close()
         rw_ray.shutdown(namespace)
 

@@ -146,6 +146,7 @@ class CoordinatorActor:
         # This actor's endpoint, and since when: a node watchdog keeps the newest it was told
         self.since = time.time()
         self._pointed: set[str] = set()   # node watchdogs told of this endpoint
+        self._pointing: dict[str, Any] = {}   # watchdog: its point_to call, until it answers
         self._made: dict[str, tuple[int, float]] = {}   # watchdog: (times made, when last)
         self.placed = PlacedEngines(self.dir / "placed.json")
         self._stop = threading.Event()
@@ -199,6 +200,7 @@ class CoordinatorActor:
     def ensure_nodes(self) -> list[str]:
         """A watchdog actor on every alive Ray node (get it by name, else create it: Ray's
         `get_if_exists` settles a race of two creators); the names of those actors."""
+        self._settle_pointing()
         names = []
         endpoint = self.coordinator.endpoint
         node_settings = {**self.settings, "coordinator": endpoint, "coordinator_since": self.since}
@@ -214,8 +216,8 @@ class CoordinatorActor:
                     del self._made[name]
                 if name not in self._pointed:   # made by an earlier coordinator actor, maybe
                     with contextlib.suppress(ValueError):   # (elsewhere, or on another port)
-                        ray.get_actor(name, namespace=self.namespace).point_to.remote(
-                            endpoint, self.since)
+                        self._pointing[name] = ray.get_actor(
+                            name, namespace=self.namespace).point_to.remote(endpoint, self.since)
                         self._pointed.add(name)
                 continue
             if not recreate_due(tries, last, now, self.settings["watch_s"]):
@@ -231,6 +233,25 @@ class CoordinatorActor:
                                                                        soft=False),
                 ).remote(node_settings)
         return names
+
+    def _settle_pointing(self) -> None:
+        """A watchdog whose point_to call failed is told again in this round: its actor died
+        as the call came, and the one Ray made again dials where its creation said (an earlier
+        coordinator's endpoint), for good if nobody tells it."""
+        if not self._pointing:
+            return
+        calls = list(self._pointing.values())
+        answered = set(ray.wait(calls, num_returns=len(calls), timeout=0)[0])
+        for name, call in list(self._pointing.items()):
+            if call not in answered:
+                continue   # (a watchdog that hangs is told once it answers, or fails)
+            del self._pointing[name]
+            try:
+                ray.get(call)
+            except RayError as exc:
+                log.warning("%s was not told where the coordinator is (%s): telling it again",
+                            name, exc)
+                self._pointed.discard(name)
 
     def track(self, group: str, names: list[str]) -> None:
         """These launched engines hold the bundles of placement group `group` (hex id): they
@@ -333,9 +354,13 @@ class NodeWatchdog:
                 return False
             moved = endpoint != self.settings["coordinator"]
             self.settings["coordinator"], self.settings["coordinator_since"] = endpoint, since
-            _write_atomic(self.layout.node_dir / "coordinator.json",
-                          json.dumps({"endpoint": endpoint, "since": since}), 0o600)
             daemon = self.daemon
+            try:   # for this actor made again by Ray (its creation names an older endpoint)
+                _write_atomic(self.layout.node_dir / "coordinator.json",
+                              json.dumps({"endpoint": endpoint, "since": since}), 0o600)
+            except OSError as exc:   # (a full disk): the daemon is re-pointed all the same
+                log.error("cannot save where the coordinator is (%s): if Ray makes this actor "
+                          "again, its daemon dials the endpoint of its creation", exc)
         if not moved or daemon is None or not is_alive(daemon):
             return False
         log.warning("the coordinator is at %s now: replacing node daemon %d (it leaves its "
