@@ -398,7 +398,7 @@ class FleetClient:
 
     def stop(self, target: str, *, node: str | None = None,
              timeout_s: float | None = None) -> FleetResult:
-        """Kill the engine and keep it down until restart or reset."""
+        """Kill the engine and keep it down until restart (reset does not relaunch it)."""
         return self.command("stop", target, node=node, timeout_s=timeout_s)
 
     def reset(self, target: str, *, node: str | None = None,

@@ -314,7 +314,7 @@ def require_released(node: Node, engine: EngineRuntime) -> None:
 
 @command("stop", ENGINE)
 def stop(node: Node, args: dict[str, Any]) -> dict[str, Any]:
-    """Kill ENGINE and keep it down until `restart` or `reset`.
+    """Kill ENGINE and keep it down until `restart` (`reset` clears the budget only).
 
     args: {"engine": ID}. result: {"engine": ID, "action": TEXT}
     """
