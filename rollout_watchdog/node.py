@@ -48,7 +48,7 @@ def fleet_link(daemon: Daemon) -> NodeLink:
 
 def engine_info(daemon: Daemon) -> EngineInfo:
     """Each engine's tp_size from its /server_info, for status and the fleet view."""
-    return EngineInfo(daemon.supervisor.engines)
+    return EngineInfo(daemon.supervisor.engines, daemon.supervisor.emit)
 
 
 def node_daemon(config: NodeConfig, **kwargs: Any) -> Daemon:

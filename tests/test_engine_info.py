@@ -134,15 +134,20 @@ def test_each_incarnation_is_read_once_a_failure_later_and_a_configured_size_nev
             raise answer
         return answer
 
-    info = EngineInfo(engines, read=read)
+    emitted: list[tuple[str, str, dict[str, Any]]] = []
+    info = EngineInfo(engines, lambda e, kind, **fields: emitted.append((e.id, kind, fields)),
+                      read=read)
     a = engines["a"]
     assert a.tp_size is None and engines["b"].tp_size == 2   # not read yet; configured
     drive(info, 100.0)                       # refused: nothing known, tried again later
     assert reads == ["http://a:30000"] and a.tp_size is None
     drive(info, 104.0)                       # within the health interval: not yet
     assert len(reads) == 1
+    assert emitted == []
     drive(info, 105.0)
     assert len(reads) == 2 and a.tp_size == 4
+    assert emitted == [("a", "tp_size_read", {"detail": "tp_size 4 from /server_info",
+                                              "tp_size": 4})]
     drive(info, 200.0)                       # once per incarnation
     assert len(reads) == 2
     a.incarnation, a.state = 2, EngineState.STARTING   # relaunched: not read before healthy
@@ -152,6 +157,7 @@ def test_each_incarnation_is_read_once_a_failure_later_and_a_configured_size_nev
     a.state = EngineState.HEALTHY
     drive(info, 301.0)
     assert len(reads) == 3 and a.tp_size == 8   # b (configured) was never read
+    assert [fields["tp_size"] for _, _, fields in emitted] == [4, 8]
 
 
 def test_status_and_the_fleet_view_show_the_engines_tp_size(
@@ -166,3 +172,13 @@ def test_status_and_the_fleet_view_show_the_engines_tp_size(
         fleet = FleetClient(coordinator.endpoint)
         fleet.wait_until(lambda view: {e.id: e.tp_size for e in view} == {"e0": 1, "e1": 3}
                          and all(e.state == "healthy" for e in view), 30)
+        # A restarted daemon adopts e0, healthy already: its HELLO cannot say e0's tp_size
+        # (not read yet); the read's own event brings it to the view (no other event would).
+        before = fleet.nodes()[0].boot
+        node.kill_daemon()
+        node.start()
+        wait_until(lambda: (n := fleet.nodes()[0]).boot != before and n.reachable, 30,
+                   what="the restarted daemon's HELLO")
+        fleet.wait_until(lambda view: {e.id: e.tp_size for e in view} == {"e0": 1, "e1": 3},
+                         30)
+        assert [e["kind"] for e in node.events("e0")].count("tp_size_read") == 1

@@ -6,9 +6,11 @@ Off the probe path on purpose: SGLang answers `/server_info` from its scheduler,
 answers late, and a pause is acknowledged only once its probes are in; here a read waits on a
 thread of its own, bounded by the engine's probe timeout, and the loop only looks at finished
 ones. The first read follows the incarnation's first passing probe; a failed one is tried again
-a health interval later. No event of its own says it (a consumer of the event stream sees the
-kinds it knows, as before): the coordinator's view has it with the engine's next event (a pause
-sends one) or the node's next HELLO, and until then the refit reads `/server_info` itself.
+a health interval later. What was read is published as a `tp_size_read` event (`tp_size`, and
+the engine's status with it), so that the coordinator's view has it at once: an engine adopted
+by a restarted daemon, or one whose starting probe could not read it, is healthy already, and
+no other event would carry it (pause events carry no status). Until then the refit reads
+`/server_info` itself.
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ class EngineInfo:
     sets none (one read at a time: it is once per incarnation)."""
 
     def __init__(self, engines: Mapping[str, EngineRuntime],
+                 emit: Callable[..., Any],
                  read: Callable[[str, float], int] = read_tp_size,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engines = engines
+        self._emit = emit   # (engine, kind, **fields): the daemon's publish point
         self._read = read
         self._clock = clock
         self._reading: _Read | None = None
@@ -142,4 +146,5 @@ class EngineInfo:
             return
         self._retry_at.pop(key, None)
         engine.server_tp_size = (read.incarnation, read.size)
-        log.debug("tp_size %d (from /server_info)", read.size, extra={"engine": engine.id})
+        self._emit(engine, "tp_size_read", detail=f"tp_size {read.size} from /server_info",
+                   tp_size=read.size)
