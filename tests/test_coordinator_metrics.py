@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from daemon_harness import Node, wait_for
+from fleet_harness import start_coordinator_process
 from refit_harness import all_healthy, run_trainer, start_fleet
 
 from rollout_watchdog import Coordinator, FleetClient
@@ -109,3 +111,17 @@ def test_a_port_in_use_is_named() -> None:
             assert f"127.0.0.1:{port}" in str(exc)
         else:
             raise AssertionError("a second coordinator served metrics on a port in use")
+
+
+def test_the_standalone_coordinator_says_where_a_picked_port_serves(tmp_path: Path) -> None:
+    """`rollout-watchdog coordinator --metrics-port 0`: the port it picked is in its log, and
+    serves the metrics (a user has no other way to find it)."""
+    log = tmp_path / "coordinator.log"
+    coordinator = start_coordinator_process(f"tcp://127.0.0.1:{free_port()}",
+                                            ["--metrics-port", "0"], log_path=log)
+    try:
+        said = wait_for(lambda: re.search(r"coordinator metrics on http://127\.0\.0\.1:(\d+)"
+                                          r"/metrics", log.read_text()), 10, "the log line")
+        assert scrape(int(said.group(1)))['rollout_watchdog_fleet_nodes{reachable="true"}'] == 0
+    finally:
+        coordinator.kill()

@@ -28,6 +28,7 @@ from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.agent.security import check_bind
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.handshakes import HANDSHAKE_TIMEOUT_S
+from rollout_watchdog.common.validate import bracket_host
 from rollout_watchdog.refit_bridge import membership, queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
@@ -140,6 +141,8 @@ class Coordinator:
             except OSError as exc:
                 raise ValueError(f"cannot serve metrics on {self.metrics_host}:"
                                  f"{self.metrics_port}: {exc}") from exc
+            log.info("coordinator metrics on http://%s:%d/metrics",   # (0 picked a free port)
+                     bracket_host(self.metrics_host), self.metrics_port)
         self._started_at = time.monotonic()
 
     def closed(self) -> None:
