@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = control_command("events", _doc("events"), cmd_events)
     p.add_argument("--json", action="store_true", help="one JSON object a line")
     p.add_argument("--no-follow", dest="follow", action="store_false",
-                   help="print the events so far and exit")
+                   help="local daemon: print the events so far and exit")
     p.add_argument("--poll", type=_seconds, default=5.0, metavar="S",
                    help="local daemon: how long one request waits there for a new event "
                    "(default 5; the daemon caps it at 30). A daemon that dies is noticed at "
@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "--coordinator: of every reachable node, or of --node)")
         if name == "pause":
             p.add_argument("--deadline", type=_seconds, default=600.0,
-                           help="seconds after which probing resumes by itself (default 600)")
+                           help="seconds after which probing resumes by itself (default 600, "
+                                "at most 86400)")
     for name in ("restart", "stop", "reset", "unregister"):
         p = control_command(name, _doc(name), _simple(name))
         p.add_argument("engine", help="engine id" + (

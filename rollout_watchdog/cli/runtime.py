@@ -83,7 +83,8 @@ def add_launch_options(p: argparse.ArgumentParser, seconds: Any) -> None:
 def add_remove_options(p: argparse.ArgumentParser, seconds: Any) -> None:
     p.add_argument("engine", help="engine id (NODE/ENGINE with --coordinator)")
     p.add_argument("--wait", type=seconds, metavar="S",
-                   help="return once the engine is stopped and forgotten; fail after S seconds")
+                   help="return once the engine is stopped and forgotten; fail after S seconds "
+                        "(at most 600)")
 
 
 def take_command(args: argparse.Namespace, rest: list[str]) -> str | None:
