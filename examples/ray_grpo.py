@@ -21,8 +21,8 @@ stale-weight responses: a response whose `meta_info.weight_version` is not the v
 weights its step generates with. There must be none: the coordinator keeps a relaunched engine
 out of the router until a refit gives it the current weights.
 
-Needs `pip install 'rollout-watchdog[ray,emulator]' 'sglang-router>=0.3'` (ray, torch and the
-router; no GPU, and not the `sglang` extra, which installs SGLang itself).
+Needs `pip install 'rollout-watchdog[ray,emulator,router]'` (ray, torch and sglang-router; no
+GPU, and not the `sglang` extra, which installs SGLang itself).
 Everything it starts is stopped at the end, and its files are removed.
 """
 

@@ -16,8 +16,8 @@ router, trains, and refits every engine with `fleet.refit()` over a gloo weight-
 `--kill-at`, an engine is SIGKILLed while the rollouts are being generated: its watchdog
 relaunches it, the router drops it at once, and a later refit brings it back.
 
-Needs `pip install 'rollout-watchdog[emulator]' 'sglang-router>=0.3'` (torch and the router;
-no GPU, and not the `sglang` extra, which installs SGLang itself).
+Needs `pip install 'rollout-watchdog[emulator,router]'` (torch and sglang-router; no GPU, and
+not the `sglang` extra, which installs SGLang itself).
 Everything it starts is stopped at the end, and its files are removed.
 """
 
