@@ -291,6 +291,21 @@ def test_a_bundle_whose_gpu_another_actor_shares_is_a_timeout_that_says_why(
         remove_placement_group(pg)
 
 
+def test_a_group_that_cannot_be_placed_is_a_timeout_within_its_bound(
+        ray_fleet: RayFleet) -> None:
+    """More GPUs than the cluster has: the group is never placed; launching from it gives up
+    after `placement_s`, having launched nothing."""
+    pg = placement_group([{"GPU": 64}])
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            rw_ray.launch_in_placement_group(ray_fleet.fleet, pg, lambda *a: None,
+                                             placement_s=1.0)
+        assert time.monotonic() - started < 30
+    finally:
+        remove_placement_group(pg)
+
+
 def test_the_watchdog_actor_killed_is_not_the_engines_lifeline(ray_fleet: RayFleet) -> None:
     fleet = ray_fleet.fleet
     node = ray_fleet.cpu

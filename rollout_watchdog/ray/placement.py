@@ -71,15 +71,17 @@ def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
 
 def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec: MakeSpec,
                               wait_s: float | None = None,
-                              lookup_s: float = LOOKUP_TIMEOUT_S) -> list[EngineView]:
+                              lookup_s: float = LOOKUP_TIMEOUT_S,
+                              placement_s: float = PLACEMENT_TIMEOUT_S) -> list[EngineView]:
     """Launch `make_spec(bundle_index, node_id, gpu_ids, host)` on each bundle's node, in
-    bundle order (`make_spec` runs here, in the caller); the engines' views. With `wait_s`,
+    bundle order (`make_spec` runs here, in the caller), once the group is placed (within
+    `placement_s`, else TimeoutError); the engines' views. With `wait_s`,
     once every engine is healthy (TimeoutError otherwise). A refusal raises CommandRefused;
     the engines of the bundles before it stay launched. The engines belong to their node
     daemons, not to Ray: they hold the bundle's GPUs without a Ray actor of their own."""
     views: list[EngineView] = []
     try:
-        for index, (node_id, gpus, host) in enumerate(bundle_locations(pg, lookup_s=lookup_s)):
+        for index, (node_id, gpus, host) in enumerate(bundle_locations(pg, placement_s, lookup_s)):
             views.append(fleet.launch(node_id, make_spec(index, node_id, gpus, host)))
     finally:
         _track(fleet, pg.id.hex(), [v.name for v in views])
