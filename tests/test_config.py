@@ -26,10 +26,10 @@ from rollout_watchdog.config import (
     ProbeConfig,
     RestartConfig,
     check_engine_id,
-    command_ports,
     load_config,
     parse_config,
 )
+from rollout_watchdog.config.engine_argv import command_ports
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "systemd" / "config.example.toml"

@@ -31,7 +31,8 @@ from rollout_watchdog.common.events import EventLog
 from rollout_watchdog.common.replies import CommandError, Deferred
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.common.validate import check_engine_id, shown
-from rollout_watchdog.config import EngineConfig, NodeConfig, url_port
+from rollout_watchdog.config import EngineConfig, NodeConfig
+from rollout_watchdog.config.engine_argv import url_port
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.launched import LaunchedSpecs
 from rollout_watchdog.watchdog.process import ProcessOps

@@ -19,7 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rollout_watchdog.config import ConfigError, EngineConfig, NodeConfig, read_engine, url_port
+from rollout_watchdog.config import ConfigError, EngineConfig, NodeConfig, read_engine
+from rollout_watchdog.config.engine_argv import url_port
 from rollout_watchdog.watchdog.engine import EngineRuntime
 from rollout_watchdog.watchdog.statefile import write_json
 

@@ -7,24 +7,21 @@ file in one pass; each problem is one line that names the engine and the key.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import shutil
 import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from rollout_watchdog.common.validate import (
-    URL_PATH,
     check_engine_id,
     endpoint_problem,
     ipc_problem,
     shown,
-    text_problem,
 )
+from rollout_watchdog.config.checker import Checker, type_name
+from rollout_watchdog.config.engine_argv import command_found, command_ports, flag_port, url_port
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,8 +33,6 @@ DEFAULT_CONTROL = "ipc:///run/rollout-watchdog/control"
 DEFAULT_STATE_DIR = "/var/lib/rollout-watchdog"
 RESTART_POLICIES = ("immediate", "deferred")
 GPU_CHECKS = ("auto", "nvml", "none")
-# Flags whose value is a port the engine binds; they must be free before a relaunch.
-PORT_FLAGS = ("--port", "--nccl-port")
 ENGINE_LOGS = ("auto", "file", "journal")
 # How every process of an engine incarnation is kept findable: a delegated cgroup v2 per
 # incarnation, or the subreaper and the environment marker; auto: cgroup under systemd.
@@ -46,23 +41,6 @@ MAX_GPU_INDEX = 1023
 DEFAULT_ENGINE_LOG_MAX_BYTES = 100 * 1024 * 1024
 DEFAULT_ENGINE_LOG_BACKUPS = 2
 
-_DAY = 86400.0
-# Upper bound of every timing key, with the words the message uses. Values beyond these are
-# mistakes (and some, like 1e10, overflow the OS timeouts the probes use).
-_MAX_SECONDS: dict[str, tuple[float, str]] = {
-    "liveness_interval_s": (_DAY, "1 day"),
-    "health_interval_s": (_DAY, "1 day"),
-    "health_timeout_s": (_DAY, "1 day"),
-    "startup_timeout_s": (7 * _DAY, "7 days"),
-    "progress_timeout_s": (_DAY, "1 day"),
-    "grace_s": (_DAY, "1 day"),
-    "backoff_initial_s": (_DAY, "1 day"),
-    "backoff_max_s": (_DAY, "1 day"),
-    "window_s": (30 * _DAY, "30 days"),
-    "stable_s": (7 * _DAY, "7 days"),
-    "kill_timeout_s": (_DAY, "1 day"),
-    "release_timeout_s": (_DAY, "1 day"),
-}
 MAX_FAILURE_THRESHOLD = 1000
 MAX_RESTARTS = 10_000
 
@@ -157,106 +135,11 @@ class NodeConfig:
     restart: RestartConfig = field(default_factory=RestartConfig)
 
 
-def _type_name(value: object) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "table"}.get(type(value), type(value).__name__)
-
-
-class _Checker:
-    """Collects problems while reading one table; `where` prefixes every line."""
-
-    def __init__(self, problems: list[str], where: str, table: dict[str, Any]) -> None:
-        self.problems = problems
-        self.where = where
-        self.table = table
-        self.failed: set[str] = set()  # keys that had a problem
-
-    def problem(self, key: str, text: str) -> None:
-        self.failed.add(key)
-        self.problems.append(f"{self.where}key '{key}' {text}")
-
-    def unknown(self, allowed: set[str]) -> None:
-        for key in self.table:
-            if key not in allowed:
-                self.problems.append(f"{self.where}unknown key '{key}'")
-
-    def seconds(self, key: str, default: float, *, zero_ok: bool = False) -> float:
-        """A duration: a finite number above 0 (or 0 if `zero_ok`) and within the key's bound."""
-        value = self.table.get(key, default)
-        maximum, words = _MAX_SECONDS[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.problem(key, f"must be a number, got {_type_name(value)}")
-            return default
-        if not math.isfinite(value) or value > maximum:
-            self.problem(key, f"must be a finite number of seconds, at most {maximum:.0f} "
-                              f"({words}), got {value}")
-            return default
-        if value < 0 or (value == 0 and not zero_ok):
-            self.problem(key, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
-            return default
-        return float(value)
-
-    def integer(self, key: str, default: int | None, *, minimum: int = 0,
-                maximum: int | None = None) -> int | None:
-        value = self.table.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.problem(key, f"must be an integer, got {_type_name(value)}")
-            return default
-        if value < minimum or (maximum is not None and value > maximum):
-            bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-            self.problem(key, f"must be {bound}, got {value}")
-            return default
-        return value
-
-    def string(self, key: str, default: str | None, *, choices: tuple[str, ...] = ()
-               ) -> str | None:
-        value = self.table.get(key, default)
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            self.problem(key, f"must be a string, got {_type_name(value)}")
-            return default
-        if choices and value not in choices:
-            self.problem(key, f"must be one of {', '.join(choices)}, got {value!r}")
-            return default
-        return value
-
-    def int_list(self, key: str, *, maximum: int) -> tuple[int, ...]:
-        value = self.table.get(key, [])
-        if not isinstance(value, list) or any(
-                isinstance(v, bool) or not isinstance(v, int) for v in value):
-            self.problem(key, "must be a list of integers")
-            return ()
-        if bad := [v for v in value if not 0 <= v <= maximum]:
-            self.problem(key, f"has values out of the range 0 to {maximum}: {shown(bad)}")
-            return ()
-        return tuple(value)
-
-    def url_path(self, key: str, default: str, *, off: str) -> str:
-        """An HTTP path for a probe, or "" (`off` says what "" means)."""
-        path = self.string(key, default) or ""
-        if path and not URL_PATH.fullmatch(path):
-            self.problem(key, f"must start with '/' and hold only printable ASCII without spaces "
-                              f"(or be \"\" {off}), got {shown(path)}")
-            return default
-        return path
-
-    def name(self, key: str, default: str) -> str:
-        """A non-empty string without control characters (a node id, a directory)."""
-        value = self.string(key, default) or ""
-        if problem := text_problem(value):
-            self.problem(key, problem)
-            return default
-        return value
-
-
 def _read_probe(problems: list[str], where: str, table: object, base: ProbeConfig) -> ProbeConfig:
     if not isinstance(table, dict):
-        problems.append(f"{where}must be a table, got {_type_name(table)}")
+        problems.append(f"{where}must be a table, got {type_name(table)}")
         return base
-    c = _Checker(problems, where, table)
+    c = Checker(problems, where, table)
     c.unknown({f.name for f in dataclasses.fields(ProbeConfig)})
     return ProbeConfig(
         liveness_interval_s=c.seconds("liveness_interval_s", base.liveness_interval_s),
@@ -275,9 +158,9 @@ def _read_probe(problems: list[str], where: str, table: object, base: ProbeConfi
 def _read_restart(problems: list[str], where: str, table: object,
                   base: RestartConfig) -> RestartConfig:
     if not isinstance(table, dict):
-        problems.append(f"{where}must be a table, got {_type_name(table)}")
+        problems.append(f"{where}must be a table, got {type_name(table)}")
         return base
-    c = _Checker(problems, where, table)
+    c = Checker(problems, where, table)
     c.unknown({f.name for f in dataclasses.fields(RestartConfig)})
     max_restarts = c.integer("max_restarts", base.max_restarts, minimum=0, maximum=MAX_RESTARTS)
     restart = RestartConfig(
@@ -300,52 +183,10 @@ def _read_restart(problems: list[str], where: str, table: object,
     return restart
 
 
-def url_port(url: str) -> int | None:
-    """The TCP port of an http(s) URL with a host, or None if the URL is not one."""
-    try:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            return None
-        if parts.port is None:
-            return 443 if parts.scheme == "https" else 80
-        return parts.port or None  # port 0 is no port
-    except ValueError:
-        return None
-
-
-def _flag_value(command: tuple[str, ...], i: int, flag: str) -> int | None:
-    """The port at argv position i, if it is `flag N` or `flag=N`."""
-    arg, value = command[i], None
-    if arg == flag and i + 1 < len(command):
-        value = command[i + 1]
-    elif arg.startswith(flag + "="):
-        value = arg.split("=", 1)[1]
-    return int(value) if value is not None and value.isdigit() else None
-
-
-def _flag_port(command: tuple[str, ...], flag: str) -> int | None:
-    """The first port given to `flag` in an argv, or None."""
-    return next((port for i in range(len(command))
-                 if (port := _flag_value(command, i, flag)) is not None), None)
-
-
-def command_ports(command: tuple[str, ...]) -> list[int]:
-    """Ports the engine binds according to its argv (`--port N`, `--port=N`, `--nccl-port`),
-    in argv order."""
-    return [port for i in range(len(command)) for flag in PORT_FLAGS
-            if (port := _flag_value(command, i, flag)) is not None]
-
-
-def _command_found(program: str, env: dict[str, str]) -> bool:
-    if "/" in program:
-        return os.path.isfile(program) and os.access(program, os.X_OK)
-    return shutil.which(program, path=env.get("PATH", os.environ.get("PATH"))) is not None
-
-
 def _read_engine(problems: list[str], index: int, table: object, probe: ProbeConfig,
                  restart: RestartConfig, check_commands: bool) -> EngineConfig | None:
     if not isinstance(table, dict):
-        problems.append(f"engine #{index + 1}: must be a table, got {_type_name(table)}")
+        problems.append(f"engine #{index + 1}: must be a table, got {type_name(table)}")
         return None
     raw_id = table.get("id")
     if problem := check_engine_id(raw_id):
@@ -354,7 +195,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     else:
         engine_id = str(raw_id)
     where = f"engine '{engine_id}': "
-    c = _Checker(problems, where, table)
+    c = Checker(problems, where, table)
     c.unknown({"id", "url", "command", "gpus", "env", "ports", "restart_policy", "group", "cwd",
                "tp_size", "probe", "restart"})
 
@@ -378,7 +219,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         c.problem("env", "must be a table of string values")
         env = {}
-    if command and check_commands and not _command_found(command[0], env):
+    if command and check_commands and not command_found(command[0], env):
         c.problem("command", f"names a program that is not found: {command[0]!r}")
 
     gpus = c.int_list("gpus", maximum=MAX_GPU_INDEX)
@@ -391,7 +232,7 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
                                table.get("probe", {}), probe)
     engine_restart = _read_restart(problems, f"engine '{engine_id}' [restart]: ",
                                    table.get("restart", {}), restart)
-    port_flag = _flag_port(tuple(command), "--port") if command else None
+    port_flag = flag_port(tuple(command), "--port") if command else None
     if url is not None and port_flag is not None and url_port(url) != port_flag:
         c.problem("url", f"port {url_port(url)} differs from the command's --port {port_flag}: "
                          "probes would never reach the engine")
@@ -420,7 +261,7 @@ def read_engine(table: object, probe: ProbeConfig, restart: RestartConfig, *,
     return engine
 
 
-def _node_id(c: _Checker) -> str:
+def _node_id(c: Checker) -> str:
     """The node id: also the ZMQ routing id towards a coordinator without CURVE (at most 255
     bytes), and the NODE of the fleet's NODE/ENGINE names (so no '/')."""
     default = socket.gethostname()
@@ -433,7 +274,7 @@ def _node_id(c: _Checker) -> str:
     return node_id
 
 
-def _control(c: _Checker) -> str:
+def _control(c: Checker) -> str:
     """The control endpoint: a Unix socket file, since its only protection is its mode (0600)."""
     control = c.string("control", DEFAULT_CONTROL) or DEFAULT_CONTROL
     if not control.startswith("ipc://"):
@@ -447,7 +288,7 @@ def _control(c: _Checker) -> str:
     return DEFAULT_CONTROL
 
 
-def _curve_keys(c: _Checker, coordinator: str | None, *, check_files: bool
+def _curve_keys(c: Checker, coordinator: str | None, *, check_files: bool
                 ) -> tuple[str | None, str | None]:
     """CURVE on the node link: both key files or neither, only with a coordinator."""
     key, coordinator_key = c.string("key", None), c.string("coordinator_key", None)
@@ -466,7 +307,7 @@ def _curve_keys(c: _Checker, coordinator: str | None, *, check_files: bool
 def parse_config(data: dict[str, Any], *, check_commands: bool = True) -> NodeConfig:
     """Validate a parsed TOML document; raise ConfigError listing every problem."""
     problems: list[str] = []
-    c = _Checker(problems, "", data)
+    c = Checker(problems, "", data)
     c.unknown({"node_id", "coordinator", "key", "coordinator_key", "control", "state_dir",
                "metrics_port", "metrics_host",
                "gpu_check", "engine_log", "engine_log_max_bytes", "engine_log_backups",
