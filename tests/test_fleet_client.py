@@ -361,3 +361,17 @@ def test_the_package_root_loads_the_fleet_api_on_first_use() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+def test_a_fleet_event_reads_like_its_json_object() -> None:
+    """DESIGN calls events JSON objects: a test written from it may say event["kind"]."""
+    obj = {"ts": 1.5, "node_id": "n1", "engine": "e0", "incarnation": 2, "kind": "state",
+           "from": "healthy", "to": "stopping", "cause": "exited", "detail": "gone"}
+    event = FleetEvent.from_json("n1", "b1", 7, obj)
+    assert (event["kind"], event["from"], event["to"], event["boot"], event["seq"]) == (
+        "state", "healthy", "stopping", "b1", 7)
+    assert event.get("cause") == "exited" and event.get("nope", 3) == 3
+    assert "from" in event and "nope" not in event
+    assert dict(event) == {**obj, "boot": "b1", "seq": 7}
+    with pytest.raises(KeyError):
+        event["nope"]

@@ -6,6 +6,7 @@ are not lost on the way to a caller that wants them.
 
 from __future__ import annotations
 
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,3 +200,19 @@ class FleetEvent:
     def to_json(self) -> dict[str, Any]:
         """What `events --coordinator EP --json` prints: the event object plus boot and seq."""
         return {**self.raw, "node_id": self.node_id, "boot": self.boot, "seq": self.seq}
+
+    def __getitem__(self, key: str) -> Any:
+        """The event's JSON fields by name, as `events --json` prints them (`event["kind"]`,
+        `event["from"]`, `event["boot"]`): KeyError for a field the event lacks."""
+        return self.to_json()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`event.get("cause")`: a JSON field, or `default` when the event lacks it."""
+        return self.to_json().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_json()
+
+    def keys(self) -> KeysView[str]:
+        """The JSON fields' names (`dict(event)` is the JSON object)."""
+        return self.to_json().keys()
