@@ -13,10 +13,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge.weights import RefitState
 
 log = logging.getLogger(__name__)
 Then = Callable[[bytes, "str | None"], None]   # (client, None or why the state is not saved)
+
+
+def answer_saved(reply: Callable[[bytes, protocol.Reply], None], cmd: protocol.Command,
+                 result: object) -> Then:
+    """The answer to `cmd` once its change is saved: `result`, or the error that it took
+    effect but is not on disk (code NOT_SAVED)."""
+    def answer(to: bytes, error: str | None) -> None:
+        reply(to, protocol.Reply(cmd.request_id, "ok", None, result) if error is None
+              else protocol.Reply(cmd.request_id, "error", f"{cmd.cmd} took effect but is "
+                                  f"not saved: {error}", result, protocol.NOT_SAVED))
+    return answer
 
 
 @dataclass

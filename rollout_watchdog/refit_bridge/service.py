@@ -41,6 +41,8 @@ malformed one is refused naming it (code BAD_ARGS).
 - `refit_release {holder, token}`: end the refit; the refit's own pause is lifted on every
   reachable node (`resume` with its owner tag: a node paused by `finish_generation` too stays
   paused until `prepare_for_generation`, as a colocated engine may not have its KV cache back).
+  Answered `{released}` once those nodes acknowledged it (or RELEASE_TIMEOUT_S passed), so
+  the holder's block ends with its probes resumed; a commit with `release` likewise.
 
 A lease that ends with members neither committed nor aborted (it ran out, its holder went
 silent, or released without either) first puts them back in service off the loop
@@ -79,7 +81,7 @@ from rollout_watchdog.refit_bridge.lock import (
     RefitLock,
 )
 from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
-from rollout_watchdog.refit_bridge.save_gate import SaveGate
+from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
 from rollout_watchdog.refit_bridge.weights import (
     Member,
     RefitState,
@@ -154,6 +156,8 @@ class RefitService:
         self.relaunched: list[tuple[str, str]] = []
         # A lease that ended uncommitted: its members' put-back, then its resume.
         self._putback: tuple[PutBack, Lease] | None = None
+        # A release's request id: the client its answer goes to once its resume is in.
+        self._releasing: dict[str, bytes] = {}
         if self.state.writer is not None:
             try:
                 self.state.writer.write_now(self._content())
@@ -177,6 +181,9 @@ class RefitService:
     def handle(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
         if self.saves.retried(cmd.request_id, client):   # a retry while its save is under way
             return
+        if cmd.request_id in self._releasing:   # a retry while its resume is under way
+            self._releasing[cmd.request_id] = client
+            return
         try:
             spec = COMMANDS.lookup(cmd.cmd)
             result = spec.handler(self, Call(core, client, cmd, spec.validate(cmd.args), now))
@@ -192,15 +199,8 @@ class RefitService:
             code = protocol.LEASE_LOST if isinstance(exc, Fenced) else protocol.BAD_ARGS
             core.reply(client, protocol.Reply(cmd.request_id, "error", str(exc), None, code))
             return
-        if result is None:   # it answers by itself
-            return
-
-        def answer(to: bytes, error: str | None) -> None:
-            core.reply(to, protocol.Reply(cmd.request_id, "ok", None, result) if error is None
-                       else protocol.Reply(cmd.request_id, "error", f"{cmd.cmd} took effect "
-                                           f"but is not saved: {error}", result,
-                                           protocol.NOT_SAVED))
-        self.saves.once_saved(cmd.request_id, client, answer)
+        if result is not None:   # (None: it answers by itself)
+            self.saves.once_saved(cmd.request_id, client, answer_saved(core.reply, cmd, result))
 
     @COMMANDS.command("refit_acquire", Arg("holder", text(), required=True), VERSION,
                       Arg("lease_s", number(0, above=True), 30.0),
@@ -322,7 +322,7 @@ class RefitService:
 
     @COMMANDS.command("refit_commit", *FENCE, VERSION, Arg("members", members_of),
                       Arg("members_except", members_of), Arg("release", flag, False))
-    def _commit(self, call: Call) -> dict[str, Any]:
+    def _commit(self, call: Call) -> dict[str, Any] | None:
         """These members hold `version` now, the fleet's current version (`members_except`:
         every member of the last listing but these); `release`: and the lock is released."""
         core = call.core
@@ -344,7 +344,8 @@ class RefitService:
         log.info("refit %r committed by %s on %d engine(s)", version, lease.holder,
                  len(members))
         if call.args["release"]:
-            return {"version": version, "members": len(members), **self._let_go(call)}
+            self._let_go(call, {"version": version, "members": len(members)})
+            return None
         return {"version": version, "members": len(members)}
 
     @COMMANDS.command("refit_abort", *FENCE, Arg("members", members_of),
@@ -378,14 +379,24 @@ class RefitService:
         return {"stale": len(members), "restarted": [[n, e] for n, e, _ in wedged]}
 
     @COMMANDS.command("refit_release", *FENCE)
-    def _release(self, call: Call) -> dict[str, Any]:
+    def _release(self, call: Call) -> None:
         """End the refit: its own pause is lifted."""
-        return self._let_go(call)
+        self._let_go(call, {})
 
-    def _let_go(self, call: Call) -> dict[str, Any]:
+    def _let_go(self, call: Call, result: dict[str, Any]) -> None:
+        """Release the lock; answer `result` and `released` once every node the refit's
+        resume went to acknowledged it (or its bound passed), then once that is saved: the
+        holder's `with` block ends with its probes resumed, as DESIGN's refit says."""
         lease = self.lock.release(call.args["token"], call.args["holder"], call.now)
-        self._ended(call.core, lease, call.now, "released by its holder", expired=False)
-        return {"released": lease.token}
+        request_id = call.cmd.request_id
+        self._releasing[request_id] = call.client
+
+        def resumed() -> None:
+            self.saves.once_saved(request_id, self._releasing.pop(request_id),
+                                  answer_saved(call.core.reply, call.cmd,
+                                               {**result, "released": lease.token}))
+        self._ended(call.core, lease, call.now, "released by its holder", expired=False,
+                    resumed=resumed)
 
     # ------------------------------------------------------------------ the loop's turn
 
@@ -409,13 +420,17 @@ class RefitService:
         return min((d for d in (unsaved, putback, self.lock.next_deadline()) if d is not None),
                    default=None)
 
-    def _ended(self, core: Core, lease: Lease, now: float, why: str, expired: bool) -> None:
+    def _ended(self, core: Core, lease: Lease, now: float, why: str, expired: bool,
+               resumed: Callable[[], None] | None = None) -> None:
+        """The lease is over: its members' weights settled, then its pause lifted (`resumed`
+        runs once the nodes acknowledged that; at once when a put-back comes first, which
+        takes its time)."""
         core.refit_ended("committed" if lease.committed else "aborted" if lease.aborted
                          else "expired" if expired else "released", now - lease.taken)
         self.relaunched = []
         if not lease.members:
             self._save()
-            self._resume(core, lease, now)
+            self._resume(core, lease, now, resumed)
             return
         # Neither committed nor aborted: its weights are unknown, and its holder may have left
         # their generation paused. Put them back in service before their probes resume.
@@ -426,14 +441,23 @@ class RefitService:
         log.warning("refit %r (refit #%d) ended uncommitted (%s): putting %d member(s) back in "
                     "service, stale", lease.version, lease.number, why, len(urls))
         self._putback = (PutBack(f"refit #{lease.number}", urls), lease)
+        if resumed is not None:
+            resumed()
 
-    def _resume(self, core: Core, lease: Lease, now: float) -> None:
+    def _resume(self, core: Core, lease: Lease, now: float,
+                resumed: Callable[[], None] | None = None) -> None:
         """Lift the refit's own pause on every reachable node (its owner tag: a pause by
-        finish_generation, or by a later refit, stays)."""
+        finish_generation, or by a later refit, stays); `resumed` runs once they all
+        acknowledged it, or the gathering's bound passed."""
         resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume",
                                   {"all": True, "owner": lease.pause_owner}, None, None,
                                   RELEASE_TIMEOUT_S)
-        core.gather(None, resume, core.view.reachable(), now)
+
+        def finish(gathering: Gathering) -> protocol.Reply | None:
+            if resumed is not None:
+                resumed()
+            return gathering.reply()
+        core.gather(None, resume, core.view.reachable(), now, finish)
 
     # ------------------------------------------------------------------ questions
 
@@ -478,3 +502,4 @@ class RefitService:
 
 
 __all__ = ["COMMANDS", "Core", "RefitService", "Member", "WeightBook"]
+
