@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,9 +73,11 @@ def test_a_wedged_engine_is_named_at_the_deadline_and_restarted_as_refit_wedged(
     fleet.wait_until(all_healthy(2), 90)
     wedged = by_name(fleet)["node0/e0"]
     inject_fault(str(wedged.url), "hang_weight_update")
+    started = time.monotonic()
     with pytest.raises(EngineLost) as lost, \
             fleet.refit("v1", backend="gloo", timeout_s=15) as refit:
         refit.update_weights(weights(1))
+    assert time.monotonic() - started < 15, "timeout_s bounds the whole refit, its abort too"
     assert lost.value.lost == [("node0", "e0", wedged.incarnation)], lost.value
     assert "wedged" in str(lost.value)
     fleet.wait_until(lambda v: any(

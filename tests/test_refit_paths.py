@@ -29,9 +29,9 @@ def test_the_group_is_kept_while_membership_holds_and_rebuilt_when_it_changes(
     # the block ends with the refit's probe pause lifted (its release answers once the nodes
     # acknowledged the resume): nothing to wait for
     assert [e.paused for e in fleet.engines()] == [False, False]
-    with pytest.raises(RuntimeError, match="the trainer's own"):   # aborted: resumed too
-        with fleet.refit("v1-aborted", backend="gloo", timeout_s=60):
-            raise RuntimeError("the trainer's own failure")
+    with pytest.raises(RuntimeError, match="the trainer's own"), \
+            fleet.refit("v1-aborted", backend="gloo", timeout_s=60):   # aborted: resumed too
+        raise RuntimeError("the trainer's own failure")
     assert [e.paused for e in fleet.engines()] == [False, False]
     first = GROUPS.get(fleet.address)
     with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:   # two updates, one session

@@ -74,6 +74,11 @@ PAUSE_MARGIN_S = 60.0
 # After an abort: a member whose /server_info is not answered this long is stuck in the
 # collective (a gloo peer freed by the teardown answers within half a second).
 ABORT_GRACE_S = 1.0
+# The refit's own work must end this long before its `timeout_s` (a quarter of it, for a short
+# one): an abort at that deadline (the group torn down, the wedged told apart within
+# ABORT_GRACE_S, the coordinator told, the probes resumed) then ends within `timeout_s`, which
+# bounds the whole refit (DESIGN).
+TEARDOWN_RESERVE_S = 3.0
 # In-flight requests are aborted (they end with finish_reason "abort", as slime does): the
 # cache flush after an update needs an empty queue, which `retract` does not give.
 PAUSE_MODE = "abort"
@@ -122,7 +127,8 @@ class Refit:
         if self._state.phase is not Phase.NEW:
             raise RuntimeError("a Refit is entered once: call fleet.refit() for the next one")
         self._state.advance(Phase.ACQUIRING)
-        self.deadline = time.monotonic() + self.timeout_s
+        self.deadline = time.monotonic() + self.timeout_s - min(TEARDOWN_RESERVE_S,
+                                                                 self.timeout_s / 4)
         self._watch = RefitWatch(self.client, self.version, self._state, self.deadline,
                                  self.timeout_s, self._lock.renewer(RENEW_EVERY_S),
                                  self._abort_group)
