@@ -59,6 +59,9 @@ def test_commands_exit_codes_and_messages(standin: StandIn) -> None:
     out = cli("resume", "--all", "--node", "n1", "--coordinator", ep)
     assert out.returncode == 1 and (standin.commands[-1].node, standin.commands[-1].args) == (
         "n1", {"all": True})
+    out = cli("resume", "--node", "n1", "--coordinator", ep)   # --node alone: all of it
+    assert out.returncode == 1 and (standin.commands[-1].node, standin.commands[-1].args) == (
+        "n1", {"all": True})
     out = cli("status", "--coordinator", ep, "--control", "ipc:///tmp/x")
     assert out.returncode == 2 and "not allowed with" in out.stderr
     out = cli("status", "--node", "n1")

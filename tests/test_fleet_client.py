@@ -63,6 +63,14 @@ def test_pause_fans_out_with_a_deadline_inside_the_callers(standin: StandIn) -> 
     assert (sent.cmd, sent.node, sent.engine, sent.args) == ("restart", "n1", "e0", {})
     client.resume("e1", node="n1")
     assert (standin.commands[-1].node, standin.commands[-1].engine) == ("n1", "e1")
+    # "like the CLI": `deadline` as --deadline; --node alone narrows "every engine" to a node
+    client.pause(node="n2", deadline=45)
+    sent = standin.commands[-1]
+    assert (sent.node, sent.engine, sent.args["all"], sent.args["deadline_s"]) == (
+        "n2", None, True, 45)
+    client.resume(node="n2")
+    sent = standin.commands[-1]
+    assert (sent.cmd, sent.node, sent.engine, sent.args["all"]) == ("resume", "n2", None, True)
 
 
 def test_bad_targets_are_refused_before_sending(standin: StandIn) -> None:
@@ -75,6 +83,8 @@ def test_bad_targets_are_refused_before_sending(standin: StandIn) -> None:
         client.pause()
     with pytest.raises(ValueError, match="not both"):
         client.pause("n1/e0", all=True)
+    with pytest.raises(ValueError, match="not both"):
+        client.pause(all=True, deadline=30, deadline_s=30)
     assert standin.commands == []
 
 

@@ -367,29 +367,38 @@ class FleetClient:
         if all and engine is not None:
             raise ValueError("name an engine or all, not both")
         if not all and engine is None:
-            raise ValueError("name an engine (NODE/ENGINE), or all=True (node= narrows it "
-                             "to one node)")
+            raise ValueError("name an engine (NODE/ENGINE), or all of them (all=True, --all; "
+                             "node=, --node narrows them to one node)")
         request_id, result = self.call(cmd, {**(args or {}), **({"all": True} if all else {})},
                                        node=node, engine=engine, timeout_s=timeout_s,
                                        gather=True)
         return FleetResult.from_json(request_id, result)
 
     def pause(self, target: str | None = None, *, node: str | None = None, all: bool = False,
-              deadline_s: float | None = None, timeout_s: float | None = None) -> FleetResult:
-        """Pause deep probes; returns once every node named has no probe in flight (so none
-        overlaps an offload or refit that follows). Probing comes back by itself after
-        `deadline_s` (the node's default: 600 s)."""
+              deadline_s: float | None = None, timeout_s: float | None = None,
+              deadline: float | None = None) -> FleetResult:
+        """Pause deep probes (of NODE/ENGINE; with `all`, or `node` alone, every engine of
+        `node`; with `all` alone, of every reachable node); returns once every node named has
+        no probe in flight (so none overlaps an offload or refit that follows). Probing comes
+        back by itself after `deadline_s` (`deadline`, as the CLI's --deadline; the node's
+        default: 600 s)."""
+        if deadline is not None:
+            if deadline_s is not None:
+                raise ValueError("give deadline_s or deadline (the same), not both")
+            deadline_s = deadline
         wait = self.timeout_s if timeout_s is None else timeout_s
         args: dict[str, Any] = {"wait_s": wait * NODE_WAIT_SHARE}
         if deadline_s is not None:
             args["deadline_s"] = deadline_s
-        return self.command("pause", target, node=node, all=all, args=args, timeout_s=wait)
+        every = all or (target is None and node is not None)   # (`node` alone: all of it)
+        return self.command("pause", target, node=node, all=every, args=args, timeout_s=wait)
 
     def resume(self, target: str | None = None, *, node: str | None = None, all: bool = False,
                timeout_s: float | None = None) -> FleetResult:
-        """Resume deep probes (of NODE/ENGINE, or with `all` of every engine of `node` or of
-        every reachable node)."""
-        return self.command("resume", target, node=node, all=all, timeout_s=timeout_s)
+        """Resume deep probes (of NODE/ENGINE; with `all`, or `node` alone, every engine of
+        `node`; with `all` alone, of every reachable node)."""
+        every = all or (target is None and node is not None)
+        return self.command("resume", target, node=node, all=every, timeout_s=timeout_s)
 
     def restart(self, target: str, *, node: str | None = None,
                 timeout_s: float | None = None) -> FleetResult:
