@@ -27,6 +27,7 @@ def test_sigkill_of_main_process_is_detected_and_engine_relaunched(make_node: Ma
     assert "SIGKILL" in again["last_failure"]["detail"]
     down = node.wait_event("e0", kind="state", to="stopping")
     assert down["incarnation"] == 1 and down["cause"] == "exited"
+    assert down["exit_signal"] == "SIGKILL" and "exit_code" not in down   # as fields too
 
 
 def test_dead_scheduler_of_a_zombie_server_is_detected(make_node: MakeNode) -> None:

@@ -14,6 +14,7 @@ from rollout_watchdog.watchdog.process import (
     ProcKey,
     descendants,
     describe_exit,
+    exit_fields,
     has_exited,
     is_alive,
     live_process_groups,
@@ -105,6 +106,8 @@ def test_exit_descriptions() -> None:
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(3) == "exit code 3"
     assert describe_exit(None) == "exit status unknown"
+    assert (exit_fields(-9), exit_fields(3), exit_fields(0), exit_fields(None)) == (
+        {"exit_signal": "SIGKILL"}, {"exit_code": 3}, {"exit_code": 0}, {})
 
 
 def test_has_exited_live_zombie_gone_and_reused() -> None:

@@ -261,6 +261,19 @@ def peek_exit(pid: int) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+def exit_fields(returncode: int | None) -> dict[str, int | str]:
+    """The exit as an event's fields: `exit_code`, or `exit_signal` (its name); none when
+    unknown (an adopted engine's)."""
+    if returncode is None:
+        return {}
+    if returncode < 0:
+        try:
+            return {"exit_signal": signal.Signals(-returncode).name}
+        except ValueError:
+            return {"exit_signal": str(-returncode)}
+    return {"exit_code": returncode}
+
+
 def describe_exit(returncode: int | None) -> str:
     """'exit code 3', 'killed by SIGKILL', or 'exit status unknown' (adopted engines)."""
     if returncode is None:

@@ -40,7 +40,7 @@ from rollout_watchdog.watchdog.gpu import GpuInspector
 from rollout_watchdog.watchdog.incarnations import Incarnations
 from rollout_watchdog.watchdog.launched import LAUNCHED_FILE, LaunchedSpecs
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
-from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, describe_exit
+from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, describe_exit, exit_fields
 from rollout_watchdog.watchdog.publish import Publisher
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 from rollout_watchdog.watchdog.timers import Timer, due_timer
@@ -256,7 +256,8 @@ class Supervisor:
         now = self.clock.monotonic()
         if key == engine.main:
             self.fail(engine, Cause.EXITED,
-                      f"main process {key.pid} exited ({describe_exit(engine.returncode)})", now)
+                      f"main process {key.pid} exited ({describe_exit(engine.returncode)})", now,
+                      **exit_fields(engine.returncode))
         elif fatal:
             main = engine.main
             if main is not None and main not in engine.dead and self.ops.has_exited(main):
@@ -376,11 +377,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------ failure and recovery
 
-    def fail(self, engine: EngineRuntime, cause: Cause, detail: str, evidence_at: float) -> None:
+    def fail(self, engine: EngineRuntime, cause: Cause, detail: str, evidence_at: float,
+             **extra: Any) -> None:
         """Declare the current incarnation failed and start cleaning it up."""
         engine.last_failure = Failure(cause, detail, self.clock.wall())
         detected = round(max(0.0, self.clock.monotonic() - evidence_at), 6)
-        self.start_kill(engine, cause, detail, AfterKill.RECOVER, detected_after_s=detected)
+        self.start_kill(engine, cause, detail, AfterKill.RECOVER, detected_after_s=detected,
+                        **extra)
 
     def start_kill(self, engine: EngineRuntime, cause: Cause, detail: str,
                    after: AfterKill, **extra: Any) -> None:
