@@ -383,5 +383,6 @@ def test_a_fleet_event_reads_like_its_json_object() -> None:
     assert event.get("cause") == "exited" and event.get("nope", 3) == 3
     assert "from" in event and "nope" not in event
     assert dict(event) == {**obj, "boot": "b1", "seq": 7}
+    assert list(event) == list(event.keys()) and len(event) == len(obj) + 2
     with pytest.raises(KeyError):
         event["nope"]

@@ -35,6 +35,7 @@ from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, node_event
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 from rollout_watchdog.refit_bridge.metrics import CoordinatorMetrics
+from rollout_watchdog.refit_bridge.refit_call import Finish
 from rollout_watchdog.refit_bridge.router_sync import VERIFY_S, RouterSync
 from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 
@@ -206,7 +207,7 @@ class Coordinator:
         self.gather(client, _with_wait(cmd), targets, now)
 
     def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
-               now: float, finish: refit.Finish | None = None) -> None:
+               now: float, finish: Finish | None = None) -> None:
         """Fan `cmd` out to `targets` (`Hub.gather`)."""
         self.hub.gather(client, cmd, targets, now, finish)
 

@@ -41,8 +41,9 @@ malformed one is refused naming it (code BAD_ARGS).
 - `refit_release {holder, token}`: end the refit; the refit's own pause is lifted on every
   reachable node (`resume` with its owner tag: a node paused by `finish_generation` too stays
   paused until `prepare_for_generation`, as a colocated engine may not have its KV cache back).
-  Answered `{released}` once those nodes acknowledged it (or RELEASE_TIMEOUT_S passed), so
-  the holder's block ends with its probes resumed; a commit with `release` likewise.
+  Answered `{released}` once those nodes acknowledged it (or RESUME_ANSWER_S, 1 s, passed: the
+  holder's `timeout_s` bounds its teardown too), so the holder's block ends with its probes
+  resumed; a commit with `release` likewise.
 
 A lease that ends with members neither committed nor aborted (it ran out, its holder went
 silent, or released without either) first puts them back in service off the loop
@@ -64,7 +65,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.common import protocol
@@ -72,7 +73,6 @@ from rollout_watchdog.common.commands import Arg, Registry, flag, number, rule, 
 from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.refit_bridge import member_pages, membership
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
-from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.lock import (
     HOLDER_TIMEOUT_S,
     Fenced,
@@ -81,6 +81,7 @@ from rollout_watchdog.refit_bridge.lock import (
     RefitLock,
 )
 from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
+from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError
 from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
 from rollout_watchdog.refit_bridge.weights import (
     Member,
@@ -93,35 +94,10 @@ from rollout_watchdog.refit_bridge.weights import (
 log = logging.getLogger(__name__)
 PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
 RELEASE_TIMEOUT_S = 5.0
+# A release answers once its resume is acknowledged, or after this: a node that does not answer
+# must not hold the holder's block (timeout_s bounds the refit, its teardown included).
+RESUME_ANSWER_S = 1.0
 PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
-# Makes a gathering's final reply (a refit's lock reply after its pause); None: it answers
-# by itself, later (once what the reply reports is on disk).
-Finish = Callable[[Gathering], "protocol.Reply | None"]
-
-
-class Core(Protocol):
-    """What the refit commands need of the coordinator (passed in, never imported)."""
-
-    view: FleetView
-
-    def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
-               now: float, finish: Finish | None = None) -> None: ...
-    def reply(self, client: bytes, reply: protocol.Reply) -> None: ...
-    def weights_changed(self) -> None: ...
-    def refit_ended(self, outcome: str, duration_s: float) -> None: ...
-
-
-@dataclass(frozen=True)
-class Call:
-    """One refit command to run: its arguments checked (`COMMANDS`)."""
-
-    core: Core
-    client: bytes
-    cmd: protocol.Command
-    args: dict[str, Any]
-    now: float
-
-
 # A handler answers with its result, or None when it answers by itself (refit_acquire).
 Handler = Callable[["RefitService", Call], "dict[str, Any] | None"]
 COMMANDS: Registry[Handler] = Registry("the coordinator")
@@ -130,14 +106,13 @@ FENCE = (Arg("holder", lambda v: v), Arg("token", lambda v: v))
 VERSION = Arg("version", rule(version_problem), required=True)
 
 
-class RefitError(Exception):
-    """A refit command refused; the message is the reason."""
+@dataclass
+class Releasing:
+    """A release's answer: sent once its resume is acknowledged, or at `deadline`."""
 
-    def __init__(self, reason: str, result: dict[str, Any] | None = None,
-                 code: str = protocol.BAD_ARGS) -> None:
-        super().__init__(reason)
-        self.result = result
-        self.code = code
+    client: bytes       # a retry of the request moves the answer to its socket
+    deadline: float     # monotonic
+    send: Callable[[bytes], None]
 
 
 class RefitService:
@@ -156,8 +131,8 @@ class RefitService:
         self.relaunched: list[tuple[str, str]] = []
         # A lease that ended uncommitted: its members' put-back, then its resume.
         self._putback: tuple[PutBack, Lease] | None = None
-        # A release's request id: the client its answer goes to once its resume is in.
-        self._releasing: dict[str, bytes] = {}
+        # A release's request id: its answer, sent once its resume is in (or at its deadline).
+        self._releasing: dict[str, Releasing] = {}
         if self.state.writer is not None:
             try:
                 self.state.writer.write_now(self._content())
@@ -182,7 +157,7 @@ class RefitService:
         if self.saves.retried(cmd.request_id, client):   # a retry while its save is under way
             return
         if cmd.request_id in self._releasing:   # a retry while its resume is under way
-            self._releasing[cmd.request_id] = client
+            self._releasing[cmd.request_id].client = client
             return
         try:
             spec = COMMANDS.lookup(cmd.cmd)
@@ -385,23 +360,29 @@ class RefitService:
 
     def _let_go(self, call: Call, result: dict[str, Any]) -> None:
         """Release the lock; answer `result` and `released` once every node the refit's
-        resume went to acknowledged it (or its bound passed), then once that is saved: the
-        holder's `with` block ends with its probes resumed, as DESIGN's refit says."""
+        resume went to acknowledged it (or RESUME_ANSWER_S passed), then once that is saved:
+        the holder's `with` block ends with its probes resumed, as DESIGN's refit says."""
         lease = self.lock.release(call.args["token"], call.args["holder"], call.now)
         request_id = call.cmd.request_id
-        self._releasing[request_id] = call.client
-
-        def resumed() -> None:
-            self.saves.once_saved(request_id, self._releasing.pop(request_id),
-                                  answer_saved(call.core.reply, call.cmd,
-                                               {**result, "released": lease.token}))
+        answer = answer_saved(call.core.reply, call.cmd, {**result, "released": lease.token})
+        self._releasing[request_id] = Releasing(
+            call.client, call.now + RESUME_ANSWER_S,
+            lambda to: self.saves.once_saved(request_id, to, answer))
         self._ended(call.core, lease, call.now, "released by its holder", expired=False,
-                    resumed=resumed)
+                    resumed=lambda: self._answer_release(request_id))
+
+    def _answer_release(self, request_id: str) -> None:
+        """(Once: at the resume's acknowledgement or at the deadline, the first.)"""
+        releasing = self._releasing.pop(request_id, None)
+        if releasing is not None:
+            releasing.send(releasing.client)
 
     # ------------------------------------------------------------------ the loop's turn
 
     def tick(self, core: Core, now: float) -> None:
         self.saved(now)
+        for request_id in [r for r, wait in self._releasing.items() if now >= wait.deadline]:
+            self._answer_release(request_id)
         if self._putback is not None and self._putback[0].done():
             lease = self._putback[1]
             self._putback = None
@@ -417,8 +398,9 @@ class RefitService:
     def next_deadline(self) -> float | None:
         unsaved = self.saves.next_deadline()
         putback = None if self._putback is None else time.monotonic() + PUTBACK_POLL_S
-        return min((d for d in (unsaved, putback, self.lock.next_deadline()) if d is not None),
-                   default=None)
+        releasing = min((wait.deadline for wait in self._releasing.values()), default=None)
+        return min((d for d in (unsaved, putback, releasing, self.lock.next_deadline())
+                    if d is not None), default=None)
 
     def _ended(self, core: Core, lease: Lease, now: float, why: str, expired: bool,
                resumed: Callable[[], None] | None = None) -> None:

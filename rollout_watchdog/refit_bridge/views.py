@@ -6,7 +6,7 @@ are not lost on the way to a caller that wants them.
 
 from __future__ import annotations
 
-from collections.abc import KeysView
+from collections.abc import Iterator, KeysView
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,6 +212,12 @@ class FleetEvent:
 
     def __contains__(self, key: object) -> bool:
         return key in self.to_json()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_json())
+
+    def __len__(self) -> int:
+        return len(self.to_json())
 
     def keys(self) -> KeysView[str]:
         """The JSON fields' names (`dict(event)` is the JSON object)."""
