@@ -245,7 +245,7 @@ class CoordinatorActor:
         for name, call in list(self._pointing.items()):
             if call not in answered:
                 continue   # (a watchdog that hangs is told once it answers, or fails)
-            del self._pointing[name]
+            self._pointing.pop(name, None)   # (a concurrent round may have taken it)
             try:
                 ray.get(call)
             except RayError as exc:
