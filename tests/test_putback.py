@@ -10,6 +10,7 @@ import socket
 import pytest
 from daemon_harness import wait_for
 
+from rollout_watchdog.refit_bridge import putback as putback_module
 from rollout_watchdog.refit_bridge.putback import SHOWN_ERRORS, PutBack
 
 
@@ -27,3 +28,19 @@ def test_members_that_cannot_be_put_back_are_named_in_one_warning(
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"refit #7: {len(ports)} member(s) not put back in service")
     assert warnings[0].endswith("; and 3 more")
+
+
+def test_a_put_back_the_process_ending_cuts_short_is_said_not_raised(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease that ends as the coordinator's process exits: the put-back's thread can start no
+    thread of its own any more (ThreadPoolExecutor refuses, as at interpreter shutdown). It
+    says so in one warning and ends, where a traceback was printed."""
+    def refused(urls: list[str], action: object) -> dict[str, str]:
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+    monkeypatch.setattr(putback_module.engine_calls, "on_each", refused)
+    monkeypatch.setattr(putback_module, "process_ending", lambda: True)
+    caplog.set_level(logging.WARNING, logger="rollout_watchdog.refit_bridge.putback")
+    putback = PutBack("refit #8", ["http://127.0.0.1:9"], call_s=2.0)
+    wait_for(putback.done, 10, "the put-back")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refit #8: the process is ending: 1 member(s) not put back in service"]

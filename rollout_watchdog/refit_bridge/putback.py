@@ -21,6 +21,11 @@ PUTBACK_CALL_S = 5.0   # one engine call; a member that does not answer is left 
 SHOWN_ERRORS = 5       # members named in the warning of a put-back that failed somewhere
 
 
+def process_ending() -> bool:
+    """The interpreter is shutting down (its main thread is over): no thread can be started."""
+    return not threading.main_thread().is_alive()
+
+
 class PutBack:
     """One put-back: every member's calls run at once on a thread; `done()` once all ended."""
 
@@ -35,7 +40,14 @@ class PutBack:
 
     def _run(self) -> None:
         try:
-            errors = engine_calls.on_each(self.urls, self._one)
+            try:
+                errors = engine_calls.on_each(self.urls, self._one)
+            except RuntimeError:   # no new thread once the interpreter is ending
+                if not process_ending():
+                    raise
+                log.warning("%s: the process is ending: %d member(s) not put back in service",
+                            self.what, len(self.urls))
+                return
             if errors:   # one line, not one per member: a fleet has thousands
                 shown = "; ".join(f"{url}: {error}" for url, error in
                                   list(errors.items())[:SHOWN_ERRORS])
