@@ -56,6 +56,7 @@ COORDINATOR_PUBLIC = "coordinator.key"
 MAX_RECREATE_S = 300.0   # the longest wait before a watchdog that keeps dying is made again
 REAUTHORIZE_S = 10.0     # asking the coordinator again for keys a watchdog already has
 FORGET_TIMEOUT_S = 5.0   # each control call that takes a launched engine out of the books
+DYING_S = 2.0            # a daemon that dropped the connection to stop() is gone within this
 STABLE_S = 600.0         # a watchdog alive this long since it was made starts afresh
 
 
@@ -468,16 +469,19 @@ class NodeWatchdog:
         ended in time."""
         self._stop.set()
         self._watcher.join(timeout=self.settings["daemon_check_s"] + timeout_s)
-        if self.daemon is not None and not is_alive(self.daemon):
-            try:   # its engines run on, unwatched: a daemon adopts them, to stop them
-                self.ensure_daemon()
-            except Exception:
-                log.exception("cannot start a node daemon to stop the engines of the last")
+        for _ in range(2):   # (a daemon found dying, SIGKILLed a moment ago: replaced once)
+            if self.daemon is not None and not is_alive(self.daemon):
+                try:   # its engines run on, unwatched: a daemon adopts them, to stop them
+                    self.ensure_daemon()
+                except Exception:
+                    log.exception("cannot start a node daemon to stop the engines of the last")
+            daemon = self.daemon
+            if daemon is None or not is_alive(daemon):
+                break
+            if daemon_process.forget_launched(self.layout.control,
+                                              min(FORGET_TIMEOUT_S, timeout_s)) \
+                    or not daemon_process.wait_gone(daemon, DYING_S):
+                break   # (it answered, or it lives on without answering: its stop stops all)
         with self._lock:
             daemon, self.daemon = self.daemon, None
-        if daemon is None:
-            return True
-        if is_alive(daemon):
-            daemon_process.forget_launched(self.layout.control,
-                                           min(FORGET_TIMEOUT_S, timeout_s))
-        return daemon_process.stop(daemon, timeout_s)
+        return daemon is None or daemon_process.stop(daemon, timeout_s)

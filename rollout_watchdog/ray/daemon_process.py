@@ -156,11 +156,11 @@ def ping(control: str, node_id: str, timeout_s: float) -> bool:
     return isinstance(answer, dict) and answer.get("node_id") == node_id
 
 
-def forget_launched(control: str, timeout_s: float) -> None:
+def forget_launched(control: str, timeout_s: float) -> bool:
     """Take every engine launched at run time out of the daemon's books (`remove`: its spec
     leaves launched.json at once, and its stop begins), so that no later daemon on this state
-    dir brings it back. A daemon that does not answer is logged: its own stop still stops
-    every engine."""
+    dir brings it back; whether the daemon answered. One that does not is logged: its own stop
+    still stops every engine."""
     client = ControlClient(control, timeout_s)
     try:
         for engine in client.call("status")["engines"]:
@@ -168,6 +168,8 @@ def forget_launched(control: str, timeout_s: float) -> None:
                 client.call("remove", {"engine": engine["id"]})
     except (ControlError, KeyError, TypeError) as exc:
         log.warning("cannot remove the launched engines at %s: %s", control, exc)
+        return False
+    return True
 
 
 def wait_gone(key: ProcKey, timeout_s: float) -> bool:
