@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +18,7 @@ pytest.importorskip("ray")
 from rollout_watchdog.common.errors import CommandRefused  # noqa: E402
 from rollout_watchdog.common.validate import MAX_IPC_PATH_BYTES  # noqa: E402
 from rollout_watchdog.config import ConfigError, parse_config  # noqa: E402
+from rollout_watchdog.ray import actors  # noqa: E402
 from rollout_watchdog.ray.actors import gone_for_good, recreate_due  # noqa: E402
 from rollout_watchdog.ray.daemon_process import (  # noqa: E402
     daemon_environment,
@@ -24,7 +27,7 @@ from rollout_watchdog.ray.daemon_process import (  # noqa: E402
 )
 from rollout_watchdog.ray.layout import NodeLayout, check_extra, node_config, to_toml  # noqa: E402
 from rollout_watchdog.ray.placement import PlacedEngines  # noqa: E402
-from rollout_watchdog.watchdog.process import ProcStat  # noqa: E402
+from rollout_watchdog.watchdog.process import ProcKey, ProcStat  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -174,3 +177,37 @@ def test_an_engine_of_a_removed_group_is_forgotten_only_once_its_node_said_so() 
     assert gone_for_good(answered, True)
     assert not any(gone_for_good(e, True) for e in (unreachable, silent, unknown))
     assert all(gone_for_good(e, False) for e in (unreachable, silent, unknown))  # node died
+
+
+def test_a_daemon_found_dying_at_shutdown_has_its_engines_adopted_and_stopped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NodeWatchdog.stop() looked while a daemon SIGKILLed a moment before was still exiting:
+    alive; then it dropped forget_launched's connection and was gone. Before, that daemon's
+    stop was all, and its engine ran on, unwatched (a suite run). Now another daemon adopts
+    the engines, and that one is stopped (its stop stops them)."""
+    dying, successor = ProcKey(1001, 1.0), ProcKey(1002, 2.0)
+    alive = {dying: True, successor: True}
+    watchdog = object.__new__(actors.NodeWatchdog)   # (its __init__ needs a Ray worker)
+    watchdog.settings = {"daemon_check_s": 1.0}
+    watchdog.layout = SimpleNamespace(control="ipc:///nowhere")   # type: ignore[assignment]
+    watchdog.daemon = dying
+    watchdog._lock, watchdog._stop = threading.Lock(), threading.Event()
+    watchdog._watcher = threading.Thread(target=lambda: None)
+    watchdog._watcher.start()
+
+    def adopt() -> None:
+        watchdog.daemon = successor
+
+    def forget(control: str, timeout_s: float) -> bool:
+        if watchdog.daemon == dying:   # it drops the connection as it dies
+            alive[dying] = False
+            return False
+        return True
+    stopped: list[ProcKey] = []
+    monkeypatch.setattr(watchdog, "ensure_daemon", adopt)
+    monkeypatch.setattr(actors, "is_alive", lambda key: alive[key])
+    monkeypatch.setattr(actors.daemon_process, "forget_launched", forget)
+    monkeypatch.setattr(actors.daemon_process, "wait_gone", lambda key, t: not alive[key])
+    monkeypatch.setattr(actors.daemon_process, "stop",
+                        lambda key, t: stopped.append(key) is None)
+    assert watchdog.stop(5.0) and stopped == [successor]
