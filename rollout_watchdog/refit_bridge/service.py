@@ -484,4 +484,3 @@ class RefitService:
 
 
 __all__ = ["COMMANDS", "Core", "RefitService", "Member", "WeightBook"]
-

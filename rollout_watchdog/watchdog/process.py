@@ -275,15 +275,15 @@ def exit_fields(returncode: int | None) -> dict[str, int | str]:
 
 
 def describe_exit(returncode: int | None) -> str:
-    """'exit code 3', 'killed by SIGKILL', or 'exit status unknown' (adopted engines)."""
-    if returncode is None:
-        return "exit status unknown"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
+    """'exit code 3', 'killed by SIGKILL', or 'exit status unknown' (adopted engines): the
+    words for exit_fields."""
+    fields = exit_fields(returncode)
+    if "exit_code" in fields:
+        return f"exit code {fields['exit_code']}"
+    if "exit_signal" in fields:
+        name = str(fields["exit_signal"])
+        return f"killed by {'signal ' if name.isdigit() else ''}{name}"
+    return "exit status unknown"
 
 
 def is_kernel_thread(pid: int) -> bool:
