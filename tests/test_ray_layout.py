@@ -211,3 +211,28 @@ def test_a_daemon_found_dying_at_shutdown_has_its_engines_adopted_and_stopped(
     monkeypatch.setattr(actors.daemon_process, "stop",
                         lambda key, t: stopped.append(key) is None)
     assert watchdog.stop(5.0) and stopped == [successor]
+
+
+def test_a_daemon_gone_with_its_raylet_is_not_started_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raylet SIGKILLed: its daemon exits (its lifeline), and the watchdog actor, which
+    can outlive the raylet for minutes, started another every second, each finding its
+    lifeline gone (a suite run: 72 in 90 s, the node reachable throughout). Now the watch ends
+    with the raylet; while the raylet lives, a daemon that died is replaced."""
+    daemon, raylet = ProcKey(1001, 1.0), ProcKey(1000, 0.5)
+    alive = {daemon: False, raylet: True}
+    watchdog = object.__new__(actors.NodeWatchdog)   # (its __init__ needs a Ray worker)
+    watchdog.settings = {"daemon_check_s": 0.01}
+    watchdog.daemon, watchdog.raylet, watchdog.raylet_key = daemon, raylet.pid, raylet
+    watchdog._stop = threading.Event()
+    started: list[bool] = []
+
+    def replace() -> None:   # the replacement dies with the raylet
+        started.append(True)
+        alive[raylet] = False
+    monkeypatch.setattr(watchdog, "ensure_daemon", replace)
+    monkeypatch.setattr(actors, "is_alive", lambda key: alive[key])
+    watcher = threading.Thread(target=watchdog._watch)
+    watcher.start()
+    watcher.join(10)
+    assert not watcher.is_alive() and started == [True]

@@ -135,6 +135,8 @@ class Daemon:
         """Run until SIGTERM/SIGINT (stop every engine) or SIGUSR2 (leave them running)."""
         self.setup()
         try:
+            # the lifeline gone already: adopt what runs (to stop it), launch nothing
+            self.supervisor.stopping = self.shutdown_requested == "stop"
             self.adopt_or_launch()
             self.save_state()
             self.notifier.ready()
