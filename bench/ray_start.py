@@ -73,7 +73,8 @@ def kills(fleet: FleetClient, count: int) -> list[float]:
         port = free_port()
         return EngineSpec(id=f"e{index}", url=f"http://{host}:{port}", gpus=gpu_ids,
                           command=[sys.executable, "-m", "rollout_watchdog.emulator",
-                                   "--host", host, "--port", str(port)])
+                                   "--host", host, "--port", str(port),
+                                   "--no-model"])   # (no weights here: no torch to load)
 
     names = [v.name for v in rw_ray.launch_in_placement_group(fleet, pg, make_spec,
                                                                wait_s=180)]

@@ -7,6 +7,21 @@ from __future__ import annotations
 class RolloutWatchdogError(Exception):
     """Base of every error the fleet API raises."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickled whole, rebuilt from its message and fields without calling `__init__`
+        again (EngineLost's and UpdateRefused's take other arguments than their message): Ray
+        hands a trainer actor's error to its driver pickled, and an error that could not be
+        rebuilt reached it as Ray's UnserializableException, not as EngineLost."""
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type[RolloutWatchdogError], args: tuple[object, ...],
+             fields: dict[str, object]) -> RolloutWatchdogError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
+
 
 class CoordinatorUnavailable(RolloutWatchdogError):
     """The coordinator did not answer within the deadline (down, unreachable, or refusing our
