@@ -45,6 +45,16 @@ NO_MODEL_MODULES = frozenset({
     "test_incarnations", "test_node_link", "test_node_link_robust", "test_router",
     "test_runtime_engines", "test_runtime_engines_fleet", "test_runtime_engines_logic",
     "test_sdnotify"})
+# The heavy pass's modules whose tests share a module-scoped fixture (a Ray cluster): each goes
+# whole to one worker; every other heavy test goes alone (HeavyScheduling, below).
+HEAVY_WHOLE_MODULES = frozenset({"test_ray_fleet"})
+# The other heavy tests that take longest (~15 to 40 s alone), started first, in this order, so
+# that no worker is left with a long one at the end while the other waits idle.
+HEAVY_LONGEST = {
+    "test_examples": ("test_the_ray_grpo_loop_runs_under_churn_with_no_stale_response",
+                      "test_the_example_training_loop_runs_to_its_end"),
+    "test_bench_smoke": ("test_ray_start_quick_runs", "test_fleet_scale_quick_runs_every_phase"),
+    "test_demo_fleet": ("test_fleet_demo_tells_the_story_and_leaves_nothing",)}
 SERIAL_TESTS = {   # module: its serial tests
     "test_cli_fleet": frozenset({
         "test_a_silent_peer_gets_an_exit_within_the_timeout_of_the_commands_start"}),
@@ -74,6 +84,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.serial)
         elif module in HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
+    longest = [(m, t) for m, tests in HEAVY_LONGEST.items() for t in tests]
+
+    def rank(item: pytest.Item) -> int:   # (a stable sort: the rest keeps its order)
+        module = item.module.__name__ if item.module is not None else ""
+        key = (module, item.name)
+        return longest.index(key) if key in longest else len(longest)
+    items.sort(key=rank)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """The heavy pass's scheduler (the others keep xdist's own)."""
+    if config.getoption("markexpr", "") != "heavy":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HeavyScheduling(LoadScopeScheduling):
+        """HEAVY_WHOLE_MODULES each whole to one worker, every other test alone. (xdist's
+        `loadgroup` would say so with marks, but under pytest 9.2 and xdist 3.8 it splits a
+        group, and `loadfile` left one worker idle for the last ~30 s: the other held the
+        demos queued behind the Ray example.)"""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).stem in HEAVY_WHOLE_MODULES else nodeid
+
+    return HeavyScheduling(config, log)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

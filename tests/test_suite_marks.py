@@ -21,10 +21,13 @@ WEIGHT_OPERATION = re.compile(
 
 def test_every_module_and_test_named_in_conftest_exists() -> None:
     named = (conftest.NO_MODEL_MODULES | conftest.HEAVY_MODULES | conftest.SERIAL_MODULES
-             | set(conftest.SERIAL_TESTS))
+             | set(conftest.SERIAL_TESTS) | set(conftest.HEAVY_LONGEST))
     assert sorted(m for m in named if not (TESTS / f"{m}.py").is_file()) == []
-    assert sorted(f"{m}::{t}" for m, tests in conftest.SERIAL_TESTS.items() for t in tests
+    listed = [*conftest.SERIAL_TESTS.items(), *conftest.HEAVY_LONGEST.items()]
+    assert sorted(f"{m}::{t}" for m, tests in listed for t in tests
                   if f"def {t}(" not in (TESTS / f"{m}.py").read_text()) == []
+    assert conftest.HEAVY_WHOLE_MODULES <= conftest.HEAVY_MODULES
+    assert set(conftest.HEAVY_LONGEST) <= conftest.HEAVY_MODULES
 
 
 def test_the_pass_marks_come_from_conftest_only() -> None:
