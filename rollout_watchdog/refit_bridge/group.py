@@ -44,6 +44,13 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 # After the first failure, how long to keep collecting the other members' answers: a killed
 # engine's HTTP call fails within milliseconds, so this names it rather than a bystander.
 FAILURE_GRACE_S = 2.0
+# When every member that failed so far answered (alive, and saying no: a shape it does not
+# have), how long the others get to end their calls on their own before the group is torn down.
+# A refusal comes after the member took the data; the others are still taking theirs (a loaded
+# machine: seconds), and a teardown then cuts them off mid-collective: gloo's broadcast is a
+# tree, so a member below one cut off waits for data that never comes, and was judged wedged and
+# restarted (a suite run: UpdateRefused for all three members came out EngineLost).
+REFUSAL_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -388,15 +395,11 @@ class WeightUpdateGroup:
         teardown, else those gone (no answer), else those that said no, else the silent."""
         first = [m for m, f in calls.items() if f.done() and f.exception() is not None]
         reasons = [f"trainer: {f.exception()}" for f in broken]
+        if not broken and not any(unanswered(calls[m]) for m in first):
+            self._wait_calls(calls, REFUSAL_WAIT_S, unless_aborted=True)   # REFUSAL_WAIT_S
         if self._mark_aborted(f"{what} failed"):
             self._teardown_group()
-        grace = time.monotonic() + FAILURE_GRACE_S
-        while time.monotonic() < grace:  # until every call ended or one is plainly gone
-            self._wake.clear()
-            ended = [f for f in calls.values() if f.done()]
-            if len(ended) == len(calls) or any(unanswered(f) for f in ended):
-                break
-            self._wake.wait(max(0.0, grace - time.monotonic()))
+        self._wait_calls(calls, FAILURE_GRACE_S)
         # Judged before the calls still under way are freed: a call that `release` shuts ends
         # as if its engine hung up (RemoteDisconnected), and is no sign that the engine is gone.
         judged = {m: f for m, f in calls.items() if f.done()}
@@ -418,6 +421,19 @@ class WeightUpdateGroup:
         culprits = first or gone or list(refused) or pending
         raise GroupMemberFailed(culprits, f"{what}: " + "; ".join(reasons), gone=gone,
                                 refused=refused)
+
+    def _wait_calls(self, calls: dict[GroupMember, Future[dict[str, Any]]], most_s: float,
+                    unless_aborted: bool = False) -> None:
+        """Until every call ended, one is plainly gone (no answer at all), `most_s`, or (with
+        `unless_aborted`) an abort (the refit's deadline)."""
+        until = time.monotonic() + most_s
+        while time.monotonic() < until:
+            self._wake.clear()
+            ended = [f for f in calls.values() if f.done()]
+            if len(ended) == len(calls) or any(unanswered(f) for f in ended) \
+                    or (unless_aborted and self._abort_reason is not None):
+                return
+            self._wake.wait(max(0.0, until - time.monotonic()))
 
     def _mark_aborted(self, reason: str) -> bool:
         """Record the first reason and wake the waiter; False if already aborted."""
