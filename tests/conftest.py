@@ -93,6 +93,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+@pytest.hookimpl(optionalhook=True)   # (xdist's hook: absent under -p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """The heavy pass's scheduler (the others keep xdist's own)."""
     if config.getoption("markexpr", "") != "heavy":
