@@ -51,6 +51,7 @@ FAILURE_GRACE_S = 2.0
 # tree, so a member below one cut off waits for data that never comes, and was judged wedged and
 # restarted (a suite run: UpdateRefused for all three members came out EngineLost).
 REFUSAL_WAIT_S = 5.0
+UPDATE_CALL = "update_weights_from_distributed"   # the broadcast's calls (_fail)
 
 
 @dataclass(frozen=True)
@@ -395,10 +396,17 @@ class WeightUpdateGroup:
         teardown, else those gone (no answer), else those that said no, else the silent."""
         first = [m for m, f in calls.items() if f.done() and f.exception() is not None]
         reasons = [f"trainer: {f.exception()}" for f in broken]
-        if not broken and not any(unanswered(calls[m]) for m in first):
+        # Only a broadcast's calls can be cut off mid-collective: a refused rendezvous cannot
+        # complete without its refuser (waiting is pure delay), and quick calls are no collective.
+        if what == UPDATE_CALL and not broken \
+                and not any(unanswered(calls[m]) for m in first):
             self._wait_calls(calls, REFUSAL_WAIT_S, unless_aborted=True)   # REFUSAL_WAIT_S
-        if self._mark_aborted(f"{what} failed"):
-            self._teardown_group()
+        if not self._mark_aborted(f"{what} failed"):
+            # Another thread's abort() (the refit's deadline, a loss its guard heard) came
+            # first: its release() ends the calls still under way as if their engines hung up,
+            # so none of them can be judged here (they would come out gone: lost, EngineLost).
+            raise GroupAborted(self._abort_reason or "aborted", self._pending_at_abort)
+        self._teardown_group()
         self._wait_calls(calls, FAILURE_GRACE_S)
         # Judged before the calls still under way are freed: a call that `release` shuts ends
         # as if its engine hung up (RemoteDisconnected), and is no sign that the engine is gone.
