@@ -232,7 +232,11 @@ def test_a_daemon_gone_with_its_raylet_is_not_started_again(
         alive[raylet] = False
     monkeypatch.setattr(watchdog, "ensure_daemon", replace)
     monkeypatch.setattr(actors, "is_alive", lambda key: alive[key])
-    watcher = threading.Thread(target=watchdog._watch)
+    watcher = threading.Thread(target=watchdog._watch, daemon=True)
     watcher.start()
-    watcher.join(10)
-    assert not watcher.is_alive() and started == [True]
+    try:
+        watcher.join(10)
+        assert not watcher.is_alive() and started == [True]
+    finally:   # a watch that does not end (a regression) must not outlive the test
+        watchdog._stop.set()
+        watcher.join(5)
