@@ -352,7 +352,7 @@ class WeightUpdateGroup:
                 break
             assert work is not None
             work.get_future().add_done_callback(lambda f, fut=fut: self._settle(fut, f))
-        self._await(calls, works, "update_weights_from_distributed")
+        self._await(calls, works, UPDATE_CALL)
 
     def _settle(self, fut: Future[Any], torch_future: Any) -> None:
         """A torch future's outcome, copied into a concurrent one, and the waiter woken."""
