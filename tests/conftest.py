@@ -84,12 +84,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.serial)
         elif module in HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
-    longest = [(m, t) for m, tests in HEAVY_LONGEST.items() for t in tests]
+    first = {(m, t): i for i, (m, t) in enumerate(
+        (m, t) for m, tests in HEAVY_LONGEST.items() for t in tests)}
 
     def rank(item: pytest.Item) -> int:   # (a stable sort: the rest keeps its order)
         module = item.module.__name__ if item.module is not None else ""
-        key = (module, item.name)
-        return longest.index(key) if key in longest else len(longest)
+        return first.get((module, item.name), len(first))
     items.sort(key=rank)
 
 

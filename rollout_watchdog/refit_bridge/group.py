@@ -400,7 +400,7 @@ class WeightUpdateGroup:
         # complete without its refuser (waiting is pure delay), and quick calls are no collective.
         if what == UPDATE_CALL and not broken \
                 and not any(unanswered(calls[m]) for m in first):
-            self._wait_calls(calls, REFUSAL_WAIT_S, unless_aborted=True)   # REFUSAL_WAIT_S
+            self._wait_calls(calls, REFUSAL_WAIT_S, unless_aborted=True)
         if not self._mark_aborted(f"{what} failed"):
             # Another thread's abort() (the refit's deadline, a loss its guard heard) came
             # first: its release() ends the calls still under way as if their engines hung up,
