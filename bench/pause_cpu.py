@@ -31,6 +31,8 @@ from rollout_watchdog.common.events import Event as NodeEvent
 from rollout_watchdog.common.gc_tuning import tune_for_service
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
+_SNDMORE = int(zmq.SNDMORE)
+
 
 class StandInSocket:
     """Just what the coordinator's loop calls on its ROUTER, in both styles it has used."""
@@ -60,7 +62,7 @@ class StandInSocket:
         self.sent.append(frames)
 
     def send(self, frame: bytes, flags: int = 0) -> None:
-        if flags & zmq.SNDMORE:
+        if flags & _SNDMORE:   # (an int: `&` on pyzmq's Flag enum costs ~6 % of a round)
             self._peer = frame
         else:
             self.sent.append([self._peer, frame])

@@ -5,6 +5,9 @@ failed (docs/protocol.md, "The coordinator's side")."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
 from rollout_watchdog.agent import fanout as fanout_module
@@ -99,6 +102,26 @@ def test_error_replies_are_named_in_the_reason() -> None:
     assert done.final.reason == "n1: no engine e9; n3: engine e0 is external"
     assert done.final.result["nodes"]["n2"]["status"] == "ok"
     assert done.final.result["missing"] == []
+
+
+@pytest.mark.parametrize("result", [
+    {"big": (1 << 64) - 1, "least": -(1 << 63), "t": 1e16, "small": 5e-324, "neg": -0.0},
+    {"detail": "caf\u00e9 \u00fc"},    # beyond ASCII
+    {"detail": "bytes \udcff"},         # a lone surrogate: a node's undecodable bytes
+])
+def test_a_gathered_reply_carries_every_answer_as_the_nodes_gave_it(
+        result: dict[str, Any]) -> None:
+    """The gathered reply is written by the fast encoder (its numbers come from parsed frames);
+    64-bit integers, floats, text beyond ASCII and lone surrogates still come out as the
+    stdlib's encoder writes them: ASCII, the same values."""
+    fanout = Fanout()
+    fanout.start(gathering("r1", ["n1", "n2"]))
+    fanout.answered(Reply("r1/n1", "ok", None, result), "n1")
+    done = fanout.answered(Reply("r1/n2", "error", "busy", {"n": 1}, "busy"), "n2")
+    assert done is not None and done.final is not None
+    assert done.frame.isascii()
+    assert decode(done.frame) == done.final
+    assert json.loads(done.frame)["result"]["nodes"]["n1"]["result"] == result
 
 
 def test_a_repeated_request_id_gets_the_same_reply() -> None:

@@ -134,26 +134,27 @@ class Fanout:
         gathering.finished = True
         gathering.final = (gathering.finish(gathering) if gathering.finish is not None
                            else gathering.reply())
-        if gathering.final is not None:
-            gathering.frame = self.remember(gathering.final)
+        if gathering.final is not None:   # (a plain gathered reply is made of parsed answers)
+            gathering.frame = self.remember(gathering.final, finite=gathering.finish is None)
         return gathering
 
-    def remember(self, reply: protocol.Reply) -> bytes:
+    def remember(self, reply: protocol.Reply, finite: bool = False) -> bytes:
         """Keep a reply for repeats of its request id (the newest ones, bounded in number and
-        in bytes); its frame."""
-        frame = encode_reply(reply)
+        in bytes); its frame. `finite`: as protocol.encode's."""
+        frame = encode_reply(reply, finite)
         self.done.put(reply.request_id, frame)
         return frame
 
 
-def encode_reply(reply: protocol.Reply) -> bytes:
+def encode_reply(reply: protocol.Reply, finite: bool = False) -> bytes:
     """The reply's frame; a reply too big for one message is never sent cut down as if whole:
     it becomes an error, code TOO_BIG, that names the limit. A fan-out's answers can outgrow
     one message on a big fleet: that error keeps the nodes that answered an error (reasons
     cut), those that did not answer and the count of the others, whose results are left out
-    (`results_left_out`), after the reason it had. Any other result is left out whole."""
+    (`results_left_out`), after the reason it had. Any other result is left out whole.
+    `finite`: as protocol.encode's."""
     try:
-        return protocol.encode(reply)
+        return protocol.encode(reply, finite)
     except protocol.ProtocolError as exc:
         limit = f"{exc} (the message limit)"
     result = reply.result if isinstance(reply.result, dict) else {}

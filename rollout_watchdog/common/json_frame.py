@@ -40,6 +40,25 @@ _DECODER = json.JSONDecoder(parse_float=_parse_float, parse_constant=_parse_cons
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), check_circular=False)
 
 
+def dumps(obj: object, finite: bool = False) -> bytes:
+    """`obj` as one frame's JSON text, as `_ENCODER` writes it (ValueError for a non-finite
+    number, TypeError for what JSON cannot carry). With `finite`, the caller knows that every
+    number in it is finite (it is made of parsed frames, which hold no other, and of this
+    process's own clock and counts): then orjson writes it, in a fifth of the stdlib's time (a
+    fleet-wide pause's gathered reply holds a thousand nodes' answers). orjson would write
+    NaN as null, hence only then; what it refuses (a lone surrogate, an integer beyond 64
+    bits, a key that is not a string) or writes otherwise (text beyond ASCII, which the
+    stdlib escapes) is the stdlib's to write."""
+    if finite:
+        try:
+            data = orjson.dumps(obj)
+        except orjson.JSONEncodeError:
+            data = b""
+        if data and data.isascii():
+            return data
+    return _ENCODER.encode(obj).encode("ascii")  # ensure_ascii: lone surrogates stay escapes
+
+
 def parse(data: bytes, max_bytes: int) -> object:
     """The JSON value in a frame of at most `max_bytes`, numbers checked; ProtocolError for
     anything else."""

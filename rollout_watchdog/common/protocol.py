@@ -133,7 +133,7 @@ from rollout_watchdog.common.control_messages import (
     ResumePoint,
     Subscribe,
 )
-from rollout_watchdog.common.json_frame import _ENCODER, ProtocolError, parse
+from rollout_watchdog.common.json_frame import ProtocolError, dumps, parse
 from rollout_watchdog.common.message_base import (
     _INT_LIMIT,
     MAJOR,
@@ -450,13 +450,13 @@ KINDS: dict[str, type[Message]] = {
                               Subscribe)}
 
 
-def encode(msg: Message) -> bytes:
-    """One frame for `msg`; ProtocolError if it holds something JSON cannot carry or is too big."""
+def encode(msg: Message, finite: bool = False) -> bytes:
+    """One frame for `msg`; ProtocolError if it holds something JSON cannot carry or is too big.
+    `finite`: every number in it is known to be finite (json_frame.dumps)."""
     try:
-        text = _ENCODER.encode(msg.to_json())
+        data = dumps(msg.to_json(), finite)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"{msg.KIND}: cannot encode: {exc}") from None
-    data = text.encode("ascii")  # ensure_ascii: lone surrogates stay valid as escapes
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{msg.KIND}: {len(data)} bytes exceeds the limit of "
                             f"{MAX_MESSAGE_BYTES} bytes")
