@@ -13,7 +13,7 @@ unset PYTHONDONTWRITEBYTECODE
 .venv/bin/lint-imports   # the layering (setup.cfg, [importlinter])
 # Three passes (tests/conftest.py marks them): most tests on ${RW_TEST_WORKERS:-4} xdist workers (4: with
 # --no-model engines the pass waits more than it computes);
-# then those marked `heavy` (a Ray cluster, the demos, the examples) on 2 workers, test_ray_fleet
+# then those marked `heavy` (a Ray cluster, the demos, the examples) on 3 workers, test_ray_fleet
 # whole on one (its cluster is set up once), the others each alone, longest first (conftest.py's
 # HeavyScheduling); then those marked `serial` (floods, bounds
 # another worker's load would blur) one at a time. Every pass runs; the first failure's status
@@ -21,6 +21,6 @@ unset PYTHONDONTWRITEBYTECODE
 run() { .venv/bin/python -m pytest -q "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
 status=0
 run -n "${RW_TEST_WORKERS:-4}" -m "not serial and not heavy" "$@" || status=$?
-run -n 2 -m heavy "$@" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+run -n 3 -m heavy "$@" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 run -m serial "$@" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 exit "$status"

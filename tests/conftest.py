@@ -24,10 +24,10 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
 )
 
 # scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-4} xdist workers;
-# then the `heavy` ones, a module to a worker on 2 workers and beside nothing else: they load the
-# whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs); then, alone,
-# the `serial` ones: a flood of connections or descriptors, or a bound another test's load would
-# blur (a probe in flight, trickling engines).
+# then the `heavy` ones on 3 workers (test_ray_fleet whole on one) and beside nothing else: they
+# load the whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs);
+# then, alone, the `serial` ones: a flood of connections or descriptors, or a bound another
+# test's load would blur (a probe in flight, trickling engines).
 HEAVY_MODULES = frozenset({
     "test_ray_fleet", "test_demo", "test_demo_fleet", "test_examples", "test_bench_smoke"})
 SERIAL_MODULES = frozenset({
@@ -73,7 +73,7 @@ PASS_MODULES: dict[str, Callable[[str], bool]] = {
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "serial: run alone, not beside another xdist worker")
-    config.addinivalue_line("markers", "heavy: loads the machine; run beside one other at most")
+    config.addinivalue_line("markers", "heavy: loads the machine; run beside two others at most")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
