@@ -93,6 +93,21 @@ def test_a_bad_reply_code_is_refused_by_name(body: dict[str, Any], problem: str)
     assert problem in refused(frame({"v": [1, 2], "kind": "reply", "request_id": "r", **body}))
 
 
+@pytest.mark.parametrize(("body", "problem"), [   # each one step from a plain "ok" reply
+    ({"status": "ok"}, "missing required field 'request_id'"),
+    ({"request_id": "r"}, "missing required field 'status'"),
+    ({"request_id": "", "status": "ok"}, "'request_id' must be a non-empty string"),
+    ({"request_id": 7, "status": "ok"}, "'request_id' must be a non-empty string"),
+    ({"request_id": None, "status": "ok"}, "'request_id' must be a non-empty string"),
+    ({"request_id": "r", "status": "OK"}, "'status' must be \"ok\" or \"error\""),
+    ({"request_id": "r", "status": "ok", "reason": ""}, "'reason' must be a non-empty string"),
+    ({"request_id": "r", "status": "ok", "reason": 7}, "'reason' must be a non-empty string"),
+    ({"request_id": "r", "status": "error"}, "'reason' must be a non-empty string"),
+])
+def test_a_bad_reply_is_refused_by_name(body: dict[str, Any], problem: str) -> None:
+    assert problem in refused(frame({"v": [1, 2], "kind": "reply", **body}))
+
+
 def test_optional_fields_default_when_absent() -> None:
     assert decode(frame({"v": [1, 0], "kind": "command", "request_id": "r", "cmd": "status"})) \
         == Command(request_id="r", cmd="status", args={}, node=None, engine=None, timeout_s=None)
