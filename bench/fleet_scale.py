@@ -74,6 +74,7 @@ from _common import (
 from _cpu import CpuMeter, pin_apart
 from _fleet_sim import worker_main
 from fleet_harness import CoordinatorConnection, CoordinatorProcess, start_coordinator_process
+from transport_floor import bare_rounds
 
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
@@ -316,7 +317,7 @@ def main(args: argparse.Namespace) -> int:
         "_profiled.py")), args.profile, "--"]
     coord = start_coordinator_process(bind, log_path=tmp / "coordinator.log", wrap=wrap)
     workers: Workers | None = None
-    ok = True
+    ok, net = True, None
     try:
         cpu.attach(coord.proc.pid)
         with step(f"{nodes} simulated nodes start and say HELLO"):
@@ -334,7 +335,8 @@ def main(args: argparse.Namespace) -> int:
         sub.baseline = workers.emitted()   # the subscription has begun, the fleet is quiet
         if not args.only_pauses:
             ok &= side_by_side(workers, sub, nodes, args.engines, flips)
-        ok &= pauses(coord, workers, sub, cpu, args.repeat, args.profile)
+        held, net = pauses(coord, workers, sub, cpu, args.repeat, args.profile)
+        ok &= held
         if not args.only_pauses:
             ok &= throughput(coord, workers, sub, cpu, rate, seconds, burst)
             ok &= end_to_end(coord, sub, kills, args.keep)
@@ -360,7 +362,20 @@ def main(args: argparse.Namespace) -> int:
         left = kill_marked(token)
         if left:
             print(f"  (cleanup: SIGKILLed {left} leftover process(es))")
+    if net is not None and args.profile is None:
+        transport_floor(nodes, net)
     return 0 if ok else 2
+
+
+def transport_floor(nodes: int, net: float) -> None:
+    """The pause's CPU in units of this machine's bare transport round, measured now (the fleet
+    stopped): a figure that a slower or faster machine moves much less than milliseconds (this
+    2-core VM's speed has swung twofold between sessions)."""
+    runs = bare_rounds(nodes, rounds=20, repeat=3, modes=("two messages",))["two messages"]
+    floor = statistics.median(cpu for cpu, _, _ in runs)
+    print(f"transport floor (bench/transport_floor.py's bare round of a pause's messages over "
+          f"{nodes} DEALERs, measured after the fleet stopped): {1000 * floor:.1f} ms; the "
+          f"coordinator's CPU per pause net of its idle rate is {net / floor:.1f} floors")
 
 
 def side_by_side(workers: Workers, sub: Subscriber, nodes: int, engines: int,
@@ -433,9 +448,10 @@ _sequential_ms: list[float] = []
 
 
 def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: CpuMeter,
-           repeat: int, profile: str | None = None) -> bool:
+           repeat: int, profile: str | None = None) -> tuple[bool, float | None]:
     """Fleet-wide pause and resume, `repeat` times; with `profile`, the coordinator profiles
-    each pause round trip (bench/_profiled.py: SIGUSR1 on, SIGUSR2 off and dump)."""
+    each pause round trip (bench/_profiled.py: SIGUSR1 on, SIGUSR2 off and dump). Whether the
+    p99 goal held, and the coordinator's CPU seconds per pause net of its idle rate."""
     conn = coord.connect()
     rtts, resumes = [], []
     loop = 0.0   # CPU seconds of the coordinator's main thread within the pause round trips
@@ -477,6 +493,7 @@ def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: Cp
     cpu.line("pause round trips", sum(rtts) / 1000, used)
     idle = next(((elapsed, spent) for name, elapsed, spent in cpu.phases
                  if name.startswith("idle fleet")), None)
+    net = None
     if idle is not None:   # what the pauses cost on top of the heartbeats they ran beside
         rate = idle[1]["coordinator"] / idle[0]
         net = (used["coordinator"] - rate * sum(rtts) / 1000) / repeat
@@ -490,7 +507,7 @@ def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: Cp
         wait_for(lambda: os.path.exists(profile), 10, "the coordinator's profile")
         print(f"the coordinator's profile within the pauses ({profile}), by own time:")
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
-    return goal("pause p99 <= 250 ms", p99 <= 250)
+    return goal("pause p99 <= 250 ms", p99 <= 250), net
 
 
 def throughput(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: CpuMeter,

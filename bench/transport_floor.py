@@ -89,14 +89,11 @@ def measure(router: zmq.Socket[bytes], peers: list[bytes], mode: str, ack: bool,
             (time.monotonic() - wall) / rounds)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each variant, alternated")
-    parser.add_argument("--run-bytes", type=int, default=400)
-    parser.add_argument("--reply-bytes", type=int, default=150)
-    args = parser.parse_args()
+def bare_rounds(nodes: int, rounds: int, repeat: int, run_bytes: int = 400,
+                reply_bytes: int = 150, modes: tuple[str, ...] = tuple(MODES)
+                ) -> dict[str, list[tuple[float, float, float]]]:
+    """For each of `modes` (names of MODES), `repeat` runs of `rounds` rounds, alternated:
+    (process CPU, main-thread CPU, wall) in seconds per round of each run."""
     _raise_fd_limit()
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -105,39 +102,53 @@ def main() -> None:
     port = router.bind_to_random_port("tcp://127.0.0.1")
     ready = mp.get_context("spawn").Event()
     proc = mp.get_context("spawn").Process(
-        target=nodes_main, args=(f"tcp://127.0.0.1:{port}", args.nodes, b"r" * args.run_bytes,
-                                 b"p" * args.reply_bytes, ready), daemon=True)
+        target=nodes_main, args=(f"tcp://127.0.0.1:{port}", nodes, b"r" * run_bytes,
+                                 b"p" * reply_bytes, ready), daemon=True)
     proc.start()
     try:
-        peers = [router.recv_multipart()[0] for _ in range(args.nodes)]
-        figures: dict[str, list[tuple[float, float, float]]] = {name: [] for name in MODES}
+        peers = [router.recv_multipart()[0] for _ in range(nodes)]
+        figures: dict[str, list[tuple[float, float, float]]] = {name: [] for name in modes}
         measure(router, peers, "two", False, 2)   # warm-up
-        for _ in range(args.repeat):
-            for name, (mode, ack) in MODES.items():
-                figures[name].append(measure(router, peers, mode, ack, args.rounds))
-        print(f"{args.nodes} DEALERs over loopback TCP, {args.rounds} rounds x {args.repeat} "
-              f"runs each; run {args.run_bytes} B, reply {args.reply_bytes} B")
-        print("the ROUTER process's CPU per round (a fleet-wide pause's messages, no Python "
-              "work), median of the runs:")
-        base = statistics.median(c for c, _, _ in figures["two messages"])
-        for name, runs in figures.items():
-            cpu = statistics.median(c for c, _, _ in runs)
-            main_thread = statistics.median(m for _, m, _ in runs)
-            wall = statistics.median(w for _, _, w in runs)
-            print(f"  {name:<28} {1000 * cpu:6.1f} ms (main thread {1000 * main_thread:5.1f}, "
-                  f"libzmq's I/O thread {1000 * (cpu - main_thread):5.1f}), wall "
-                  f"{1000 * wall:6.1f} ms; x{cpu / base:.2f} of two messages")
+        for _ in range(repeat):
+            for name in modes:
+                mode, ack = MODES[name]
+                figures[name].append(measure(router, peers, mode, ack, rounds))
         for peer in peers:   # the nodes' process ends at the first: the later peers may be
             try:             # gone already (ROUTER_MANDATORY: EHOSTUNREACH), which is the aim
                 router.send(peer, _SNDMORE)
                 router.send(b"stop")
             except zmq.ZMQError:
                 break
+        return figures
     finally:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
         ctx.destroy(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each variant, alternated")
+    parser.add_argument("--run-bytes", type=int, default=400)
+    parser.add_argument("--reply-bytes", type=int, default=150)
+    args = parser.parse_args()
+    figures = bare_rounds(args.nodes, args.rounds, args.repeat, args.run_bytes,
+                          args.reply_bytes)
+    print(f"{args.nodes} DEALERs over loopback TCP, {args.rounds} rounds x {args.repeat} "
+          f"runs each; run {args.run_bytes} B, reply {args.reply_bytes} B")
+    print("the ROUTER process's CPU per round (a fleet-wide pause's messages, no Python "
+          "work), median of the runs:")
+    base = statistics.median(c for c, _, _ in figures["two messages"])
+    for name, runs in figures.items():
+        cpu = statistics.median(c for c, _, _ in runs)
+        main_thread = statistics.median(m for _, m, _ in runs)
+        wall = statistics.median(w for _, _, w in runs)
+        print(f"  {name:<28} {1000 * cpu:6.1f} ms (main thread {1000 * main_thread:5.1f}, "
+              f"libzmq's I/O thread {1000 * (cpu - main_thread):5.1f}), wall "
+              f"{1000 * wall:6.1f} ms; x{cpu / base:.2f} of two messages")
 
 
 if __name__ == "__main__":

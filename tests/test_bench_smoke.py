@@ -24,7 +24,8 @@ def test_fleet_scale_quick_runs_every_phase() -> None:
                    "pause, every node acknowledged", "into the coordinator",
                    "out to one subscriber", "kill -> client", "every engine listed",
                    "peak RSS", "0 dropped from outboxes, 0 bad messages",
-                   "pinned: the coordinator on CPU"):
+                   "pinned: the coordinator on CPU",
+                   "the coordinator's CPU per pause net of its idle rate is"):
         assert figure in out, f"{figure!r} missing:\n{out}"
 
 
