@@ -363,11 +363,11 @@ def main(args: argparse.Namespace) -> int:
         if left:
             print(f"  (cleanup: SIGKILLed {left} leftover process(es))")
     if net is not None and args.profile is None:
-        transport_floor(nodes, net)
+        report_in_floors(nodes, net)
     return 0 if ok else 2
 
 
-def transport_floor(nodes: int, net: float) -> None:
+def report_in_floors(nodes: int, net: float) -> None:
     """The pause's CPU in units of this machine's bare transport round, measured now (the fleet
     stopped): a figure that a slower or faster machine moves much less than milliseconds (this
     2-core VM's speed has swung twofold between sessions)."""

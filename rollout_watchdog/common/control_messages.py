@@ -16,6 +16,7 @@ from rollout_watchdog.common.message_base import (
     _check_str,
     _fail,
     _Message,
+    _missing,
 )
 
 STATUSES = ("ok", "error")
@@ -95,7 +96,7 @@ class Reply(_Message):
             return cls(obj["request_id"], obj["status"], obj.get("reason"), obj.get("result"),
                        obj.get("code"))
         except KeyError as exc:   # the first missing one, in field order, as _Message says
-            raise ProtocolError(f"{cls.KIND}: missing required field {exc.args[0]!r}") from None
+            raise _missing(cls.KIND, exc.args[0]) from None
 
     def to_json(self) -> dict[str, Any]:
         """Without `code` when there is none: an "ok" reply is what a 1.1 peer sends."""

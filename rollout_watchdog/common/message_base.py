@@ -22,6 +22,11 @@ def _fail(kind: str, name: str, expected: str, value: object) -> ProtocolError:
     return ProtocolError(f"{kind}: field {name!r} must be {expected}, got {shown}")
 
 
+def _missing(kind: str, name: str) -> ProtocolError:
+    """The error for a message without a required field (`from_json`'s, each message kind's)."""
+    return ProtocolError(f"{kind}: missing required field {name!r}")
+
+
 def _check_str(kind: str, name: str, value: object, *, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -102,5 +107,5 @@ class _Message:
             if name in obj and (required or obj[name] is not None):
                 known[name] = obj[name]
             elif required:
-                raise ProtocolError(f"{cls.KIND}: missing required field {name!r}")
+                raise _missing(cls.KIND, name)
         return cls(**known)

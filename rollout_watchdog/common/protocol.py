@@ -146,6 +146,7 @@ from rollout_watchdog.common.message_base import (
     _check_str,
     _fail,
     _Message,
+    _missing,
 )
 from rollout_watchdog.common.run_fields import expanded, own_fields, plain_run, shared_fields
 
@@ -231,7 +232,7 @@ class Event(_Message):
             return cls(obj["node_id"], obj["boot"], obj["seq"], obj["event"],
                        obj.get("engine_status"))
         except KeyError as exc:   # the first missing one, in field order, as _Message says
-            raise ProtocolError(f"{cls.KIND}: missing required field {exc.args[0]!r}") from None
+            raise _missing(cls.KIND, exc.args[0]) from None
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,7 @@ class Run(_Message):
             return cls(obj["node_id"], obj["boot"], obj["seq"], events, obj.get("statuses"),
                        common)
         except KeyError as exc:   # the first missing one, in field order, as _Message says
-            raise ProtocolError(f"{cls.KIND}: missing required field {exc.args[0]!r}") from None
+            raise _missing(cls.KIND, exc.args[0]) from None
 
     def as_events(self) -> list[Event]:
         """The "event" messages it stands for."""
