@@ -34,8 +34,18 @@ from rollout_watchdog.refit_bridge.coordinator import Coordinator
 _SNDMORE = int(zmq.SNDMORE)
 
 
+class StandInFrame:
+    """A received frame, as the hub reads one (`bytes`, `more`, `get`)."""
+
+    def __init__(self, data: bytes, more: bool) -> None:
+        self.bytes, self.more = data, more
+
+    def get(self, name: str) -> str:
+        return "stand-in"
+
+
 class StandInSocket:
-    """Just what the coordinator's loop calls on its ROUTER, in both styles it has used."""
+    """Just what the coordinator's loop calls on its ROUTER."""
 
     def __init__(self) -> None:
         self.inbox: list[list[bytes]] = []    # messages to receive, the next one last
@@ -43,23 +53,13 @@ class StandInSocket:
         self._parts: list[bytes] = []
         self._peer = b""
 
-    def recv_multipart(self, flags: int = 0, copy: bool = True) -> list[bytes]:
-        if not self.inbox:
-            raise zmq.Again()
-        return self.inbox.pop()
-
-    def recv(self, flags: int = 0) -> bytes:
+    def recv(self, flags: int = 0, copy: bool = True) -> bytes | StandInFrame:
         if not self._parts:
             if not self.inbox:
                 raise zmq.Again()
             self._parts = self.inbox.pop()
-        return self._parts.pop(0)
-
-    def get(self, option: int) -> int:
-        return 1 if self._parts else 0
-
-    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
-        self.sent.append(frames)
+        data = self._parts.pop(0)
+        return data if copy else StandInFrame(data, bool(self._parts))
 
     def send(self, frame: bytes, flags: int = 0) -> None:
         if flags & _SNDMORE:   # (an int: `&` on pyzmq's Flag enum costs ~6 % of a round)
