@@ -19,7 +19,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
 from rollout_watchdog.agent.acks import ACK_AFTER_EVENTS
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import lines, protocol
 from rollout_watchdog.common.keys import keygen
 from rollout_watchdog.emulator.testing import emulator_info, free_port, inject_fault
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
@@ -425,6 +425,59 @@ def test_a_run_saying_common_fields_once_is_taken_and_relayed_as_each_client_tak
         node.close()
         common.close()
         runs.close()
+
+
+def test_a_nodes_frame_of_lines_is_taken_message_by_message_in_order(
+        coordinator: Coordinator, client: Peer) -> None:
+    """(1.6) A node's turn in one frame, a line each: its run updates the view and reaches a
+    subscriber as it came, its reply answers the command; a bad line is counted and the others
+    are taken; a frame of more than MAX_LINES lines is refused whole."""
+    client.sock.send(protocol.encode(protocol.Subscribe(batches=True, runs=True, common=True)))
+    node = RawNode(coordinator.endpoint, "n1")
+    try:
+        engines = [{"id": e, "state": "healthy", "paused": False} for e in ("e0", "e1")]
+        node.send(protocol.Hello("n1", "b1", engines, 0))
+        assert node.acked(0).lines   # the coordinator takes frames of lines
+        before = client.call("ping")
+        assert before is not None
+        request_id = uuid.uuid4().hex
+        client.sock.send(protocol.encode(protocol.Command(request_id, "pause", {"all": True},
+                                                          node="n1")))
+        command = wait_for(lambda: node.sock.poll(50) and next(
+            (m for m in [protocol.decode(node.sock.recv())] if isinstance(m, protocol.Command)),
+            None), 10, "the command at the node")
+        events = [protocol.Event("n1", "b1", 1 + i, {"kind": "paused", "engine": e,
+                                                     "deadline": 1e9 + 60})
+                  for i, e in enumerate(("e0", "e1"))]
+        run = protocol.encode(protocol.Run.of(events, common=True))
+        reply = protocol.encode(protocol.Reply(command.request_id, "ok", result={"n": 2}))
+        node.sock.send(lines.NEWLINE.join([run, b"{", reply]))
+
+        def answered() -> protocol.Reply | None:
+            client.pump(0.05)
+            return next((protocol.decode(f) for f in client.frames
+                         if request_id.encode() in f), None)
+        gathered = wait_for(answered, 10, "the gathered reply")
+        assert isinstance(gathered, protocol.Reply) and gathered.status == "ok", gathered
+        assert gathered.result["nodes"]["n1"]["result"] == {"n": 2}
+        wait_for(lambda: client.pump(0.05) or len(
+            [e for e in client.events if e.boot == "b1"]) >= 2, 10, "both events relayed")
+        assert [e for e in client.events if e.boot == "b1"] == events
+        assert any(run in data and b"{\n" not in data for data in client.frames)  # as it came
+        assert all(e.get("pause_deadline") == 1e9 + 60
+                   for k, e in engines_of(client.fleet()).items() if k.startswith("n1/"))
+        beats = [protocol.encode(protocol.Heartbeat(1.0))] * (lines.MAX_LINES + 1)
+        node.sock.send(lines.NEWLINE.join(beats))
+
+        def grew() -> dict[str, int]:
+            after = client.call("ping")
+            assert after is not None
+            return {k: after.result["bad_messages"].get(k, 0)
+                    - before.result["bad_messages"].get(k, 0) for k in ("undecodable", "framing")}
+        wait_for(lambda: grew()["framing"], 10, "the frame of too many lines refused")
+        assert grew() == {"undecodable": 1, "framing": 1}
+    finally:
+        node.close()
 
 
 def test_events_are_acknowledged_with_the_next_heartbeat_or_at_once_past_a_bound() -> None:

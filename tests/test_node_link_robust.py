@@ -21,7 +21,7 @@ import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 
 from rollout_watchdog.agent.link import MAX_MESSAGES_PER_ROUND, NodeLink
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import lines, protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.replies import CommandError, Deferred
@@ -44,6 +44,7 @@ class Router:
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.sock.bind(self.endpoint)
         self.received: list[protocol.Message] = []
+        self.frames: list[bytes] = []   # as they came (a frame of lines is one, 1.6)
 
     def pump(self) -> None:
         while self.sock.poll(0):
@@ -51,7 +52,9 @@ class Router:
             # the last words of a stale connection come under the temporary id that
             # ROUTER_HANDOVER gives it, a zero byte and four more
             assert node == NODE or (len(node) == 5 and node[0] == 0), node
-            self.received.append(protocol.decode(data))
+            self.frames.append(data)
+            self.received += [protocol.decode(part) for part in (
+                lines.split(data) if lines.NEWLINE in data else [data])]
 
     def send(self, message: protocol.Message | bytes, flags: int = 0) -> None:
         data = message if isinstance(message, bytes) else protocol.encode(message)
@@ -524,3 +527,34 @@ def test_a_turns_events_go_as_runs_once_the_coordinator_takes_them(harness: Harn
     assert isinstance(last, protocol.Run) and last.common is not None
     assert "ts" not in last.common and last.common["detail"] == "shared"
     assert [e.seq for e in events()] == list(range(1, 49))
+
+
+def test_a_commands_reply_goes_in_one_frame_with_the_turns_run_once_the_coordinator_takes_lines(
+        harness: Harness) -> None:
+    """(1.6) After an ACK that says `lines`, a turn's run and the reply to the command of that
+    turn arrive as one frame, a line each, the run first; before it, as two frames."""
+    harness.hello()
+
+    def turn_with_command(request_id: str) -> bytes:
+        """The frame that brought the reply to a command taken in the same turn as 2 events."""
+        for engine in ("e0", "e1"):
+            harness.link.on_event(Event(ts=1.0, node_id="test-node", engine=engine,
+                                        incarnation=1, kind="paused", detail="paused"))
+        harness.router.send(protocol.Command(request_id, "ping", {}, node="test-node"))
+        assert harness.link.socket.poll(10_000)   # so that the next turn takes it
+        harness.turn()
+        harness.until(f"the reply to {request_id}", lambda: harness.router.reply(request_id))
+        return next(f for f in harness.router.frames if request_id.encode() in f)
+
+    harness.router.send(protocol.Ack("boot-1", 0, batches=True, runs=True, common=True))
+    harness.until("the ACK taken", lambda: harness.link._runs)
+    assert lines.NEWLINE not in turn_with_command("r-alone")   # a 1.5 coordinator: alone
+    harness.router.send(protocol.Ack("boot-1", 2, batches=True, runs=True, common=True,
+                                     lines=True))
+    harness.until("the ACK taken", lambda: not harness.link.outbox)
+    joined = turn_with_command("r-joined")
+    parts = [protocol.decode(part) for part in lines.split(joined)]
+    assert [type(m).__name__ for m in parts] == ["Run", "Reply"]
+    assert [e.seq for e in parts[0].as_events()] == [3, 4]   # type: ignore[union-attr]
+    assert [e.seq for run in harness.router.got(protocol.Run)
+            for e in run.as_events()] == [1, 2, 3, 4]   # each once, in order

@@ -39,7 +39,7 @@ EVERY_KIND: list[Message] = [
     Event(node_id="n1", boot="b-77", seq=13, event=EVENT),
     Run(node_id="n1", boot="b-77", seq=14, events=[EVENT, {**EVENT, "kind": "paused"}],
         statuses=[ENGINE, None], common={"ts": 1700000001.25, "node_id": "n1"}),
-    Ack(boot="b-77", seq=13, batches=True, runs=True, common=True),
+    Ack(boot="b-77", seq=13, batches=True, runs=True, common=True, lines=True),
     Heartbeat(sent_at=1700000002.5),
     Command(request_id="r-1", cmd="pause", args={"timeout_s": 30}, node="n1", engine="e0",
             timeout_s=2.5),
@@ -65,7 +65,7 @@ def test_every_kind_round_trips_with_every_field(msg: Message) -> None:
     data = encode(msg)
     assert decode(data) == msg
     sent = json.loads(data)
-    assert sent["v"] == [1, 5] and sent["kind"] == msg.KIND
+    assert sent["v"] == [1, 6] and sent["kind"] == msg.KIND
 
 
 def test_a_reply_code_is_understood_both_ways_with_a_1_1_peer() -> None:
@@ -252,7 +252,7 @@ def test_the_hub_s_batch_encoders_write_what_encode_writes() -> None:
     together) must write the very frames encode() would, whatever the ids and args hold."""
     for boot, seq in (("b-77 ü\"", 13), ("b", 0)):
         assert ack_frame(boot, seq) == encode(Ack(boot, seq, batches=True, runs=True,
-                                                  common=True))
+                                                  common=True, lines=True))
     targets = [("r-1/n1", "n1"), ("r-1/nœud \"2\"", "nœud \"2\"")]
     for args in ({"all": True, "deadline_s": 60}, {"x": "\x00request", "y": "\x00node"}):
         template = Command("r-1", "pause", args, None, None, 2.5)

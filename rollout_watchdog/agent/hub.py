@@ -34,7 +34,7 @@ from rollout_watchdog.agent.journal import Journal
 from rollout_watchdog.agent.pipe import RELOAD, STOP, Pipe
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import NamedKeyAuthenticator
-from rollout_watchdog.common import frames, handshakes, protocol
+from rollout_watchdog.common import frames, handshakes, lines, protocol
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.handshakes import HANDSHAKE_TIMEOUT_S
 from rollout_watchdog.common.lograte import worth_logging
@@ -48,6 +48,7 @@ MONITOR_EVENTS_PER_TURN = 1_000   # handshake events read a turn: a flood of the
 # Plain ints for the flags of the sends and receives of every message: pyzmq's flag enums, and
 # its multipart helpers built on them, cost microseconds a call (thousands a fleet-wide pause)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_NEWLINE = lines.NEWLINE
 
 
 class Hub:
@@ -176,13 +177,9 @@ class Hub:
                 received = self._recv()
             except zmq.Again:
                 break
-            try:
-                if received is not None:
-                    taken += len(received[1])
-                    self._receive(*received)
-            except Exception:  # a bug on one message must not stop the fleet's hub
-                self.bad_messages["internal_error"] += 1
-                log.exception("coordinator: failed to handle a message")
+            if received is not None:
+                taken += len(received[1])
+                self._take(*received)
         if self.journal is not None and self._unjournaled:
             self.journal.append(self._unjournaled, lambda: self.relay.buffer)  # before ACKs
         self._unjournaled.clear()
@@ -211,6 +208,23 @@ class Hub:
             count += 1
         self._bad("framing", f"{count} frames instead of one")
         return None
+
+    def _take(self, route: bytes, data: bytes, user: str | None) -> None:
+        """A frame: one message, or (1.6) its lines, each taken as if it came alone."""
+        if _NEWLINE in data:
+            try:
+                parts = lines.split(data)
+            except protocol.ProtocolError as exc:
+                self._bad("framing", str(exc))
+                return
+        else:
+            parts = [data]
+        for part in parts:
+            try:
+                self._receive(route, part, user)
+            except Exception:  # a bug on one message must not stop the fleet's hub
+                self.bad_messages["internal_error"] += 1
+                log.exception("coordinator: failed to handle a message")
 
     def _receive(self, route: bytes, data: bytes, user: str | None) -> None:
         """One message from the connection `route`; `user` is the name of its CURVE key (None

@@ -7,7 +7,8 @@ coordinator ACKs them. The events of one loop turn go out as one "run" frame (up
 protocol.BATCH_EVENTS and MAX_RUN_BYTES each; 1.4; with the fields its events share said once,
 1.5), or one "events" frame for a 1.1-1.3 coordinator (up to BATCH_EVENTS and BATCH_BYTES),
 once the coordinator said in an ACK on this connection that it takes them; until then, one
-frame each. A full send queue holds the rest back, in order, for the next turn. On outbox
+frame each. A turn's frames (its run, a command's reply) go as one frame of lines (1.6,
+common/lines.py) to a coordinator whose ACK said so. A full send queue holds the rest back, in order, for the next turn. On outbox
 overflow the oldest are dropped and counted (the next HELLO's snapshot supersedes them).
 Commands run through the node's one command table; a repeated request id gets the same reply.
 Heartbeats go out about once a second. The node supervises on its own whenever the coordinator
@@ -36,7 +37,7 @@ from typing import Any, Protocol, cast
 
 import zmq
 
-from rollout_watchdog.common import frames, protocol
+from rollout_watchdog.common import frames, lines, protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.handshakes import close_monitored, read_event
@@ -110,6 +111,7 @@ class NodeLink:
         self._batches = False    # the coordinator on this connection takes "events" frames
         self._runs = False       # ... and "run" frames (1.4)
         self._common = False     # ... saying their events' shared fields once (1.5)
+        self._lines = False      # ... and frames of several messages, a line each (1.6)
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
         curve = bool(key and coordinator_key)
@@ -236,41 +238,54 @@ class NodeLink:
 
     def _send_all(self) -> bool:
         """Send a pending HELLO, then the outbox's events not sent yet on this connection, then
-        this turn's other messages (a command's reply after the events it caused); False if
-        the queue filled up first (what is left stays, in order)."""
-        if self._to_send and isinstance(self._to_send[0], protocol.Hello):
-            if not self._send(self._to_send[0]):
-                return False
-            del self._to_send[0]
-        if self.outbox:
-            first = self.outbox[0].seq   # the outbox holds consecutive seqs
-            unsent = itertools.islice(self.outbox, max(0, self._sent_seq - first + 1), None)
-            if not self._send_events(unsent):
-                return False
-        for i, message in enumerate(self._to_send):
-            if not self._send(message):
-                self._to_send = [m for m in self._to_send[i:]
-                                 if not isinstance(m, protocol.Heartbeat)]
-                return False
-        self._to_send.clear()
-        return True
+        this turn's other messages (a command's reply after the events it caused), as frames
+        of lines when the coordinator takes them (1.6: a pause's run and reply in one); False
+        if the queue filled up first (what is left stays, in order)."""
+        out = lines.Joiner(self._send_frame, lines.MAX_LINES if self._lines else 1)
+        sent = 0   # of _to_send, in order
 
-    def _send_events(self, events: Iterable[protocol.Event]) -> bool:
+        def took() -> None:
+            nonlocal sent
+            sent += 1
+
+        hello = bool(self._to_send) and isinstance(self._to_send[0], protocol.Hello)
+        if (not hello or self._send(self._to_send[0], out, took)) and self._send_outbox(out) \
+                and all(self._send(m, out, took) for m in self._to_send[int(hello):]) \
+                and out.flush():
+            self._to_send.clear()
+            return True
+        self._to_send = [m for m in self._to_send[sent:] if not isinstance(m, protocol.Heartbeat)]
+        return False
+
+    def _send_outbox(self, out: lines.Joiner) -> bool:
+        if not self.outbox:
+            return True
+        first = self.outbox[0].seq   # the outbox holds consecutive seqs
+        return self._send_events(
+            itertools.islice(self.outbox, max(0, self._sent_seq - first + 1), None), out)
+
+    def _sent_to(self, seq: int) -> Callable[[], None]:
+        """What to do once the frame of the outbox's events up to `seq` is out."""
+        def sent() -> None:
+            self._sent_seq = seq
+        return sent
+
+    def _send_events(self, events: Iterable[protocol.Event], out: lines.Joiner) -> bool:
         """Send `events` (the outbox's unsent ones), several to a frame when the coordinator
         takes that (as runs, when it takes those); False if the queue filled up first
         (`_sent_seq` says how far it got)."""
         if not self._runs:
-            return self._send_packed(events)
+            return self._send_packed(events, out)
         chunk: list[protocol.Event] = []
         for event in events:
             chunk.append(event)
             if len(chunk) == protocol.BATCH_EVENTS:
-                if not self._send_run(chunk):
+                if not self._send_run(chunk, out):
                     return False
                 chunk = []
-        return not chunk or self._send_run(chunk)
+        return not chunk or self._send_run(chunk, out)
 
-    def _send_run(self, events: list[protocol.Event]) -> bool:
+    def _send_run(self, events: list[protocol.Event], out: lines.Joiner) -> bool:
         """`events` as one "run" frame, when there are several and it stays within
         MAX_RUN_BYTES; else as event frames (each cut to fit when too big)."""
         if len(events) > 1:
@@ -279,13 +294,10 @@ class NodeLink:
             except protocol.ProtocolError:   # not JSON (a bug): each event on its own, logged
                 frame = None
             if frame is not None and len(frame) <= protocol.MAX_RUN_BYTES:
-                if not self._send_frame(frame):
-                    return False
-                self._sent_seq = events[-1].seq
-                return True
-        return self._send_packed(events)
+                return out.add(frame, self._sent_to(events[-1].seq))
+        return self._send_packed(events, out)
 
-    def _send_packed(self, events: Iterable[protocol.Event]) -> bool:
+    def _send_packed(self, events: Iterable[protocol.Event], out: lines.Joiner) -> bool:
         """_send_events() with each event's own frame, several to an "events" frame when the
         coordinator takes that."""
         packed = frames.EventsFrame(protocol.BATCH_EVENTS if self._batches else 1,
@@ -294,18 +306,17 @@ class NodeLink:
         for event in events:
             frame = event_frame(event)
             if frame is not None:
-                if not packed.fits(frame):
-                    if not self._send_frame(packed.take()):
-                        return False
-                    self._sent_seq = done
+                if not packed.fits(frame) and not out.add(packed.take(), self._sent_to(done)):
+                    return False
                 packed.add(frame)
             done = event.seq
-        if packed.frames and not self._send_frame(packed.take()):
-            return False
-        self._sent_seq = done
+        if packed.frames:
+            return out.add(packed.take(), self._sent_to(done))
+        out.after(self._sent_to(done))   # (unsendable ones at the end: skipped, in order)
         return True
 
-    def _send(self, message: protocol.Message) -> bool:
+    def _send(self, message: protocol.Message, out: lines.Joiner, took: Callable[[], None]
+              ) -> bool:
         """False if the queue is full. A message too big for the protocol (a reply with a huge
         result, a snapshot of too many engines) is not sent: a reply becomes an error reply
         that says so, anything else is logged; either way the turn goes on."""
@@ -314,11 +325,12 @@ class NodeLink:
         except protocol.ProtocolError as exc:
             log.error("cannot send a %s to the coordinator: %s", message.KIND, exc)
             if not isinstance(message, protocol.Reply):
+                out.after(took)
                 return True
             frame = protocol.encode(protocol.Reply(
                 message.request_id, "error", f"the result cannot be sent: {exc}"[:1000],
                 code=protocol.TOO_BIG))
-        return self._send_frame(frame)
+        return out.add(frame, took)
 
     def _send_frame(self, frame: bytes) -> bool:
         """Send one frame; any message says the node is alive, so the next heartbeat is due a
@@ -379,12 +391,12 @@ class NodeLink:
                                         self.metrics_port),
                          *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
         self._sent_seq = 0
-        self._batches = self._runs = self._common = False   # until this coordinator says so
+        self._batches = self._runs = self._common = self._lines = False   # until it says so
 
     def _receive(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Ack):
-            self._batches, self._runs, self._common = (message.batches, message.runs,
-                                                       message.common)
+            self._batches, self._runs, self._common, self._lines = (
+                message.batches, message.runs, message.common, message.lines)
             if message.boot == self.boot:
                 while self.outbox and self.outbox[0].seq <= message.seq:
                     self.outbox.popleft()

@@ -72,10 +72,12 @@ def batch_inner(frame: bytes) -> bytes | None:
 
 
 def ack_frame(boot: str, seq: int) -> bytes:
-    """encode(Ack(boot, seq, batches=True, runs=True, common=True)), for a coordinator that
-    acknowledges a thousand nodes at once: `boot` and `seq` come from events it took already."""
+    """encode(Ack(boot, seq, batches=True, runs=True, common=True, lines=True)), for a
+    coordinator that acknowledges a thousand nodes at once: `boot` and `seq` come from events
+    it took already."""
     return b"".join((_ACK_OPEN, _ENCODER.encode(boot).encode("ascii"), b',"seq":',
-                     str(seq).encode("ascii"), b',"batches":true,"runs":true,"common":true}'))
+                     str(seq).encode("ascii"), b',"batches":true,"runs":true,"common":true,'
+                     b'"lines":true}'))
 
 
 def command_frames(template: Command, targets: list[tuple[str, str]]) -> list[bytes]:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, TypeVar
 from rollout_watchdog.common.json_frame import ProtocolError
 
 MAJOR = 1
-MINOR = 5
+MINOR = 6
 VERSION = (MAJOR, MINOR)
 _INT_LIMIT = 1 << 63
 
@@ -61,6 +61,22 @@ def _check_object(kind: str, name: str, value: object) -> None:
     """A JSON object (keys from the wire are strings: JSON has no others)."""
     if not isinstance(value, dict):
         raise _fail(kind, name, "an object", value)
+
+
+def _plain_version(version: object) -> bool:
+    """Whether `version` is plainly [MAJOR, any minor] (the common case, in one check)."""
+    return (type(version) is list and len(version) == 2 and version[0] == MAJOR
+            and type(version[0]) is int and type(version[1]) is int and version[1] >= 0)
+
+
+def _plain_event(node_id: object, boot: object, seq: object, event: object, status: object
+                 ) -> bool:
+    """Whether an event's fields are plainly valid (the common case, checked in one go: the
+    coordinator's hot path); anything else gets Event's full checks and their exact error."""
+    return (type(node_id) is str and node_id != "" and type(boot) is str and boot != ""
+            and type(seq) is int and 1 <= seq < _INT_LIMIT and type(event) is dict
+            and (status is None or (type(status) is dict and type(status.get("id")) is str
+                                    and status["id"] != "")))
 
 
 _M = TypeVar("_M", bound="_Message")

@@ -3,8 +3,10 @@
 This docstring is the spec (docs/protocol.md says the same for people).
 
 Framing. A message is one ZMQ frame holding one UTF-8 JSON object of at most MAX_MESSAGE_BYTES
-(1 MiB: a HELLO snapshot of a node with hundreds of engines fits). Every message has
-    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 5)
+(1 MiB: a HELLO snapshot of a node with hundreds of engines fits); (1.6) towards a coordinator
+whose "ack" set `lines`, a node may join up to lines.MAX_LINES messages in one frame, one per
+line (common/lines.py says how). Every message has
+    "v":    [MAJOR, MINOR]  (this module speaks MAJOR 1, MINOR 6)
     "kind": one of "hello", "event", "events", "run", "ack", "heartbeat", "command", "reply",
             "subscribe"
 and the fields of its kind below. A receiver refuses an unknown MAJOR, accepts any MINOR and
@@ -15,7 +17,8 @@ older peer ignores and an older peer's reply lacks; 1.3 only the paging of the r
 asked for by the `paged` argument of `refit_acquire` and `refit_members`, which an older
 coordinator ignores and answers with every member at once: refit_bridge/service.py; 1.4:
 "run", asked for by the `runs` flag of "ack" and "subscribe"; 1.5: a run's `common`, asked for
-by the `common` flag of "ack" and "subscribe"). Numbers
+by the `common` flag of "ack" and "subscribe"; 1.6: lines, asked for by the `lines` flag of
+"ack"). Numbers
 are finite
 (no NaN/Infinity); the protocol's own integers (seq, last_seq) fit in a signed 64-bit int.
 Sequence numbers count from 1 within one boot of a node daemon; 0 means "none yet".
@@ -64,6 +67,7 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                received; the node may drop them from its outbox. batches? (1.1; default
                false): the coordinator takes "events" from this node. runs? (1.4; default
                false): and "run". common? (1.5; default false): and runs with `common`.
+               lines? (1.6; default false): and frames of lines.
                A coordinator may ACK late (this package's does so with
                its next heartbeat, in place of it; a HELLO, and 512 events owed, at once):
                a node keeps what is not ACKed, nothing more.
@@ -135,7 +139,6 @@ from rollout_watchdog.common.control_messages import (
 )
 from rollout_watchdog.common.json_frame import ProtocolError, dumps, parse
 from rollout_watchdog.common.message_base import (
-    _INT_LIMIT,
     MAJOR,
     MINOR,
     VERSION,
@@ -147,6 +150,8 @@ from rollout_watchdog.common.message_base import (
     _fail,
     _Message,
     _missing,
+    _plain_event,
+    _plain_version,
 )
 from rollout_watchdog.common.run_fields import expanded, own_fields, plain_run, shared_fields
 
@@ -363,21 +368,6 @@ def _is_event_envelope(item: object) -> bool:
     return type(item) is dict and item.get("kind") == Event.KIND and _plain_version(item.get("v"))
 
 
-def _plain_version(version: object) -> bool:
-    return (type(version) is list and len(version) == 2 and version[0] == MAJOR
-            and type(version[0]) is int and type(version[1]) is int and version[1] >= 0)
-
-
-def _plain_event(node_id: object, boot: object, seq: object, event: object, status: object
-                 ) -> bool:
-    """Whether an event's fields are plainly valid (the common case, checked in one go: the
-    coordinator's hot path); anything else gets Event's full checks and their exact error."""
-    return (type(node_id) is str and node_id != "" and type(boot) is str and boot != ""
-            and type(seq) is int and 1 <= seq < _INT_LIMIT and type(event) is dict
-            and (status is None or (type(status) is dict and type(status.get("id")) is str
-                                    and status["id"] != "")))
-
-
 @dataclass(frozen=True)
 class PlainEvents:
     """An "events" message as parsed, each of its items plainly a valid "event" message (what
@@ -424,6 +414,7 @@ class Ack(_Message):
     batches: bool = False
     runs: bool = False   # 1.4
     common: bool = False   # 1.5
+    lines: bool = False   # 1.6
 
     def __post_init__(self) -> None:
         _check_str(self.KIND, "boot", self.boot)
@@ -431,6 +422,7 @@ class Ack(_Message):
         _check_bool(self.KIND, "batches", self.batches)
         _check_bool(self.KIND, "runs", self.runs)
         _check_bool(self.KIND, "common", self.common)
+        _check_bool(self.KIND, "lines", self.lines)
 
 
 @dataclass(frozen=True)
