@@ -1,14 +1,16 @@
 """The coordinator's own CPU per fleet-wide pause, in one process, without sockets (issue 13).
 
-A real `Coordinator` (not started: its hub's socket is a stand-in that hands it prepared frames and
-keeps what it sends) with --nodes nodes of --engines engines said HELLO and one subscriber
+A real `Coordinator` (not started: its hub's socket is a stand-in that hands it prepared frames
+and keeps what it sends) with --nodes nodes of --engines engines said HELLO and one subscriber
 taking "events" frames with runs. Each round is what the coordinator's loop does for `pause
 --all` (then `resume --all`): the client's command fanned out to every node, every node's "run"
-frame (one `paused` event per engine, as a node's link encodes it) and its reply taken in, ACKed and
-relayed, the gathered reply sent. The frames are made beforehand; only the coordinator's work is
-timed (process CPU time, with its garbage collections). No libzmq I/O thread, no heartbeats, no
-other process: the part of bench/fleet_scale.py's "CPU per pause" that is the coordinator's
-Python, and much less sensitive to a loaded machine.
+frame (one `paused` event per engine, as a node's link encodes it) and its reply taken in,
+ACKed and relayed, the gathered reply sent. A node's run and reply come in one frame of lines
+(1.6); the same pause with a frame each (1.5 nodes) is measured alternately, for the ratio. The
+frames are made beforehand; only the coordinator's work is timed (process CPU time, with its
+garbage collections). No libzmq I/O thread, no heartbeats, no other process: the part of
+bench/fleet_scale.py's "CPU per pause" that is the coordinator's Python, and much less
+sensitive to a loaded machine.
 
     PYTHONPATH=<checkout> python bench/pause_cpu.py [--nodes 1000] [--engines 8] [--repeat 10]
         [--journal]
@@ -26,7 +28,7 @@ from typing import Any
 import zmq
 
 from rollout_watchdog.agent.fanout import node_request_id
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import lines, protocol
 from rollout_watchdog.common.events import Event as NodeEvent
 from rollout_watchdog.common.gc_tuning import tune_for_service
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
@@ -102,8 +104,9 @@ class Bench:
         while c.relay.pump(c._send_or_wait, time.monotonic()):
             pass
 
-    def round(self, cmd: str, kind: str, request_id: str) -> float:
-        """CPU seconds of one fleet-wide `cmd` whose nodes each send `kind` for every engine."""
+    def round(self, cmd: str, kind: str, request_id: str, joined: bool = True) -> float:
+        """CPU seconds of one fleet-wide `cmd` whose nodes each send `kind` for every engine,
+        and their reply (`joined`: in one frame of lines, 1.6)."""
         deadline = time.time() + 60
         frames = []
         for node in self.nodes:
@@ -115,12 +118,15 @@ class Bench:
                                   detail=f"deep probes {kind}", extra=extra)
                 events.append(protocol.Event(node, f"{node}-boot", self.seq[node],
                                              event.to_json()))
-            run = protocol.Run.of(events, common=True)   # as a node sends it to a 1.5 one
-            frames.insert(0, [node.encode(), protocol.encode(run)])
+            run = protocol.encode(protocol.Run.of(events, common=True))
             ids = [f"e{i}" for i in range(self.engines)]
             result = {"paused": ids, "deadline": deadline} if cmd == "pause" else {"resumed": ids}
-            reply = protocol.Reply(node_request_id(request_id, node), "ok", None, result)
-            frames.insert(0, [node.encode(), protocol.encode(reply)])
+            reply = protocol.encode(protocol.Reply(node_request_id(request_id, node), "ok",
+                                                   None, result))
+            if joined:   # as a node sends them to a 1.6 coordinator: one frame of lines
+                frames.insert(0, [node.encode(), lines.NEWLINE.join([run, reply])])
+            else:        # to a 1.5 one: a frame each
+                frames[0:0] = [[node.encode(), reply], [node.encode(), run]]
         command = protocol.Command(request_id, cmd, {"all": True, "deadline_s": 60})
         self.sock.sent.clear()
         self.sock.inbox = [[b"client", protocol.encode(command)]]
@@ -176,18 +182,24 @@ def run(args: argparse.Namespace, state_dir: str | None) -> None:
         tune_for_service()   # as `rollout-watchdog coordinator` does once started
     gc.collect()
     collections = Collections()
-    pauses, resumes = [], []
+    pauses, resumes, separate = [], [], []
     for k in range(args.repeat):
         collections.on = True
         pauses.append(1000 * bench.round("pause", "paused", f"p{k}"))
         collections.on = False
         resumes.append(1000 * bench.round("resume", "resumed", f"r{k}"))
+        separate.append(1000 * bench.round("pause", "paused", f"s{k}", joined=False))
+        bench.round("resume", "resumed", f"sr{k}", joined=False)
     settings = "Python's default collector" if args.default_gc else "the coordinator's collector"
-    for name, values in (("pause", pauses), ("resume", resumes)):
+    for name, values in (("pause", pauses), ("resume", resumes),
+                         ("pause, run and reply a frame each (1.5 nodes)", separate)):
         print(f"coordinator CPU per fleet-wide {name} ({args.nodes} x {args.engines}"
               f"{', journaled' if state_dir else ''}, {settings}), ms: "
               f"min {min(values):.1f} / median {statistics.median(values):.1f} / max "
               f"{max(values):.1f} (n={args.repeat})")
+    print(f"  pause with lines (1.6) / a frame each (1.5), alternated: min "
+          f"x{min(pauses) / min(separate):.2f}, median "
+          f"x{statistics.median(pauses) / statistics.median(separate):.2f}")
     passes = collections.seconds
     print(f"  of the pauses, garbage collection: {1000 * sum(passes) / args.repeat:.1f} ms a "
           f"pause ({len(passes)} passes, {collections.full} of them full; the longest "
