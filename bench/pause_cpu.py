@@ -108,7 +108,7 @@ class Bench:
         """CPU seconds of one fleet-wide `cmd` whose nodes each send `kind` for every engine,
         and their reply (`joined`: in one frame of lines, 1.6)."""
         deadline = time.time() + 60
-        frames = []
+        frames: list[list[bytes]] = []
         for node in self.nodes:
             events = []
             for i in range(self.engines):

@@ -64,3 +64,17 @@ def test_transport_floor_runs_each_variant() -> None:
     assert run.returncode == 0, out
     for variant in ("two messages ", "one message (a turn)", "two messages, with an ACK"):
         assert f"  {variant}" in out and "libzmq's I/O thread" in out, out
+
+
+def test_pause_wire_measures_both_ways_of_answering() -> None:
+    """The coordinator's CPU per pause over real sockets prints a figure for nodes that send
+    their run and reply as one frame of lines and as a frame each, on a few nodes."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "pause_wire.py"), "--nodes", "20",
+         "--engines", "2", "--repeat", "2"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    for mode in ("lines ", "separate "):
+        assert f"  {mode}" in out and "main thread" in out, out
+    assert "lines / separate: x" in out, out
