@@ -195,8 +195,8 @@ class Hub:
 
     def _recv(self) -> tuple[bytes, bytes, str | None] | None:
         """(peer, message, name of its CURVE key); None for a bad frame count. The message is
-        taken as a Frame: its `more` is libzmq's flag as read, where `get(RCVMORE)` costs ~3 us
-        (pyzmq looks every option up in an enum), a quarter of a node's run's receive."""
+        taken as a Frame, whose `more` is libzmq's flag as read: `get(RCVMORE)` cost ~3 us a
+        message here (pyzmq looks every option up in an enum), more than the two receives."""
         assert self.sock is not None
         route = self.sock.recv(_NOBLOCK)   # (a ROUTER's message has a frame after the routing id)
         body = self.sock.recv(_NOBLOCK, copy=False)

@@ -8,8 +8,9 @@ protocol.BATCH_EVENTS and MAX_RUN_BYTES each; 1.4; with the fields its events sh
 1.5), or one "events" frame for a 1.1-1.3 coordinator (up to BATCH_EVENTS and BATCH_BYTES),
 once the coordinator said in an ACK on this connection that it takes them; until then, one
 frame each. A turn's frames (its run, a command's reply) go as one frame of lines (1.6,
-common/lines.py) to a coordinator whose ACK said so. A full send queue holds the rest back, in order, for the next turn. On outbox
-overflow the oldest are dropped and counted (the next HELLO's snapshot supersedes them).
+common/lines.py) to a coordinator whose ACK said so. A full send queue holds the rest back, in
+order, for the next turn. On outbox overflow the oldest are dropped and counted (the next
+HELLO's snapshot supersedes them).
 Commands run through the node's one command table; a repeated request id gets the same reply.
 Heartbeats go out about once a second. The node supervises on its own whenever the coordinator
 is away: nothing here blocks, and nothing waits for it.
