@@ -535,15 +535,17 @@ def test_a_commands_reply_goes_in_one_frame_with_the_turns_run_once_the_coordina
     turn arrive as one frame, a line each, the run first; before it, as two frames."""
     harness.hello()
 
-    def turn_with_command(request_id: str) -> bytes:
-        """The frame that brought the reply to a command taken in the same turn as 2 events."""
+    def pausing(name: str, args: dict[str, Any]) -> dict[str, Any] | Deferred:
+        """A command whose run emits two events, as a pause does (in the turn that takes it)."""
         for engine in ("e0", "e1"):
             harness.link.on_event(Event(ts=1.0, node_id="test-node", engine=engine,
                                         incarnation=1, kind="paused", detail="paused"))
-        harness.router.send(protocol.Command(request_id, "ping", {}, node="test-node"))
-        assert harness.link.socket.poll(10_000)   # so that the next turn takes it
-        harness.turn()
-        harness.until(f"the reply to {request_id}", lambda: harness.router.reply(request_id))
+        return ping_dispatch(name, args)
+    harness.link._dispatch = pausing
+
+    def turn_with_command(request_id: str) -> bytes:
+        """The frame that brought the reply to a command that emitted 2 events."""
+        harness.command(request_id)
         return next(f for f in harness.router.frames if request_id.encode() in f)
 
     harness.router.send(protocol.Ack("boot-1", 0, batches=True, runs=True, common=True))
