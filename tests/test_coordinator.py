@@ -4,6 +4,7 @@ without the right key."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -431,7 +432,8 @@ def test_a_nodes_frame_of_lines_is_taken_message_by_message_in_order(
         coordinator: Coordinator, client: Peer) -> None:
     """(1.6) A node's turn in one frame, a line each: its run updates the view and reaches a
     subscriber as it came, its reply answers the command; a bad line is counted and the others
-    are taken; a frame of more than MAX_LINES lines is refused whole."""
+    are taken; a frame of more than MAX_LINES lines is refused whole, and so is one from a peer
+    that sent no HELLO. A message with newlines for whitespace is still one message."""
     client.sock.send(protocol.encode(protocol.Subscribe(batches=True, runs=True, common=True)))
     node = RawNode(coordinator.endpoint, "n1")
     try:
@@ -451,7 +453,8 @@ def test_a_nodes_frame_of_lines_is_taken_message_by_message_in_order(
                   for i, e in enumerate(("e0", "e1"))]
         run = protocol.encode(protocol.Run.of(events, common=True))
         reply = protocol.encode(protocol.Reply(command.request_id, "ok", result={"n": 2}))
-        node.sock.send(lines.NEWLINE.join([run, b"{", reply]))
+        bogus = b'{"v":[1,6],"kind":"bogus"}'
+        node.sock.send(lines.NEWLINE.join([run, bogus, reply]))
 
         def answered() -> protocol.Reply | None:
             client.pump(0.05)
@@ -474,8 +477,15 @@ def test_a_nodes_frame_of_lines_is_taken_message_by_message_in_order(
             assert after is not None
             return {k: after.result["bad_messages"].get(k, 0)
                     - before.result["bad_messages"].get(k, 0) for k in ("undecodable", "framing")}
-        wait_for(lambda: grew()["framing"], 10, "the frame of too many lines refused")
-        assert grew() == {"undecodable": 1, "framing": 1}
+        client.sock.send(lines.NEWLINE.join(beats[:2]))   # not a node: no lines
+        wait_for(lambda: grew()["framing"] == 2, 10, "both frames of lines refused")
+        assert grew() == {"undecodable": 1, "framing": 2}
+        pretty = json.dumps(protocol.Command("pretty", "ping").to_json(), indent=1).encode()
+        assert lines.NEWLINE in pretty
+        client.sock.send(pretty)
+        assert wait_for(lambda: client.pump(0.05) or any(
+            b'"request_id":"pretty"' in f or b'"request_id": "pretty"' in f
+            for f in client.frames), 10, "the pretty command answered")
     finally:
         node.close()
 

@@ -3,9 +3,14 @@ the Joiner that sends them keeps the sender's progress exact when a send finds t
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+import zmq
+
+from rollout_watchdog.agent.hub import MESSAGES_PER_TURN
 from rollout_watchdog.common import lines, protocol
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
 
 class Queue:
@@ -23,6 +28,7 @@ class Queue:
 
 def test_a_frame_of_lines_splits_into_its_messages_and_too_many_are_refused() -> None:
     messages = [protocol.encode(protocol.Heartbeat(1.0 + i)) for i in range(lines.MAX_LINES)]
+    messages[1] = protocol.encode(protocol.Reply("r-1", "ok", result={"x": {"y": {}}}))
     joined = lines.NEWLINE.join(messages)
     assert lines.split(joined) == messages
     with pytest.raises(protocol.ProtocolError, match=f"{lines.MAX_LINES + 1} lines in one "
@@ -30,11 +36,59 @@ def test_a_frame_of_lines_splits_into_its_messages_and_too_many_are_refused() ->
         lines.split(joined + lines.NEWLINE + messages[0])
 
 
-def test_no_message_holds_a_newline_so_a_line_is_always_a_whole_message() -> None:
-    """A newline inside a string is written as an escape: the frame's separators are the only
-    0x0A bytes."""
-    reply = protocol.Reply("r\n1", "error", "line one\nline two\r\n", {"x": "\n"})
+def test_a_message_never_holds_the_separator_even_with_newlines_for_whitespace() -> None:
+    """A newline inside a string is written as an escape, and a JSON object's `}` is never
+    followed by a `{`: a frame splits only between whole messages, and a peer's message
+    written with newlines for whitespace (json.dumps(indent=...)) stays one message."""
+    reply = protocol.Reply("r\n1", "error", "line one\nline two\r\n", {"x": "\n}\n{"})
     assert lines.NEWLINE not in protocol.encode(reply)
+    nested = {"a": {"b": [{"c": 1}, {"d": {}}]}, "e": [[{}], {}]}
+    for indent in (None, 0, 1, 4):
+        assert lines.SEPARATOR not in json.dumps(nested, indent=indent).encode()
+
+
+def test_a_turn_counts_each_line_against_its_budget_of_messages() -> None:
+    """Frames of 64 lines from a node take a turn's budget (MESSAGES_PER_TURN) 64 times as
+    fast as single messages: a peer cannot make one turn do 64 times the work."""
+    coordinator = Coordinator("tcp://127.0.0.1:0")
+    sock = StandInSocket()
+    coordinator.hub.sock = sock   # type: ignore[assignment]
+    sock.inbox = [[b"n1", protocol.encode(protocol.Hello("n1", "b1", [], 0))]]
+    coordinator.hub._receive_some()
+    assert "n1" in coordinator.view.nodes
+    beats = lines.NEWLINE.join([protocol.encode(protocol.Heartbeat(1.0))] * lines.MAX_LINES)
+    frames = MESSAGES_PER_TURN // lines.MAX_LINES + 10
+    sock.inbox = [[b"n1", beats] for _ in range(frames)]
+    coordinator.hub._receive_some()
+    assert len(sock.inbox) == 10 - (1 if MESSAGES_PER_TURN % lines.MAX_LINES else 0)
+
+
+class StandInFrame:
+    def __init__(self, data: bytes) -> None:
+        self.bytes, self.more = data, False
+
+    def get(self, name: str) -> str:
+        return "n1"
+
+
+class StandInSocket:
+    """The hub's ROUTER as its receive path calls it: each message is [peer, frame]."""
+
+    def __init__(self) -> None:
+        self.inbox: list[list[bytes]] = []   # the next one last
+        self._frame: bytes | None = None
+
+    def recv(self, flags: int = 0, copy: bool = True) -> bytes | StandInFrame:
+        if self._frame is not None:
+            frame, self._frame = self._frame, None
+            return frame if copy else StandInFrame(frame)
+        if not self.inbox:
+            raise zmq.Again()
+        peer, self._frame = self.inbox.pop()
+        return peer
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        pass
 
 
 def test_one_line_at_a_time_sends_each_frame_alone_at_once() -> None:

@@ -48,7 +48,7 @@ MONITOR_EVENTS_PER_TURN = 1_000   # handshake events read a turn: a flood of the
 # Plain ints for the flags of the sends and receives of every message: pyzmq's flag enums, and
 # its multipart helpers built on them, cost microseconds a call (thousands a fleet-wide pause)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-_NEWLINE = lines.NEWLINE
+_SEPARATOR = lines.SEPARATOR
 
 
 class Hub:
@@ -170,16 +170,17 @@ class Hub:
     def _receive_some(self) -> None:
         assert self.sock is not None
         taken = 0   # bytes: a turn takes less than the relay buffer holds, so that the events
-        for _ in range(MESSAGES_PER_TURN):   # reach subscribers before they could leave it
-            if taken > self.relay.max_bytes // 4:
-                break
+        handled = 0   # reach subscribers before they could leave it; messages, lines counted
+        while handled < MESSAGES_PER_TURN and taken <= self.relay.max_bytes // 4:
             try:
                 received = self._recv()
             except zmq.Again:
                 break
-            if received is not None:
+            if received is None:
+                handled += 1
+            else:
                 taken += len(received[1])
-                self._take(*received)
+                handled += self._take(*received)
         if self.journal is not None and self._unjournaled:
             self.journal.append(self._unjournaled, lambda: self.relay.buffer)  # before ACKs
         self._unjournaled.clear()
@@ -209,22 +210,28 @@ class Hub:
         self._bad("framing", f"{count} frames instead of one")
         return None
 
-    def _take(self, route: bytes, data: bytes, user: str | None) -> None:
-        """A frame: one message, or (1.6) its lines, each taken as if it came alone."""
-        if _NEWLINE in data:
+    def _take(self, route: bytes, data: bytes, user: str | None) -> int:
+        """A frame: one message, or (1.6) its lines, each taken as if it came alone, on a
+        node's connection only (after its HELLO); how many messages it counts for."""
+        if _SEPARATOR not in data:
+            parts = [data]
+        elif self.routes.node_of(route) is None:
+            self._bad("framing", "a frame of lines from a peer that sent no HELLO (routing id "
+                                 f"{route[:60]!r})")
+            return 1
+        else:
             try:
                 parts = lines.split(data)
             except protocol.ProtocolError as exc:
                 self._bad("framing", str(exc))
-                return
-        else:
-            parts = [data]
+                return 1
         for part in parts:
             try:
                 self._receive(route, part, user)
             except Exception:  # a bug on one message must not stop the fleet's hub
                 self.bad_messages["internal_error"] += 1
                 log.exception("coordinator: failed to handle a message")
+        return len(parts)
 
     def _receive(self, route: bytes, data: bytes, user: str | None) -> None:
         """One message from the connection `route`; `user` is the name of its CURVE key (None

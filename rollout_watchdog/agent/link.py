@@ -113,6 +113,7 @@ class NodeLink:
         self._runs = False       # ... and "run" frames (1.4)
         self._common = False     # ... saying their events' shared fields once (1.5)
         self._lines = False      # ... and frames of several messages, a line each (1.6)
+        self._hello_out = False  # this connection's HELLO is sent: an ACK after it answers it
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
         curve = bool(key and coordinator_key)
@@ -249,10 +250,15 @@ class NodeLink:
             nonlocal sent
             sent += 1
 
+        def hello_out() -> None:
+            took()
+            self._hello_out = True
+
         hello = bool(self._to_send) and isinstance(self._to_send[0], protocol.Hello)
-        if (not hello or self._send(self._to_send[0], out, took)) and self._send_outbox(out) \
+        if (not hello or (self._send(self._to_send[0], out, hello_out) and out.flush())) \
+                and self._send_outbox(out) \
                 and all(self._send(m, out, took) for m in self._to_send[int(hello):]) \
-                and out.flush():
+                and out.flush():   # (a HELLO alone: it may meet a coordinator of any minor)
             self._to_send.clear()
             return True
         self._to_send = [m for m in self._to_send[sent:] if not isinstance(m, protocol.Heartbeat)]
@@ -393,11 +399,15 @@ class NodeLink:
                          *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
         self._sent_seq = 0
         self._batches = self._runs = self._common = self._lines = False   # until it says so
+        self._hello_out = False
 
     def _receive(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Ack):
-            self._batches, self._runs, self._common, self._lines = (
-                message.batches, message.runs, message.common, message.lines)
+            # What the coordinator takes, only from an ACK read after this connection's HELLO
+            # went out: one read before is the last connection's (libzmq keeps its queue)
+            if self._hello_out:
+                self._batches, self._runs, self._common, self._lines = (
+                    message.batches, message.runs, message.common, message.lines)
             if message.boot == self.boot:
                 while self.outbox and self.outbox[0].seq <= message.seq:
                     self.outbox.popleft()

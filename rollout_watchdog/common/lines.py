@@ -1,12 +1,16 @@
 """Lines (protocol 1.6): a node's turn in one frame, its messages one per line.
 
-Towards a coordinator whose "ack" set `lines`, a node may send up to MAX_LINES messages in one
-frame: each the JSON it would send alone, joined by a newline (0x0A, which no message holds:
-JSON writes a newline inside a string as an escape). Such a frame stays within MAX_LINES_BYTES
-(a bigger message goes alone), and each message within its own bounds. The coordinator takes
-each line as if it came alone, in order, from the same peer; it refuses a frame of more lines
-whole ("framing"). A fleet-wide pause's run and reply from a node are then one message for
-libzmq and for the coordinator's loop, not two (bench/transport_floor.py, "one frame").
+Towards a coordinator whose "ack" (answering this connection's HELLO) set `lines`, a node may
+send up to MAX_LINES messages in one frame: each the JSON object it would send alone, joined by
+a newline. The coordinator splits such a frame where one object ends and the next begins
+(SEPARATOR, `}` newline `{`, which no single JSON value holds: a newline inside a string is an
+escape, and an object's `}` is followed by `,`, `]` or `}`), so a message with newlines for
+whitespace stays one message. Such a frame stays within MAX_LINES_BYTES (a bigger message goes
+alone), and each message within its own bounds. A HELLO always goes alone. The coordinator
+takes lines only on a node's connection (after its HELLO), each as if it came alone, in order,
+each counted against its turn's budget of messages; it refuses a frame of more lines whole
+("framing"). A fleet-wide pause's run and reply from a node are then one message for libzmq and
+for the coordinator's loop, not two (bench/transport_floor.py, "one frame").
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ from rollout_watchdog.common.json_frame import ProtocolError
 MAX_LINES = 64
 MAX_LINES_BYTES = 64 << 10
 NEWLINE = b"\n"
+SEPARATOR = b"}\n{"
 
 
 def split(frame: bytes) -> list[bytes]:
-    """The messages of a frame of lines (one holding NEWLINE); ProtocolError over MAX_LINES."""
-    parts = frame.split(NEWLINE)
-    if len(parts) > MAX_LINES:
-        raise ProtocolError(f"{len(parts)} lines in one frame, over the {MAX_LINES} allowed")
-    return parts
+    """The messages of a frame of lines (one holding SEPARATOR); ProtocolError over MAX_LINES."""
+    pieces = frame.split(SEPARATOR)
+    if len(pieces) > MAX_LINES:
+        raise ProtocolError(f"{len(pieces)} lines in one frame, over the {MAX_LINES} allowed")
+    last = len(pieces) - 1
+    return [(b"{" if i else b"") + piece + (b"}" if i < last else b"")
+            for i, piece in enumerate(pieces)]
 
 
 class Joiner:
