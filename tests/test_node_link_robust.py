@@ -462,6 +462,54 @@ def test_a_full_send_queue_holds_events_back_in_order_and_loses_none(harness: Ha
     harness.until("the outbox acknowledged", lambda: not harness.link.outbox)
 
 
+def test_a_full_send_queue_with_lines_holds_events_and_replies_back_in_order() -> None:
+    """(1.6) The same with the coordinator taking lines: runs and the replies of the commands
+    taken meanwhile go joined into frames of lines, are held back while the queue is full, and
+    each arrives once, in order (a reply after the events of its turn)."""
+    harness = Harness(free_port(), outbox_limit=50_000)
+    try:
+        harness.hello()
+        flags = {"batches": True, "runs": True, "common": True, "lines": True}
+        harness.router.send(protocol.Ack("boot-1", 0, **flags))
+        harness.until("the ACK taken", lambda: harness.link._lines)
+        harness.beats = False   # (the coordinator does not read: it sends nothing either)
+        harness.link.socket.setsockopt(zmq.SNDHWM, 50)
+        harness.router.sock.setsockopt(zmq.RCVHWM, 50)
+        total = 25_000   # ~20 MB of runs of ~25 KB, two to a frame of lines
+        for i in range(total):
+            harness.link.on_event(Event(ts=float(i), node_id="test-node", engine="e0",
+                                        incarnation=1, kind="x", detail=f"{i}" + "x" * 700))
+            if i % 1000 == 999:
+                harness.link._receive(protocol.Command(f"c-{i + 1}", "ping", {},
+                                                       node="test-node"))
+                harness.link.after_save()   # the daemon's turns go on; nothing is read
+        assert harness.link.status()["unsent"] > 0          # held back, not dropped
+
+        def order() -> list[tuple[str, int]]:
+            """What arrived: ("e", seq) per event, ("r", its turn's last seq) per reply."""
+            return [item for m in harness.router.received for item in (
+                [("e", e.seq) for e in m.as_events()] if isinstance(m, protocol.Run)
+                else [("r", int(m.request_id[2:]))] if isinstance(m, protocol.Reply)
+                else [])]
+
+        def all_in() -> bool:
+            seqs = [n for kind, n in order() if kind == "e"]
+            if seqs:
+                harness.router.send(protocol.Ack("boot-1", seqs[-1], **flags))
+            return len(seqs) >= total
+        harness.beats = True
+        harness.until("every event at the coordinator", all_in, timeout=60)
+        arrived = order()
+        assert [n for kind, n in arrived if kind == "e"] == list(range(1, total + 1))
+        replies = [(i, n) for i, (kind, n) in enumerate(arrived) if kind == "r"]
+        assert [n for _, n in replies] == list(range(1000, total + 1, 1000))   # each once
+        assert all(max(m for kind, m in arrived[:i] if kind == "e") >= n
+                   for i, n in replies)   # after the events of its turn
+        assert any(lines.SEPARATOR in frame for frame in harness.router.frames)
+    finally:
+        harness.close()
+
+
 def test_a_turns_events_go_as_batches_split_by_size_once_the_coordinator_takes_them(
         harness: Harness) -> None:
     """After an ACK that says `batches`, the events of a turn go as "events" frames of at most
