@@ -12,14 +12,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def bench(script: str, *args: str, timeout: float) -> tuple[int, str]:
+    """Run bench/`script` with `args` as a user would; its exit status and its output."""
+    run = subprocess.run([sys.executable, str(REPO / "bench" / script), *args],
+                         capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    return run.returncode, run.stdout + run.stderr
+
+
 def test_fleet_scale_quick_runs_every_phase() -> None:
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "fleet_scale.py"), "--quick", "--nodes", "12",
-         "--engines", "2", "--workers", "2", "--pin", "--time-limit", "120"],
-        capture_output=True, text=True, timeout=180,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    out = run.stdout + run.stderr
-    assert run.returncode in (0, 2), out
+    rc, out = bench("fleet_scale.py", "--quick", "--nodes", "12", "--engines", "2", "--workers",
+                    "2", "--pin", "--time-limit", "120", timeout=180)
+    assert rc in (0, 2), out
     for figure in ("pushed (node -> coordinator -> subscriber)", "polling every node's status",
                    "pause, every node acknowledged", "into the coordinator",
                    "out to one subscriber", "kill -> client", "every engine listed",
@@ -32,36 +36,25 @@ def test_fleet_scale_quick_runs_every_phase() -> None:
 def test_follower_detection_quick_runs() -> None:
     """Each SIGKILLed daemon is noticed by the disconnect, and every event printed once; the
     median's goal is not asserted (a loaded machine's figure)."""
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "follower_detection.py"), "--quick",
-         "--time-limit", "150"], capture_output=True, text=True, timeout=200,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    out = run.stdout + run.stderr
-    assert run.returncode in (0, 2), out
+    rc, out = bench("follower_detection.py", "--quick", "--time-limit", "150", timeout=200)
+    assert rc in (0, 2), out
     assert "noticed by: disconnect x2;" in out and " 0 doubled" in out, out
 
 
 def test_ray_start_quick_runs() -> None:
     """The fleet starts on a 3-node Ray cluster, every watchdog reachable, and engine kills
     reach the client; the latency goal is not asserted (a loaded machine's figure)."""
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "ray_start.py"), "--quick", "--time-limit",
-         "150"], capture_output=True, text=True, timeout=200,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    out = run.stdout + run.stderr
-    assert run.returncode in (0, 2), out
+    rc, out = bench("ray_start.py", "--quick", "--time-limit", "150", timeout=200)
+    assert rc in (0, 2), out
     assert "start() -> every watchdog reachable, 3 nodes" in out, out
     assert "engine SIGKILL -> client event, 3 nodes" in out and "(n=3)" in out, out
 
 
 def test_transport_floor_runs_each_variant() -> None:
     """The transport's floor of a pause prints a figure for each variant, on a few DEALERs."""
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "transport_floor.py"), "--nodes", "20",
-         "--rounds", "2", "--repeat", "1"], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
+    rc, out = bench("transport_floor.py", "--nodes", "20", "--rounds", "2", "--repeat", "1",
+                    timeout=120)
+    assert rc == 0, out
     for variant in ("two messages ", "one message (a turn)", "two messages, with an ACK"):
         assert f"  {variant}" in out and "libzmq's I/O thread" in out, out
 
@@ -69,12 +62,9 @@ def test_transport_floor_runs_each_variant() -> None:
 def test_pause_wire_measures_both_ways_of_answering() -> None:
     """The coordinator's CPU per pause over real sockets prints a figure for nodes that send
     their run and reply as one frame of lines and as a frame each, on a few nodes."""
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "pause_wire.py"), "--nodes", "20",
-         "--engines", "2", "--repeat", "2"], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
+    rc, out = bench("pause_wire.py", "--nodes", "20", "--engines", "2", "--repeat", "2",
+                    timeout=120)
+    assert rc == 0, out
     for mode in ("lines ", "separate "):
         assert f"  {mode}" in out and "main thread" in out, out
     assert "lines / separate: x" in out, out
