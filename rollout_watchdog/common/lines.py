@@ -26,13 +26,18 @@ SEPARATOR = b"}\n{"
 
 
 def split(frame: bytes) -> list[bytes]:
-    """The messages of a frame of lines (one holding SEPARATOR); ProtocolError over MAX_LINES."""
-    pieces = frame.split(SEPARATOR)
-    if len(pieces) > MAX_LINES:
-        raise ProtocolError(f"{len(pieces)} lines in one frame, over the {MAX_LINES} allowed")
-    last = len(pieces) - 1
-    return [(b"{" if i else b"") + piece + (b"}" if i < last else b"")
-            for i, piece in enumerate(pieces)]
+    """The messages of a frame of lines (one holding SEPARATOR), each sliced once;
+    ProtocolError over MAX_LINES (no list of them made: a hostile frame's cost is a count)."""
+    parts: list[bytes] = []
+    start = 0
+    while (at := frame.find(SEPARATOR, start)) >= 0:
+        if len(parts) == MAX_LINES - 1:
+            raise ProtocolError(f"{frame.count(SEPARATOR) + 1} lines in one frame, over the "
+                                f"{MAX_LINES} allowed")
+        parts.append(frame[start:at + 1])   # (each message keeps its braces)
+        start = at + 2
+    parts.append(frame[start:])
+    return parts
 
 
 class Joiner:
