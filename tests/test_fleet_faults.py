@@ -403,9 +403,9 @@ def test_fuzzed_frames_from_a_client_are_counted_and_the_fleet_is_served(fleet: 
             now = conn.result("ping", timeout_s=5.0)["bad_messages"]   # after the frames
             reason = refusal(parts)
             seen.append(reason)
-            assert now == (counts if reason is None else {**counts,
-                                                           reason: counts.get(reason, 0) + 1})
-            counts = now
+            expected = counts if reason is None else {**counts, reason: counts.get(reason, 0) + 1}
+            counts = now   # before the check: each example (hypothesis's shrinking included)
+            assert now == expected   # is judged against the counts just before it
 
         check()
     finally:
