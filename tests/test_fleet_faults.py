@@ -32,11 +32,12 @@ from fleet_harness import (
     start_coordinator_process,
     start_node_process,
 )
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from rollout_watchdog import FleetClient, FleetEvent
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.lines import SEPARATOR
 from rollout_watchdog.emulator.testing import free_port
 
 NODE_TIMEOUT_S = 3.0      # the coordinator's: a stalled link shows within seconds (3 beats)
@@ -378,7 +379,7 @@ frames = st.one_of(
 
 def refusal(parts: list[bytes]) -> str | None:
     """The bad_messages reason a client's frames must be counted under (None: not bad)."""
-    if len(parts) != 1:
+    if len(parts) != 1 or SEPARATOR in parts[0]:   # (1.6: lines only from a node)
         return "framing"
     try:
         message = protocol.decode(parts[0])
@@ -397,6 +398,7 @@ def test_fuzzed_frames_from_a_client_are_counted_and_the_fleet_is_served(fleet: 
 
         @FUZZ
         @given(parts=frames)
+        @example(parts=[SEPARATOR])   # (hypothesis draws it too: a constant of the code)
         def check(parts: list[bytes]) -> None:
             nonlocal counts
             conn.socket.send_multipart(parts)
