@@ -68,3 +68,15 @@ def test_pause_wire_measures_both_ways_of_answering() -> None:
     for mode in ("lines ", "separate "):
         assert f"  {mode}" in out and "main thread" in out, out
     assert "lines / separate: x" in out, out
+
+
+def test_suite_cpu_counts_a_detached_daemon_and_keeps_the_exit_status() -> None:
+    """A process that double-forks away from the command (as a daemon or a raylet does) is
+    still counted, under its kind, and the command's exit status is suite_cpu's."""
+    burn = ("import os, time\nif os.fork(): os._exit(0)\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.5: pass\n")
+    rc, out = bench("suite_cpu.py", "--interval", "0.1", "--", "bash", "-c",
+                    f"{sys.executable} -c '{burn}'; sleep 1; exit 3", timeout=60)
+    assert rc == 3, out
+    line = next(x for x in out.splitlines() if x.endswith("processes  other"))
+    assert float(line.split()[0]) >= 0.4, out
