@@ -38,10 +38,12 @@ KINDS: list[tuple[str, Callable[[str], bool]]] = [
     ("coordinator", lambda c: "coordinator" in c and "rollout" in c),
     ("ray workers", lambda c: "ray::" in c or "default_worker.py" in c),
     ("ray system", lambda c: any(s in c for s in ("raylet", "gcs_server", "dashboard",
-                                                  "log_monitor", "ray/_private"))),
+                                                  "log_monitor", "ray/_private",
+                                                  "ray/autoscaler"))),
     ("sglang-router", lambda c: "router" in c and "sglang" in c),
-    ("pytest (and xdist workers)", lambda c: " -m pytest" in c or "xdist" in c),
-    ("trainer and test helper scripts", lambda c: "/tests/" in c),
+    ("pytest and its xdist workers", lambda c: " -m pytest" in c or "xdist" in c
+     or "exec(eval(sys.stdin.readline()))" in c),   # (execnet's bootstrap: a worker's first)
+    ("trainer and test helper scripts", lambda c: "/tests/" in c or " tests/" in c),
     ("examples and benchmarks", lambda c: "/examples/" in c or "/bench/" in c),
     ("lint and types (ruff, mypy, lint-imports)",
      lambda c: any(s in c for s in ("ruff", "mypy", "lint-imports"))),
