@@ -18,7 +18,7 @@ from fleet_harness import start_coordinator_process
 from test_coordinator import Peer, all_healthy, curve_of, fleet_of, keys  # noqa: F401
 
 from rollout_watchdog.agent.hub_socket import NodeRoutes
-from rollout_watchdog.agent.link import event_frame
+from rollout_watchdog.agent.outgoing import event_frame
 from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge.client import FleetClient
 from rollout_watchdog.refit_bridge.coordinator import Coordinator

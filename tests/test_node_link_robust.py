@@ -471,7 +471,7 @@ def test_a_full_send_queue_with_lines_holds_events_and_replies_back_in_order() -
         harness.hello()
         flags = {"batches": True, "runs": True, "common": True, "lines": True}
         harness.router.send(protocol.Ack("boot-1", 0, **flags))
-        harness.until("the ACK taken", lambda: harness.link._lines)
+        harness.until("the ACK taken", lambda: harness.link.outgoing.takes.lines)
         harness.beats = False   # (the coordinator does not read: it sends nothing either)
         harness.link.socket.setsockopt(zmq.SNDHWM, 50)
         harness.router.sock.setsockopt(zmq.RCVHWM, 50)
@@ -516,7 +516,7 @@ def test_a_turns_events_go_as_batches_split_by_size_once_the_coordinator_takes_t
     BATCH_EVENTS and BATCH_BYTES; each arrives once, in order, and one ACK clears them all."""
     harness.hello()
     harness.router.send(protocol.Ack("boot-1", 0, batches=True))
-    harness.until("the ACK taken", lambda: harness.link._batches)
+    harness.until("the ACK taken", lambda: harness.link.outgoing.takes.batches)
     for i in range(100):   # 20 KB each: three to a frame by size
         harness.link.on_event(Event(ts=float(i), node_id="test-node", engine="e0",
                                     incarnation=1, kind="x", detail="x" * 20_000))
@@ -539,7 +539,7 @@ def test_a_turns_events_go_as_runs_once_the_coordinator_takes_them(harness: Harn
     goes as "events" frames instead, and one event alone as an "event"."""
     harness.hello()
     harness.router.send(protocol.Ack("boot-1", 0, batches=True, runs=True))
-    harness.until("the ACK taken", lambda: harness.link._runs)
+    harness.until("the ACK taken", lambda: harness.link.outgoing.takes.runs)
 
     def turn(count: int, detail: str) -> None:
         for i in range(count):
@@ -597,7 +597,7 @@ def test_a_commands_reply_goes_in_one_frame_with_the_turns_run_once_the_coordina
         return next(f for f in harness.router.frames if request_id.encode() in f)
 
     harness.router.send(protocol.Ack("boot-1", 0, batches=True, runs=True, common=True))
-    harness.until("the ACK taken", lambda: harness.link._runs)
+    harness.until("the ACK taken", lambda: harness.link.outgoing.takes.runs)
     assert lines.NEWLINE not in turn_with_command("r-alone")   # a 1.5 coordinator: alone
     harness.router.send(protocol.Ack("boot-1", 2, batches=True, runs=True, common=True,
                                      lines=True))

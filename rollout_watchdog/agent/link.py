@@ -3,14 +3,8 @@
 A DEALER whose routing id is the node id dials the configured `coordinator` (CURVE when the
 config names `key` and `coordinator_key`). On every completed handshake it sends a HELLO with a
 full snapshot, then every event not yet acknowledged. Events wait in a bounded outbox until the
-coordinator ACKs them. The events of one loop turn go out as one "run" frame (up to
-protocol.BATCH_EVENTS and MAX_RUN_BYTES each; 1.4; with the fields its events share said once,
-1.5), or one "events" frame for a 1.1-1.3 coordinator (up to BATCH_EVENTS and BATCH_BYTES),
-once the coordinator said in an ACK on this connection that it takes them; until then, one
-frame each. A turn's frames (its run, a command's reply) go as one frame of lines (1.6,
-common/lines.py) to a coordinator whose ACK said so. A full send queue holds the rest back, in
-order, for the next turn. On outbox overflow the oldest are dropped and counted (the next
-HELLO's snapshot supersedes them).
+coordinator ACKs them; how a turn's events and messages are framed for what the coordinator
+takes (runs, lines), and held back in order by a full send queue, is agent/outgoing.py's.
 Commands run through the node's one command table; a repeated request id gets the same reply.
 Heartbeats go out about once a second. The node supervises on its own whenever the coordinator
 is away: nothing here blocks, and nothing waits for it.
@@ -28,17 +22,17 @@ dropped and counted, never fatal; the counts are in the node's metrics and `stat
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import secrets
 from collections import deque
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container
 from typing import Any, Protocol, cast
 
 import zmq
 
-from rollout_watchdog.common import frames, lines, protocol
+from rollout_watchdog.agent.outgoing import Outgoing
+from rollout_watchdog.common import protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.handshakes import close_monitored, read_event
@@ -50,7 +44,6 @@ from rollout_watchdog.common.replies import (
     PendingReplies,
     RecentReplies,
 )
-from rollout_watchdog.common.validate import shorten
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -59,7 +52,6 @@ SILENT_REDIAL_S = 10.0         # handshaken but silent this long: dial afresh
 REDIAL_GRACE_S = 0.5           # a disconnect with no retry from libzmq within this: dial again
 REDIAL_BACKOFF_S = (1.0, 30.0)  # first and longest wait between redials of our own
 OUTBOX_LIMIT = 10_000          # events kept for the coordinator (about 5 MB at most)
-CUT_TEXTS_TO = (4096, 512)   # an event over MAX_EVENT_BYTES: its texts cut to these, in turn
 SEND_RETRY_S = 0.01          # how soon sends held back by a full queue are tried again
 MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves the engines
 # Plain ints: pyzmq's flag enums cost microseconds a use (a node's every message)
@@ -95,10 +87,9 @@ class NodeLink:
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.silent_redial_s = silent_redial_s
         self._metrics = metrics
-        self.outbox: deque[protocol.Event] = deque()
-        self.outbox_limit = outbox_limit
+        self.outgoing = Outgoing(lambda frame: self._send_frame(frame), outbox_limit,
+                                 None if metrics is None else metrics.link_events_dropped)
         self.seq = 0
-        self.dropped = 0              # events dropped from a full outbox
         self.bad_messages = 0         # frames dropped, and connections lost to bad frames
         self.coordinator_seen: float | None = None   # monotonic time of its last message
         self._handshake_at: float | None = None      # the current connection's handshake
@@ -106,14 +97,7 @@ class NodeLink:
         self._redial_wait = REDIAL_BACKOFF_S[0]
         self._replies: RecentReplies[protocol.Reply] = RecentReplies()
         self._pending = PendingReplies()
-        self._to_send: list[protocol.Message] = []
         self._retry_at: float | None = None          # sends held back by a full queue
-        self._sent_seq = 0       # the outbox's events up to this seq went out on this connection
-        self._batches = False    # the coordinator on this connection takes "events" frames
-        self._runs = False       # ... and "run" frames (1.4)
-        self._common = False     # ... saying their events' shared fields once (1.5)
-        self._lines = False      # ... and frames of several messages, a line each (1.6)
-        self._hello_out = False  # this connection's HELLO is sent: an ACK after it answers it
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
         curve = bool(key and coordinator_key)
@@ -150,10 +134,18 @@ class NodeLink:
                 "bad_messages": self.bad_messages}
 
     @property
+    def outbox(self) -> deque[protocol.Event]:
+        """The events kept until the coordinator ACKs them."""
+        return self.outgoing.outbox
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped from a full outbox."""
+        return self.outgoing.dropped
+
+    @property
     def unsent(self) -> int:
-        """Events of the outbox not sent on this connection yet (held back by a full queue,
-        or no connection)."""
-        return sum(1 for event in self.outbox if event.seq > self._sent_seq)
+        return self.outgoing.unsent
 
     # ------------------------------------------------------------------ events (publisher)
 
@@ -162,13 +154,8 @@ class NodeLink:
         self.seq += 1
         status = None if event.engine is None or event.kind in protocol.PAUSE_KINDS \
             else self._engine_status(event.engine)
-        message = protocol.Event(self.node_id, self.boot, self.seq, event.to_json(), status)
-        self.outbox.append(message)
-        if len(self.outbox) > self.outbox_limit:
-            self.outbox.popleft()
-            self.dropped += 1
-            if self._metrics is not None:
-                self._metrics.link_events_dropped()
+        self.outgoing.add_event(
+            protocol.Event(self.node_id, self.boot, self.seq, event.to_json(), status))
 
     # ------------------------------------------------------------------ the loop participant
 
@@ -207,7 +194,7 @@ class NodeLink:
             self._redial()
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
-            self._to_send.append(protocol.Heartbeat(self._clock.wall()))
+            self.outgoing.queue(protocol.Heartbeat(self._clock.wall()))
 
     def next_deadline(self) -> float | None:
         deadlines = [self._next_heartbeat]
@@ -227,117 +214,15 @@ class NodeLink:
         would reach a coordinator that does not know this boot yet (events wait in the
         outbox, and the HELLO resends them)."""
         if self._handshake_at is None:
-            self._to_send.clear()
-        elif self._send_all():
+            self.outgoing.drop_queued()
+        elif self.outgoing.send_all():
             self._retry_at = None
         else:
             # The coordinator's queue is full (it is slow, or gone and libzmq does not know
-            # yet): the rest waits, in order, for the next turn. Dropping an event here would
-            # lose it for good, as a later ACK covers every seq below it.
+            # yet): the rest waits, in order, for the next turn (agent/outgoing.py).
             self._retry_at = self._clock.monotonic() + SEND_RETRY_S
         if self._metrics is not None:
             self._metrics.set_link_state(len(self.outbox), self.connected)
-
-    def _send_all(self) -> bool:
-        """Send a pending HELLO, then the outbox's events not sent yet on this connection, then
-        this turn's other messages (a command's reply after the events it caused), as frames
-        of lines when the coordinator takes them (1.6: a pause's run and reply in one); False
-        if the queue filled up first (what is left stays, in order)."""
-        out = lines.Joiner(self._send_frame, lines.MAX_LINES if self._lines else 1)
-        sent = 0   # of _to_send, in order
-
-        def took() -> None:
-            nonlocal sent
-            sent += 1
-
-        def hello_out() -> None:
-            took()
-            self._hello_out = True
-
-        hello = bool(self._to_send) and isinstance(self._to_send[0], protocol.Hello)
-        if (not hello or (self._send(self._to_send[0], out, hello_out) and out.flush())) \
-                and self._send_outbox(out) \
-                and all(self._send(m, out, took) for m in self._to_send[int(hello):]) \
-                and out.flush():   # (a HELLO alone: it may meet a coordinator of any minor)
-            self._to_send.clear()
-            return True
-        self._to_send = [m for m in self._to_send[sent:] if not isinstance(m, protocol.Heartbeat)]
-        return False
-
-    def _send_outbox(self, out: lines.Joiner) -> bool:
-        if not self.outbox:
-            return True
-        first = self.outbox[0].seq   # the outbox holds consecutive seqs
-        return self._send_events(
-            itertools.islice(self.outbox, max(0, self._sent_seq - first + 1), None), out)
-
-    def _sent_to(self, seq: int) -> Callable[[], None]:
-        """What to do once the frame of the outbox's events up to `seq` is out."""
-        def sent() -> None:
-            self._sent_seq = seq
-        return sent
-
-    def _send_events(self, events: Iterable[protocol.Event], out: lines.Joiner) -> bool:
-        """Send `events` (the outbox's unsent ones), several to a frame when the coordinator
-        takes that (as runs, when it takes those); False if the queue filled up first
-        (`_sent_seq` says how far it got)."""
-        if not self._runs:
-            return self._send_packed(events, out)
-        chunk: list[protocol.Event] = []
-        for event in events:
-            chunk.append(event)
-            if len(chunk) == protocol.BATCH_EVENTS:
-                if not self._send_run(chunk, out):
-                    return False
-                chunk = []
-        return not chunk or self._send_run(chunk, out)
-
-    def _send_run(self, events: list[protocol.Event], out: lines.Joiner) -> bool:
-        """`events` as one "run" frame, when there are several and it stays within
-        MAX_RUN_BYTES; else as event frames (each cut to fit when too big)."""
-        if len(events) > 1:
-            try:
-                frame: bytes | None = protocol.encode(protocol.Run.of(events, self._common))
-            except protocol.ProtocolError:   # not JSON (a bug): each event on its own, logged
-                frame = None
-            if frame is not None and len(frame) <= protocol.MAX_RUN_BYTES:
-                return out.add(frame, self._sent_to(events[-1].seq))
-        return self._send_packed(events, out)
-
-    def _send_packed(self, events: Iterable[protocol.Event], out: lines.Joiner) -> bool:
-        """_send_events() with each event's own frame, several to an "events" frame when the
-        coordinator takes that."""
-        packed = frames.EventsFrame(protocol.BATCH_EVENTS if self._batches else 1,
-                                      protocol.BATCH_BYTES)
-        done = self._sent_seq          # sent, or skipped as unsendable, once `packed` is out
-        for event in events:
-            frame = event_frame(event)
-            if frame is not None:
-                if not packed.fits(frame) and not out.add(packed.take(), self._sent_to(done)):
-                    return False
-                packed.add(frame)
-            done = event.seq
-        if packed.frames:
-            return out.add(packed.take(), self._sent_to(done))
-        out.after(self._sent_to(done))   # (unsendable ones at the end: skipped, in order)
-        return True
-
-    def _send(self, message: protocol.Message, out: lines.Joiner, took: Callable[[], None]
-              ) -> bool:
-        """False if the queue is full. A message too big for the protocol (a reply with a huge
-        result, a snapshot of too many engines) is not sent: a reply becomes an error reply
-        that says so, anything else is logged; either way the turn goes on."""
-        try:
-            frame = protocol.encode(message)
-        except protocol.ProtocolError as exc:
-            log.error("cannot send a %s to the coordinator: %s", message.KIND, exc)
-            if not isinstance(message, protocol.Reply):
-                out.after(took)
-                return True
-            frame = protocol.encode(protocol.Reply(
-                message.request_id, "error", f"the result cannot be sent: {exc}"[:1000],
-                code=protocol.TOO_BIG))
-        return out.add(frame, took)
 
     def _send_frame(self, frame: bytes) -> bool:
         """Send one frame; any message says the node is alive, so the next heartbeat is due a
@@ -394,23 +279,12 @@ class NodeLink:
 
     def _hello(self) -> None:
         """The snapshot first, then every event not acknowledged (in order, once)."""
-        self._to_send = [protocol.Hello(self.node_id, self.boot, self._snapshot(), self.seq,
-                                        self.metrics_port),
-                         *(m for m in self._to_send if not isinstance(m, protocol.Hello))]
-        self._sent_seq = 0
-        self._batches = self._runs = self._common = self._lines = False   # until it says so
-        self._hello_out = False
+        self.outgoing.hello(protocol.Hello(self.node_id, self.boot, self._snapshot(), self.seq,
+                                           self.metrics_port))
 
     def _receive(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Ack):
-            # What the coordinator takes, only from an ACK read after this connection's HELLO
-            # went out: one read before is the last connection's (libzmq keeps its queue)
-            if self._hello_out:
-                self._batches, self._runs, self._common, self._lines = (
-                    message.batches, message.runs, message.common, message.lines)
-            if message.boot == self.boot:
-                while self.outbox and self.outbox[0].seq <= message.seq:
-                    self.outbox.popleft()
+            self.outgoing.acked(message, self.boot)
         elif isinstance(message, protocol.Command):
             self._command(message)
         elif not isinstance(message, protocol.Heartbeat):
@@ -420,7 +294,7 @@ class NodeLink:
     def _command(self, command: protocol.Command) -> None:
         known = self._replies.get(command.request_id)
         if known is not None:  # a repeated request id: the same reply, nothing done again
-            self._to_send.append(known)
+            self.outgoing.queue(known)
             return
         args = dict(command.args)
         if command.engine is not None:
@@ -457,41 +331,4 @@ class NodeLink:
             "no reason given" if status == "error" else None), result,
             body.get("code") if status == "error" else None)
         self._replies.put(request_id, reply)
-        self._to_send.append(reply)
-
-
-def event_frame(event: protocol.Event) -> bytes | None:
-    """The event's frame, at most MAX_EVENT_BYTES, which the coordinator refuses beyond: a
-    bigger event has its texts cut until it fits, its engine status dropped last (the event
-    still says what changed). None (logged) when it cannot be sent at all; a later ACK drops
-    it from the outbox, so it never holds the events after it back."""
-    try:
-        frame = protocol.encode(event)
-        if len(frame) <= protocol.MAX_EVENT_BYTES:
-            return frame
-        problem = f"{len(frame)} bytes"
-    except protocol.ProtocolError as exc:   # over the message limit, or not JSON at all
-        problem = str(exc)
-    tries = [(_cut(event.event, n), _cut(event.engine_status, n)) for n in CUT_TEXTS_TO]
-    for body, status in [*tries, (tries[-1][0], None)]:
-        with contextlib.suppress(protocol.ProtocolError):
-            frame = protocol.encode(protocol.Event(event.node_id, event.boot, event.seq, body,
-                                                   status))
-            if len(frame) <= protocol.MAX_EVENT_BYTES:
-                log.warning("event %d (%s) was too big (%s, over %d): its texts are cut",
-                            event.seq, event.event.get("kind"), problem,
-                            protocol.MAX_EVENT_BYTES)
-                return frame
-    log.error("cannot send event %d to the coordinator: %s", event.seq, problem)
-    return None
-
-
-def _cut(value: Any, limit: int) -> Any:
-    """A JSON value with every string over `limit` characters cut to it, saying so."""
-    if isinstance(value, str):
-        return shorten(value, limit)
-    if isinstance(value, dict):
-        return {key: _cut(item, limit) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_cut(item, limit) for item in value]
-    return value
+        self.outgoing.queue(reply)
