@@ -620,7 +620,7 @@ def test_a_stale_ack_read_after_a_reconnect_neither_joins_the_hello_nor_sets_the
     link = NodeLink(ctx, endpoint=f"tcp://127.0.0.1:{free_port()}", node_id="test-node",
                     boot="boot-1", snapshot=lambda: [], dispatch=ping_dispatch, clock=Clock())
     sent: list[bytes] = []
-    link._send_frame = lambda frame: sent.append(frame) is None   # type: ignore[method-assign]
+    link.outgoing.send_frame = lambda frame: sent.append(frame) is None
     try:
         link._on_monitor_event(zmq.EVENT_HANDSHAKE_SUCCEEDED)   # a new connection
         link._receive(protocol.Ack("boot-1", 0, batches=True, runs=True, common=True,

@@ -92,7 +92,8 @@ def server() -> Iterator[str]:
     tasks = asyncio.all_tasks(loop)
     for task in tasks:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    if tasks:   # (gather() of nothing makes its future on another loop: ValueError here)
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
     loop.close()
 
 

@@ -4,7 +4,8 @@ A DEALER whose routing id is the node id dials the configured `coordinator` (CUR
 config names `key` and `coordinator_key`). On every completed handshake it sends a HELLO with a
 full snapshot, then every event not yet acknowledged. Events wait in a bounded outbox until the
 coordinator ACKs them; how a turn's events and messages are framed for what the coordinator
-takes (runs, lines), and held back in order by a full send queue, is agent/outgoing.py's.
+takes (runs, batches, lines), and held back in order by a full send queue, is
+agent/outgoing.py's.
 Commands run through the node's one command table; a repeated request id gets the same reply.
 Heartbeats go out about once a second. The node supervises on its own whenever the coordinator
 is away: nothing here blocks, and nothing waits for it.
@@ -87,7 +88,7 @@ class NodeLink:
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.silent_redial_s = silent_redial_s
         self._metrics = metrics
-        self.outgoing = Outgoing(lambda frame: self._send_frame(frame), outbox_limit,
+        self.outgoing = Outgoing(self._send_frame, outbox_limit,
                                  None if metrics is None else metrics.link_events_dropped)
         self.seq = 0
         self.bad_messages = 0         # frames dropped, and connections lost to bad frames
@@ -145,6 +146,7 @@ class NodeLink:
 
     @property
     def unsent(self) -> int:
+        """Events of the outbox not sent on this connection yet."""
         return self.outgoing.unsent
 
     # ------------------------------------------------------------------ events (publisher)

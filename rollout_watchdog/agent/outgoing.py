@@ -5,11 +5,12 @@ overflow the oldest are dropped and counted; the next HELLO's snapshot supersede
 loop turn sends a pending HELLO first and alone, then the outbox's events not sent yet on this
 connection, then the turn's other messages (a command's reply after the events it caused). How
 they are framed follows what this connection's coordinator said it takes (`Takes`, from an ACK
-read after this connection's HELLO went out): the events of a turn as one "run" frame (1.4,
-with their shared fields said once: 1.5) or "events" frames (1.1-1.3), else one frame each;
-and a turn's frames as one frame of lines (1.6, common/lines.py). A full send queue holds the
-rest back, in order, for the next turn: dropping an event would lose it for good, as a later
-ACK covers every seq below it.
+read after this connection's HELLO went out): a turn's events as "run" frames (1.4: up to
+protocol.BATCH_EVENTS and MAX_RUN_BYTES each, with their shared fields said once: 1.5) or
+"events" frames (1.1-1.3: up to BATCH_EVENTS and BATCH_BYTES), else one frame each (an event
+over MAX_EVENT_BYTES with its texts cut to fit); and a turn's frames as one frame of lines (1.6,
+common/lines.py). A full send queue holds the rest back, in order, for the next turn: dropping
+an event would lose it for good, as a later ACK covers every seq below it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 CUT_TEXTS_TO = (4096, 512)   # an event over MAX_EVENT_BYTES: its texts cut to these, in turn
 
 
-@dataclass
+@dataclass(frozen=True)
 class Takes:
     """What the coordinator on this connection takes besides a message per frame; nothing
     until its ACK says so (it may be of any minor)."""
@@ -50,7 +51,7 @@ class Outgoing:
         self.outbox: deque[protocol.Event] = deque()
         self.outbox_limit = outbox_limit
         self.dropped = 0                        # events dropped from a full outbox
-        self.queued: list[protocol.Message] = []   # this turn's other messages, in order
+        self.queued: list[protocol.Message] = []   # a pending HELLO, then this turn's others
         self.takes = Takes()
         self._on_dropped = on_dropped
         self._sent_seq = 0       # the outbox's events up to this seq went out on this connection
