@@ -9,8 +9,8 @@ interval's CPU; children this process reaps itself are counted exactly (wait4's 
 
     PYTHONPATH=<checkout> python bench/suite_cpu.py [--interval 0.7] [--json F] -- CMD...
 
-e.g. `python bench/suite_cpu.py -- bash scripts/test.sh`. The sampling costs ~2-4 % of a
-core with the suite's ~300 processes; run nothing else beside it.
+e.g. `python bench/suite_cpu.py -- bash scripts/test.sh`. The sampler's own CPU is printed
+with the figures (it is not in them); run nothing else beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 
@@ -56,12 +57,20 @@ def kind_of(cmdline: str) -> str:
     return next((kind for kind, test in KINDS if test(cmdline)), "other")
 
 
+@dataclass
+class Seen:
+    """A descendant as last sampled: its command line (the first read) and CPU seconds."""
+
+    cmdline: str
+    cpu_s: float
+
+
 class Sampler:
     """The last CPU time seen of every descendant, by (pid, start time)."""
 
     def __init__(self) -> None:
         self.me = psutil.Process()
-        self.seen: dict[tuple[int, float], list[str | float]] = {}   # -> [cmdline, cpu s]
+        self.seen: dict[tuple[int, float], Seen] = {}
 
     def sample(self) -> None:
         for proc in self.me.children(recursive=True):
@@ -70,10 +79,11 @@ class Sampler:
                     key = (proc.pid, proc.create_time())
                     times = proc.cpu_times()
                     known = self.seen.get(key)
-                    cmdline = known[0] if known and known[0] else " ".join(proc.cmdline())
+                    cmdline = known.cmdline if known and known.cmdline \
+                        else " ".join(proc.cmdline())
             except psutil.Error:
                 continue
-            self.seen[key] = [cmdline, times.user + times.system]
+            self.seen[key] = Seen(cmdline, times.user + times.system)
 
     def reap(self, keep: int) -> None:
         """Reap the orphans handed to this subreaper (not `keep`, the command), with their
@@ -88,7 +98,7 @@ class Sampler:
             mine = [key for key in self.seen if key[0] == pid]
             if mine:   # (the latest process of that pid)
                 entry = self.seen[max(mine, key=lambda key: key[1])]
-                entry[1] = max(float(entry[1]), usage.ru_utime + usage.ru_stime)
+                entry.cpu_s = max(entry.cpu_s, usage.ru_utime + usage.ru_stime)
 
 
 def main() -> int:
@@ -116,20 +126,23 @@ def main() -> int:
     wall = time.monotonic() - started
     cpu: defaultdict[str, float] = defaultdict(float)
     count: Counter[str] = Counter()
-    for cmdline, seconds in sampler.seen.values():
-        kind = kind_of(str(cmdline))
-        cpu[kind] += float(seconds)
+    for seen in sampler.seen.values():
+        kind = kind_of(seen.cmdline)
+        cpu[kind] += seen.cpu_s
         count[kind] += 1
+    own = sampler.me.cpu_times()
     total = sum(cpu.values())
     print(f"\nsuite_cpu: {' '.join(command)[:80]}: exit {child.returncode}, {wall:.0f} s wall, "
           f"{total:.0f} s CPU in {sum(count.values())} processes "
-          f"({total / wall if wall else 0:.2f} cores on average)")
+          f"({total / wall if wall else 0:.2f} cores on average); the sampler's own CPU "
+          f"{own.user + own.system:.1f} s")
     for kind, seconds in sorted(cpu.items(), key=lambda item: -item[1]):
         print(f"  {seconds:8.1f} s  {100 * seconds / total if total else 0:5.1f} %  "
               f"{count[kind]:5d} processes  {kind}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump([[key[0], cmd, sec] for key, (cmd, sec) in sampler.seen.items()], out)
+            json.dump([[key[0], seen.cmdline, seen.cpu_s]
+                       for key, seen in sampler.seen.items()], out)
     return child.returncode
 
 
