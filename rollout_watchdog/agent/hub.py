@@ -1,11 +1,12 @@
 """The coordinator's hub: the one ROUTER that nodes and clients connect to, and its loop
 (DESIGN.md, "Agent"; docs/protocol.md, "The coordinator's side").
 
-It receives and decodes every message and checks who sent it (`hub_socket.NodeRoutes`), ACKs
-node events once taken (journaled first, with a state dir: `journal.Journal`; most ACKs ride
-the next heartbeat: `acks.AckSchedule`), relays them to subscribed clients (`relay.Relay`),
-fans commands out to nodes and gathers their replies (`fanout.Fanout`), and heartbeats. What a
-node's message means is the fleet view's to say, and everything else is the policy's to decide
+It receives and decodes every message and checks who sent it (`hub_socket.NodeRoutes`), hands
+a node's events to `node_events.NodeEvents` (the view, the ACK count, the relay, group
+restarts), ACKs them once taken (journaled first, with a state dir: `journal.Journal`; most
+ACKs ride the next heartbeat: `acks.AckSchedule`), relays them to subscribed clients
+(`relay.Relay`), fans commands out to nodes and gathers their replies (`fanout.Fanout`), and
+heartbeats. What a node's message means is the fleet view's to say, and everything else is the policy's to decide
 (`hub_policy`: commands, group restarts, the refit lock, router gating); the coordinator
 (`refit_bridge.coordinator`) hands both in.
 
@@ -25,12 +26,12 @@ from collections.abc import Callable
 
 import zmq
 
-from rollout_watchdog.agent import frame_bounds
 from rollout_watchdog.agent.acks import AckSchedule
 from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering
 from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
 from rollout_watchdog.agent.hub_socket import FailedHandshakes, NodeRoutes, bind_hub
 from rollout_watchdog.agent.journal import Journal
+from rollout_watchdog.agent.node_events import NodeEvents
 from rollout_watchdog.agent.pipe import RELOAD, STOP, Pipe
 from rollout_watchdog.agent.relay import BUFFER_EVENTS, Relay, Relayed
 from rollout_watchdog.agent.security import NamedKeyAuthenticator
@@ -74,6 +75,8 @@ class Hub:
         self.monitor: zmq.Socket[bytes] | None = None   # the ROUTER's handshakes
         self._unjournaled: list[Relayed] = []
         self.acks = AckSchedule()
+        self.node_events = NodeEvents(view, policy, self.acks, self._relay, self.own_events,
+                                      self._bad)
         self._next_heartbeat = self._next_sweep = 0.0
         self._auth: NamedKeyAuthenticator | None = None
 
@@ -256,11 +259,11 @@ class Hub:
                     raise Refused("no_hello", f"{msg.KIND} from a peer that sent no HELLO "
                                               f"(routing id {route[:60]!r})")
                 if isinstance(msg, protocol.Event):
-                    self._event(msg, data, node, now, wall)
+                    self.node_events.event(msg, data, node, now, wall)
                 elif isinstance(msg, protocol.Run):
-                    self._run(msg, data, node, now, wall)
+                    self.node_events.run(msg, data, node, now, wall)
                 else:
-                    self._events(msg, data, node, now, wall)
+                    self.node_events.batch(msg, data, node, now, wall)
             elif isinstance(msg, protocol.Reply):
                 if node is not None:   # anyone else's reply is no answer
                     self.own_events(self.view.heard(node, now, wall))
@@ -289,90 +292,6 @@ class Hub:
         self.own_events(self.view.hello(msg, msg.node_id, now, wall))
         self.routes.bind(route, msg.node_id)
         self.acks.hello(msg.node_id)
-
-    def _event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
-               ) -> None:
-        frame_bounds.check_size(msg, len(frame), peer)
-        new, own = self.view.event(msg, peer, now, wall)
-        self.own_events(own)
-        self.acks.took(peer, 1)
-        if not new:
-            return
-        self._relay(Relayed(msg.node_id, msg.boot, msg.seq, frame))
-        for node, engine in self.policy.restarts(peer, msg):
-            self.policy.group_restart(node, engine, msg)
-
-    def _run(self, msg: protocol.Run, frame: bytes, peer: str, now: float, wall: float
-             ) -> None:
-        """A node's run (1.4), taken whole when plain (FleetView.run: no object per event) and
-        relayed as it came; else as the events it stands for, each on its own."""
-        common = msg.common is not None
-        if len(frame) <= protocol.MAX_RUN_BYTES and frame_bounds.reencodes_small(frame) \
-                and frame_bounds.expands_small(common, len(msg.events)):
-            own = self.view.run(msg, peer, now, wall)
-            if own is not None:
-                self.own_events(own)
-                self.acks.took(peer, len(msg.events))
-                self._relay(Relayed(peer, msg.boot, msg.seq, frame, len(msg.events), msg.KIND,
-                                    common))
-                return
-        self._events(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND, common)
-
-    def _events(self, msg: protocol.PlainEvents | protocol.Events, frame: bytes, peer: str,
-                now: float, wall: float, kind: str = protocol.Events.KIND, common: bool = False
-                ) -> None:
-        """A batch (or the events of a run: `kind`, the frame's): each event taken as if it
-        came alone (a refused one is counted), relayed as the node's frame when all are new
-        (one ACK for all, as for any turn's events). A plain batch (FleetView.batch) is taken
-        whole, with no object per event."""
-        small = frame_bounds.reencodes_small(frame)   # (one scan of the frame for both paths)
-        if (isinstance(msg, protocol.PlainEvents) and small
-                and len(frame) <= protocol.MAX_EVENT_BYTES):
-            own = self.view.batch(msg, peer, now, wall)
-            if own is not None:
-                count = len(msg.items)   # (its seqs run up to the last received)
-                self.own_events(own)
-                self.acks.took(peer, count)
-                record = self.view.nodes[peer]
-                self._relay(Relayed(peer, record.boot, record.received_seq - count + 1, frame,
-                                    count, kind))
-                return
-        events = msg.events() if isinstance(msg, protocol.PlainEvents) else msg.events
-        new: list[protocol.Event] = []
-        restarts: list[tuple[protocol.Event, tuple[str, str]]] = []
-        taken = False
-        # (never a batch or run from this package's nodes: each event then is checked alone)
-        big = len(frame) > (protocol.MAX_RUN_BYTES if kind == protocol.Run.KIND
-                            else protocol.MAX_EVENT_BYTES)
-        for event in events:
-            try:
-                if big:
-                    frame_bounds.check_size(event, frame_bounds.encoded_size(event), peer)
-                fresh, own = self.view.event(event, peer, now, wall)
-            except Refused as exc:
-                self._bad(exc.reason, str(exc))
-                continue
-            taken = True
-            if own:
-                self.own_events(own)
-            if fresh:   # restarts decided in turn, as for single events; sent after the relay
-                new.append(event)
-                restarts += [(event, target) for target in self.policy.restarts(peer, event)]
-        if taken:
-            self.acks.took(peer, len(events))
-        if len(new) == len(events) and small and (   # kept together: relayed as it came
-                frame_bounds.expands_small(common, len(new))) and all(
-                e.seq == new[0].seq + i for i, e in enumerate(new)):
-            self._relay(Relayed(peer, new[0].boot, new[0].seq, frame, len(new), kind, common))
-        else:
-            for event in new:   # encoded now: one that cannot be sent is never relayed
-                try:
-                    self._relay(Relayed(event.node_id, event.boot, event.seq,
-                                        protocol.encode(event)))
-                except protocol.ProtocolError as exc:
-                    self._bad("unsendable", f"event {event.seq} of {peer!r}: {exc}")
-        for cause, (node, engine) in restarts:
-            self.policy.group_restart(node, engine, cause)
 
     def _tick(self, now: float, wall: float) -> None:
         """What is due: expired gatherings; the sweep (silent nodes and subscribers, then the
