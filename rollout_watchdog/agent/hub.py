@@ -6,9 +6,9 @@ a node's events to `node_events.NodeEvents` (the view, the ACK count, the relay,
 restarts), ACKs them once taken (journaled first, with a state dir: `journal.Journal`; most
 ACKs ride the next heartbeat: `acks.AckSchedule`), relays them to subscribed clients
 (`relay.Relay`), fans commands out to nodes and gathers their replies (`fanout.Fanout`), and
-heartbeats. What a node's message means is the fleet view's to say, and everything else is the policy's to decide
-(`hub_policy`: commands, group restarts, the refit lock, router gating); the coordinator
-(`refit_bridge.coordinator`) hands both in.
+heartbeats. What a node's message means is the fleet view's to say, and everything else is
+the policy's to decide (`hub_policy`: commands, group restarts, the refit lock, router
+gating); the coordinator (`refit_bridge.coordinator`) hands both in.
 
 `loop` is one turn after another, each the same named steps: wait for a message or the next
 deadline; obey the pipe (`pipe.Pipe`: stop, reload the keys), which wakes the poll at once;

@@ -34,7 +34,8 @@ class NodeEvents:
 
     def event(self, msg: protocol.Event, frame: bytes, peer: str, now: float, wall: float
               ) -> None:
-        """One "event" message; Refused (for the hub to count) when the view refuses it."""
+        """One "event" message; Refused (for the hub to count) when its frame is too big or
+        the view refuses it."""
         frame_bounds.check_size(msg, len(frame), peer)
         new, own = self.view.event(msg, peer, now, wall)
         self._own_events(own)
