@@ -10,13 +10,21 @@ each fan-out of `pause`/`resume` its run of one event per engine (1.5 `common`, 
 encodes it) and its reply. What the coordinator does is what it does for real nodes; what the
 nodes do is next to nothing, so the cores are the coordinator's.
 
+The nodes answer at once, as a fleet of separate machines does: each node's answers to its next
+`pause` and `resume` are made while the fleet is idle, and a command only puts its request id
+in. Built on the spot instead (--built-answers, how this bench answered before 2026-12-03),
+the one process's answers trickle in ~0.1 ms apart: the coordinator, faster than they come,
+waits between them ~500 times a pause, and on this VM each wait costs the next message a
+cold cache (bench/README.md, "Stop of 2026-12-03, 06:09-09:09"): that figure is the trickle's.
+
 Each pause is measured twice, alternated in the same run: the nodes sending their run and reply
 as one frame of lines (1.6, what a node sends to this coordinator) and as a frame each (1.5
 nodes). Printed: the coordinator's CPU per pause (process, and its main thread), gross and net
-of its idle fleet's rate (heartbeats), and the ratio of the two ways.
+of its idle fleet's rate (heartbeats), the pause's round trip, and the ratio of the two ways.
 
     PYTHONPATH=<checkout> python bench/pause_wire.py [--nodes 1000] [--engines 8]
-        [--repeat 20] [--modes lines,separate] [--coordinator-path <another checkout>]
+        [--repeat 20] [--modes lines,separate] [--built-answers]
+        [--coordinator-path <another checkout>]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import statistics
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -42,20 +51,24 @@ from rollout_watchdog.common.events import Event as NodeEvent
 from rollout_watchdog.emulator.testing import free_port
 
 MODES = ("lines", "separate")
+CMDS = {"pause": "paused", "resume": "resumed"}   # a command, and the kind of its events
+_REQUEST_ID_SLOT = "@request-id@"   # where a prepared reply's request id goes
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
 class LightNodes:
     """The DEALERs of `nodes` nodes, answering as cheaply as a node can."""
 
-    def __init__(self, endpoint: str, nodes: int, engines: int) -> None:
+    def __init__(self, endpoint: str, nodes: int, engines: int, built: bool) -> None:
         _raise_fd_limit()
         self.ctx = zmq.Context()
         self.ctx.max_sockets = nodes + 64
-        self.engines = engines
+        self.engines, self.built = engines, built
         self.names = [f"wire-{i:04d}" for i in range(nodes)]
         self.seq = [0] * nodes
         self.mode = MODES[0]
+        self.ready: list[dict[str, tuple[bytes, bytes]]] = [{} for _ in range(nodes)]
+        self.answered = {"beforehand": 0, "on the spot": 0}   # how each answer was made
         self.socks: dict[zmq.Socket[bytes], int] = {}
         for i, name in enumerate(self.names):
             sock = self.ctx.socket(zmq.DEALER)
@@ -66,6 +79,8 @@ class LightNodes:
                                                      [engine(e) for e in range(engines)], 0)))
 
     def serve(self, pipe: Connection) -> None:
+        """Answer commands; an order down `pipe` (the mode) is answered once every node's next
+        answers are made (the bench then sends the command)."""
         poller = zmq.Poller()
         for sock in self.socks:
             poller.register(sock, zmq.POLLIN)
@@ -74,8 +89,10 @@ class LightNodes:
             if pipe.poll(0):
                 order = pipe.recv()
                 if order == "stop":
+                    pipe.send(self.answered)
                     break
                 self.mode = order
+                self._prepare()
                 pipe.send("ok")
             if time.monotonic() >= next_beat:   # every node is alive to the coordinator
                 beat = protocol.encode(protocol.Heartbeat(time.time()))
@@ -89,19 +106,38 @@ class LightNodes:
                         self._answer(sock, self.socks[sock], message)
         self.ctx.destroy(0)
 
-    def _answer(self, sock: zmq.Socket[bytes], i: int, command: dict[str, Any]) -> None:
-        kind = {"pause": "paused", "resume": "resumed"}[command["cmd"]]
+    def _prepare(self) -> None:
+        if self.built:
+            return
+        for i, ready in enumerate(self.ready):
+            for cmd in CMDS:
+                if cmd not in ready:
+                    ready[cmd] = self._made(i, cmd)
+
+    def _made(self, i: int, cmd: str) -> tuple[bytes, bytes]:
+        """Node i's run and reply to its next `cmd`, the reply's request id a placeholder."""
+        kind = CMDS[cmd]
         name, ids = self.names[i], [f"e{e}" for e in range(self.engines)]
         deadline = time.time() + 60
         events = []
-        for engine_id in ids:
-            self.seq[i] += 1
+        for k, engine_id in enumerate(ids, start=1):
             event = NodeEvent(time.time(), name, engine_id, 1, kind, detail=f"deep probes {kind}",
                               extra={"deadline": deadline} if kind == "paused" else None)
-            events.append(protocol.Event(name, f"{name}-boot", self.seq[i], event.to_json()))
+            events.append(protocol.Event(name, f"{name}-boot", self.seq[i] + k,
+                                         event.to_json()))
         run = protocol.encode(protocol.Run.of(events, common=True))
         result = {"paused": ids, "deadline": deadline} if kind == "paused" else {"resumed": ids}
-        reply = protocol.encode(protocol.Reply(command["request_id"], "ok", None, result))
+        reply = protocol.encode(protocol.Reply(_REQUEST_ID_SLOT, "ok", None, result))
+        return run, reply
+
+    def _answer(self, sock: zmq.Socket[bytes], i: int, command: dict[str, Any]) -> None:
+        prepared = self.ready[i].pop(command["cmd"], None)
+        self.answered["beforehand" if prepared else "on the spot"] += 1
+        run, reply = prepared or self._made(i, command["cmd"])
+        self.ready[i].clear()   # (made for this seq: the other answer's seqs are taken now)
+        self.seq[i] += self.engines
+        reply = reply.replace(_REQUEST_ID_SLOT.encode(),
+                              json.dumps(command["request_id"])[1:-1].encode())
         if self.mode == "lines":
             sock.send(lines.NEWLINE.join([run, reply]), _NOBLOCK)
         else:
@@ -109,8 +145,8 @@ class LightNodes:
             sock.send(reply, _NOBLOCK)
 
 
-def nodes_main(pipe: Connection, endpoint: str, nodes: int, engines: int) -> None:
-    LightNodes(endpoint, nodes, engines).serve(pipe)
+def nodes_main(pipe: Connection, endpoint: str, nodes: int, engines: int, built: bool) -> None:
+    LightNodes(endpoint, nodes, engines, built).serve(pipe)
 
 
 def measure(coord: CoordinatorProcess, pipe: Connection, nodes: int, repeat: int,
@@ -139,6 +175,8 @@ def measure(coord: CoordinatorProcess, pipe: Connection, nodes: int, repeat: int
                 assert reply.status == "ok" and not reply.result["missing"], reply
                 if k:
                     figures[mode].append((after[0] - before[0], after[1] - before[1], wall))
+                pipe.send(mode)
+                assert pipe.recv() == "ok"
                 reply = conn.call("resume", {"all": True}, timeout_s=30, gather_s=10)
                 assert reply.status == "ok", reply
         idle_before, started = cpu(), time.monotonic()
@@ -157,6 +195,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20, help="pauses of each way")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="the ways the nodes answer, alternated (default: both)")
+    parser.add_argument("--built-answers", action="store_true",
+                        help="nodes build each answer when its command comes (they trickle in "
+                             "~0.1 ms apart), not beforehand (at once, as a fleet answers)")
     parser.add_argument("--coordinator-path", metavar="CHECKOUT", default=None,
                         help="run the coordinator from this checkout (its PYTHONPATH): another "
                              "commit's code, for an A/B in the same minutes ('separate' only "
@@ -172,30 +213,36 @@ def main() -> None:
         coord = start_coordinator_process(bind, log_path=Path(tmp) / "coordinator.log", env=env)
         mine, theirs = mp.get_context("spawn").Pipe()
         nodes = mp.get_context("spawn").Process(
-            target=nodes_main, args=(theirs, coord.endpoint, args.nodes, args.engines),
-            daemon=True)
+            target=nodes_main, args=(theirs, coord.endpoint, args.nodes, args.engines,
+                                     args.built_answers), daemon=True)
         nodes.start()
         try:
             figures = measure(coord, mine, args.nodes, args.repeat, modes)
         finally:
             mine.send("stop")
+            answered = mine.recv() if mine.poll(10) else {}
             nodes.join(10)
             if nodes.is_alive():
                 nodes.kill()
             coord.kill()
     idle = figures.pop("idle")[0][0]
-    print(f"{args.nodes} nodes x {args.engines} engines answering at almost no cost, "
-          f"{args.repeat} pauses each way, alternated; the coordinator's idle rate "
-          f"(heartbeats) {100 * idle:.1f} % of a core")
+    answers = ("built when each command comes (a trickle)" if args.built_answers
+               else "made beforehand (at once, as a fleet answers)")
+    print(f"{args.nodes} nodes x {args.engines} engines answering at almost no cost, their "
+          f"answers {answers}, {args.repeat} pauses each way, alternated; the coordinator's "
+          f"idle rate (heartbeats) {100 * idle:.1f} % of a core; answers made "
+          + ", ".join(f"{how}: {count}" for how, count in answered.items()))
     print("the coordinator's CPU per fleet-wide pause, ms: mean (psutil counts in 10 ms "
-          "ticks), gross and net of the idle rate over the pause's wall time; its main thread")
+          "ticks), gross and net of the idle rate over the pause's wall time; its main thread; "
+          "the pause's round trip, median")
     means = {}
     for mode, runs in figures.items():
         means[mode] = 1000 * sum(t for t, _, _ in runs) / len(runs)
         net = means[mode] - 1000 * idle * sum(w for _, _, w in runs) / len(runs)
         main_thread = 1000 * sum(m for _, m, _ in runs) / len(runs)
+        round_trip = 1000 * statistics.median(w for _, _, w in runs)
         print(f"  {mode:<9} process {means[mode]:6.1f}, net {net:6.1f}; main thread "
-              f"{main_thread:6.1f}")
+              f"{main_thread:6.1f}; round trip {round_trip:6.1f}")
     if len(means) == 2:
         ratio = (f"{means['lines'] / means['separate']:.2f}" if means["separate"] else
                  "- (a pause under psutil's 10 ms tick: more nodes or pauses)")

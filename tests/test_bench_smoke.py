@@ -61,13 +61,23 @@ def test_transport_floor_runs_each_variant() -> None:
 
 def test_pause_wire_measures_both_ways_of_answering() -> None:
     """The coordinator's CPU per pause over real sockets prints a figure for nodes that send
-    their run and reply as one frame of lines and as a frame each, on a few nodes."""
+    their run and reply as one frame of lines and as a frame each, on a few nodes, every answer
+    made before its command came (so that they come at once, as a fleet's do)."""
     rc, out = bench("pause_wire.py", "--nodes", "20", "--engines", "2", "--repeat", "2",
                     timeout=120)
     assert rc == 0, out
     for mode in ("lines ", "separate "):
-        assert f"  {mode}" in out and "main thread" in out, out
+        assert f"  {mode}" in out and "main thread" in out and "round trip" in out, out
     assert "lines / separate: x" in out, out
+    # 2 ways x 3 rounds (one warms up) x a pause and a resume x 20 nodes
+    assert "answers made beforehand: 240, on the spot: 0" in out, out
+
+
+def test_pause_wire_can_build_each_answer_when_its_command_comes() -> None:
+    rc, out = bench("pause_wire.py", "--nodes", "20", "--engines", "2", "--repeat", "1",
+                    "--modes", "lines", "--built-answers", timeout=120)
+    assert rc == 0, out
+    assert "answers made beforehand: 0, on the spot: 80" in out, out
 
 
 def test_suite_cpu_counts_a_detached_daemon_and_keeps_the_exit_status(tmp_path: Path) -> None:
