@@ -53,6 +53,8 @@ from rollout_watchdog.emulator.testing import free_port
 MODES = ("lines", "separate")
 CMDS = {"pause": "paused", "resume": "resumed"}   # a command, and the kind of its events
 _REQUEST_ID_SLOT = "@request-id@"   # where a prepared reply's request id goes
+ORDER_TIMEOUT_S = 60.0   # the nodes' answers made, at most (a dead process: an error, no hang)
+SETTLE_S = 0.2           # then the coordinator takes in the heartbeats they sent meanwhile
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
@@ -67,7 +69,9 @@ class LightNodes:
         self.names = [f"wire-{i:04d}" for i in range(nodes)]
         self.seq = [0] * nodes
         self.mode = MODES[0]
-        self.ready: list[dict[str, tuple[bytes, bytes]]] = [{} for _ in range(nodes)]
+        # each node's answer to the command the bench said comes next: (command, the seq it
+        # follows on, run, reply); used only while the node's seq is still that one
+        self.ready: list[tuple[str, int, bytes, bytes] | None] = [None] * nodes
         self.answered = {"beforehand": 0, "on the spot": 0}   # how each answer was made
         self.socks: dict[zmq.Socket[bytes], int] = {}
         for i, name in enumerate(self.names):
@@ -79,8 +83,10 @@ class LightNodes:
                                                      [engine(e) for e in range(engines)], 0)))
 
     def serve(self, pipe: Connection) -> None:
-        """Answer commands; an order down `pipe` (the mode) is answered once every node's next
-        answers are made (the bench then sends the command)."""
+        """Answer commands. An order down `pipe` (the mode, and the command that comes next) is
+        answered once every node's answer to that command is made (unless --built-answers) and
+        the heartbeats that fell due meanwhile are sent: the bench then lets the coordinator
+        take them in, and sends the command."""
         poller = zmq.Poller()
         for sock in self.socks:
             poller.register(sock, zmq.POLLIN)
@@ -91,14 +97,11 @@ class LightNodes:
                 if order == "stop":
                     pipe.send(self.answered)
                     break
-                self.mode = order
-                self._prepare()
+                self.mode, cmd = order
+                self._prepare(cmd)
+                next_beat = self._beat(next_beat)
                 pipe.send("ok")
-            if time.monotonic() >= next_beat:   # every node is alive to the coordinator
-                beat = protocol.encode(protocol.Heartbeat(time.time()))
-                for sock in self.socks:
-                    sock.send(beat, _NOBLOCK)
-                next_beat += 1.0
+            next_beat = self._beat(next_beat)
             for sock, _ in poller.poll(50):
                 while sock.poll(0):
                     message = json.loads(sock.recv(_NOBLOCK))
@@ -106,13 +109,23 @@ class LightNodes:
                         self._answer(sock, self.socks[sock], message)
         self.ctx.destroy(0)
 
-    def _prepare(self) -> None:
+    def _beat(self, next_beat: float) -> float:
+        """Every node's heartbeat when due (every node is alive to the coordinator); the next
+        time one is due."""
+        if time.monotonic() < next_beat:
+            return next_beat
+        beat = protocol.encode(protocol.Heartbeat(time.time()))
+        for sock in self.socks:
+            sock.send(beat, _NOBLOCK)
+        return max(next_beat + 1.0, time.monotonic())
+
+    def _prepare(self, cmd: str) -> None:
         if self.built:
             return
-        for i, ready in enumerate(self.ready):
-            for cmd in CMDS:
-                if cmd not in ready:
-                    ready[cmd] = self._made(i, cmd)
+        for i, seq in enumerate(self.seq):
+            ready = self.ready[i]
+            if ready is None or ready[:2] != (cmd, seq):
+                self.ready[i] = (cmd, seq, *self._made(i, cmd))
 
     def _made(self, i: int, cmd: str) -> tuple[bytes, bytes]:
         """Node i's run and reply to its next `cmd`, the reply's request id a placeholder."""
@@ -131,10 +144,13 @@ class LightNodes:
         return run, reply
 
     def _answer(self, sock: zmq.Socket[bytes], i: int, command: dict[str, Any]) -> None:
-        prepared = self.ready[i].pop(command["cmd"], None)
-        self.answered["beforehand" if prepared else "on the spot"] += 1
-        run, reply = prepared or self._made(i, command["cmd"])
-        self.ready[i].clear()   # (made for this seq: the other answer's seqs are taken now)
+        ready, self.ready[i] = self.ready[i], None
+        if ready is not None and ready[:2] == (command["cmd"], self.seq[i]):
+            self.answered["beforehand"] += 1
+            run, reply = ready[2:]
+        else:   # (none made, or made for another command or an older seq)
+            self.answered["on the spot"] += 1
+            run, reply = self._made(i, command["cmd"])
         self.seq[i] += self.engines
         reply = reply.replace(_REQUEST_ID_SLOT.encode(),
                               json.dumps(command["request_id"])[1:-1].encode())
@@ -147,6 +163,16 @@ class LightNodes:
 
 def nodes_main(pipe: Connection, endpoint: str, nodes: int, engines: int, built: bool) -> None:
     LightNodes(endpoint, nodes, engines, built).serve(pipe)
+
+
+def _order(pipe: Connection, order: tuple[str, str]) -> None:
+    """Tell the nodes the mode and the command that comes next; once they are ready, give the
+    coordinator SETTLE_S to take in the heartbeats they sent meanwhile (out of the window)."""
+    pipe.send(order)
+    if not pipe.poll(ORDER_TIMEOUT_S):
+        raise RuntimeError(f"the nodes' process did not answer within {ORDER_TIMEOUT_S:g} s")
+    assert pipe.recv() == "ok"
+    time.sleep(SETTLE_S)
 
 
 def measure(coord: CoordinatorProcess, pipe: Connection, nodes: int, repeat: int,
@@ -166,8 +192,7 @@ def measure(coord: CoordinatorProcess, pipe: Connection, nodes: int, repeat: int
                  f"{nodes} nodes reachable", interval=0.05)
         for k in range(repeat + 1):   # (the first round warms up)
             for mode in modes:
-                pipe.send(mode)
-                assert pipe.recv() == "ok"
+                _order(pipe, (mode, "pause"))
                 before, started = cpu(), time.monotonic()
                 reply = conn.call("pause", {"deadline_s": 60, "all": True}, timeout_s=30,
                                   gather_s=10)
@@ -175,8 +200,7 @@ def measure(coord: CoordinatorProcess, pipe: Connection, nodes: int, repeat: int
                 assert reply.status == "ok" and not reply.result["missing"], reply
                 if k:
                     figures[mode].append((after[0] - before[0], after[1] - before[1], wall))
-                pipe.send(mode)
-                assert pipe.recv() == "ok"
+                _order(pipe, (mode, "resume"))
                 reply = conn.call("resume", {"all": True}, timeout_s=30, gather_s=10)
                 assert reply.status == "ok", reply
         idle_before, started = cpu(), time.monotonic()
@@ -216,11 +240,15 @@ def main() -> None:
             target=nodes_main, args=(theirs, coord.endpoint, args.nodes, args.engines,
                                      args.built_answers), daemon=True)
         nodes.start()
+        theirs.close()   # (ours closed: a dead nodes' process is an EOF here, not a hang)
         try:
             figures = measure(coord, mine, args.nodes, args.repeat, modes)
         finally:
-            mine.send("stop")
-            answered = mine.recv() if mine.poll(10) else {}
+            try:
+                mine.send("stop")
+                answered = mine.recv() if mine.poll(10) else {}
+            except (OSError, EOFError):   # the nodes' process is gone
+                answered = {}
             nodes.join(10)
             if nodes.is_alive():
                 nodes.kill()
@@ -231,7 +259,8 @@ def main() -> None:
     print(f"{args.nodes} nodes x {args.engines} engines answering at almost no cost, their "
           f"answers {answers}, {args.repeat} pauses each way, alternated; the coordinator's "
           f"idle rate (heartbeats) {100 * idle:.1f} % of a core; answers made "
-          + ", ".join(f"{how}: {count}" for how, count in answered.items()))
+          + (", ".join(f"{how}: {count}" for how, count in answered.items())
+             or "unknown (the nodes' process did not say)"))
     print("the coordinator's CPU per fleet-wide pause, ms: mean (psutil counts in 10 ms "
           "ticks), gross and net of the idle rate over the pause's wall time; its main thread; "
           "the pause's round trip, median")
