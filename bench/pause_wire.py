@@ -263,15 +263,16 @@ def main() -> None:
              or "unknown (the nodes' process did not say)"))
     print("the coordinator's CPU per fleet-wide pause, ms: mean (psutil counts in 10 ms "
           "ticks), gross and net of the idle rate over the pause's wall time; its main thread; "
-          "the pause's round trip, median")
+          "the pause's round trip, median and max (n=--repeat)")
     means = {}
     for mode, runs in figures.items():
         means[mode] = 1000 * sum(t for t, _, _ in runs) / len(runs)
         net = means[mode] - 1000 * idle * sum(w for _, _, w in runs) / len(runs)
         main_thread = 1000 * sum(m for _, m, _ in runs) / len(runs)
-        round_trip = 1000 * statistics.median(w for _, _, w in runs)
+        walls = [1000 * w for _, _, w in runs]
         print(f"  {mode:<9} process {means[mode]:6.1f}, net {net:6.1f}; main thread "
-              f"{main_thread:6.1f}; round trip {round_trip:6.1f}")
+              f"{main_thread:6.1f}; round trip {statistics.median(walls):6.1f}, max "
+              f"{max(walls):6.1f}")
     if len(means) == 2:
         ratio = (f"{means['lines'] / means['separate']:.2f}" if means["separate"] else
                  "- (a pause under psutil's 10 ms tick: more nodes or pauses)")
