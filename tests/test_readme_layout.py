@@ -1,5 +1,6 @@
 """The README's Layout section is how a newcomer finds a concept by its name: its entry for each
-subpackage names every module of that subpackage, and none that is gone."""
+subpackage names every module of that subpackage, and none that is gone. bench/README.md's
+table says what each benchmark measures, for every one of them."""
 
 from __future__ import annotations
 
@@ -65,3 +66,14 @@ def test_no_entry_names_a_module_that_is_gone() -> None:
             for name, entry in found.items()}
     gone = {name: names for name, names in gone.items() if names}
     assert not gone, f"README.md's Layout section names modules that do not exist: {gone}"
+
+
+def test_the_bench_table_says_what_each_benchmark_measures() -> None:
+    text = (REPO / "bench" / "README.md").read_text()
+    start = text.index("\n## What each one measures\n")
+    table = text[start:text.index("\n## ", start + 1)]
+    scripts = {path.name for path in (REPO / "bench").glob("[!_]*.py")}
+    assert scripts, "no benchmark found"
+    listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", table, re.MULTILINE))
+    assert listed == scripts, (f"bench/README.md's table lacks {sorted(scripts - listed)}, "
+                               f"lists what is gone: {sorted(listed - scripts)}")
