@@ -76,8 +76,11 @@ def kills(fleet: FleetClient, count: int) -> list[float]:
                                    "--host", host, "--port", str(port),
                                    "--no-model"])   # (no weights here: no torch to load)
 
+    started = time.monotonic()
     names = [v.name for v in rw_ray.launch_in_placement_group(fleet, pg, make_spec,
                                                                wait_s=180)]
+    print(f"  {len(names)} engines launched in the placement group, healthy in "
+          f"{time.monotonic() - started:.1f} s", flush=True)   # (a slow phase named if cut)
     follower = Follower(fleet)
     follower.start()
     time.sleep(1.0)   # the subscription is in place before the first kill

@@ -44,7 +44,10 @@ def test_follower_detection_quick_runs() -> None:
 def test_ray_start_quick_runs() -> None:
     """The fleet starts on a 3-node Ray cluster, every watchdog reachable, and engine kills
     reach the client; the latency goal is not asserted (a loaded machine's figure)."""
-    rc, out = bench("ray_start.py", "--quick", "--time-limit", "150", timeout=200)
+    # (its own waits are bounded: engines healthy within 180 s, each kill's event within 10 s;
+    # the limit only stops a hang. Beside the heavy pass's other Ray clusters, at a load of 17,
+    # a run went past 150 s after its start() took 7.8 s; alone it takes ~25 s.)
+    rc, out = bench("ray_start.py", "--quick", "--time-limit", "420", timeout=480)
     assert rc in (0, 2), out
     assert "start() -> every watchdog reachable, 3 nodes" in out, out
     assert "engine SIGKILL -> client event, 3 nodes" in out and "(n=3)" in out, out
