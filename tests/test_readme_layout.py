@@ -13,11 +13,16 @@ ENTRY = re.compile(r"^- `rollout_watchdog/([a-z_]+)/`", re.MULTILINE)
 NAMED = re.compile(r"`([a-z_0-9]+\.py)`")
 
 
-def layout_section() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## Layout\n")
-    end = text.find("\n## ", start + 1)   # (the next section, or the end)
+def section(path: Path, heading: str) -> str:
+    """The Markdown file's `## heading` section, up to the next one (or the end)."""
+    text = path.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
     return text[start:] if end == -1 else text[start:end]
+
+
+def layout_section() -> str:
+    return section(REPO / "README.md", "Layout")
 
 
 def entries() -> dict[str, str]:
@@ -69,9 +74,7 @@ def test_no_entry_names_a_module_that_is_gone() -> None:
 
 
 def test_the_bench_table_says_what_each_benchmark_measures() -> None:
-    text = (REPO / "bench" / "README.md").read_text()
-    start = text.index("\n## What each one measures\n")
-    table = text[start:text.index("\n## ", start + 1)]
+    table = section(REPO / "bench" / "README.md", "What each one measures")
     scripts = {path.name for path in (REPO / "bench").glob("[!_]*.py")}
     assert scripts, "no benchmark found"
     listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", table, re.MULTILINE))
