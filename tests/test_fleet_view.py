@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from rollout_watchdog.common.protocol import Event, Hello, PlainEvents, ProtocolError, Run
+from rollout_watchdog.common.plain import PlainRun, decode_plain
+from rollout_watchdog.common.protocol import (
+    Event,
+    Hello,
+    PlainEvents,
+    ProtocolError,
+    Run,
+    encode,
+)
 from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
 
 T0 = 1000.0          # monotonic clock of the tests
@@ -339,13 +347,17 @@ def paused(node: str, seq: int, engine_id: str, boot: str = "b1") -> Event:
 
 def taken_whole(view: FleetView, shape: str, events: list[Event], peer: str, now: float,
                 wall: float) -> list[dict[str, Any]] | None:
-    """A node's frame of `events` taken whole, as an "events" frame or as a run (1.4)."""
-    if shape == "run":
-        return view.run(Run.of(events), peer, now, wall)
+    """A node's frame of `events` taken whole, as an "events" frame or as a run (1.4), its
+    shared fields said once (1.5) or not, read as the hub reads it."""
+    if shape.startswith("run"):
+        run = decode_plain(encode(Run.of(events, common=shape == "run_common")))
+        said_once = shape == "run_common" and len(events) > 1   # (one event shares nothing)
+        assert isinstance(run, PlainRun) and (run.common is not None) == said_once
+        return view.run(run, peer, now, wall)
     return view.batch(as_parsed(events), peer, now, wall)
 
 
-@pytest.mark.parametrize("shape", ["events", "run"])
+@pytest.mark.parametrize("shape", ["events", "run", "run_common"])
 def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one(shape: str) -> None:
     """A fleet-wide pause's frame per node: the same view, seqs and reachability as taking
     each event alone."""
@@ -370,9 +382,9 @@ def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one(shape: str) -> No
     assert [e["paused"] for e in whole.nodes["n1"].engines.values()] == [False, True, True, True]
 
 
-@pytest.mark.parametrize("shape", ["events", "run"])
+@pytest.mark.parametrize("shape", ["events", "run", "run_common"])
 @pytest.mark.parametrize("case", ["gap", "replay", "other_boot", "other_node", "stopping",
-                                  "unknown_node"])
+                                  "all_stopping", "unknown_node"])
 def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str,
                                                                        shape: str) -> None:
     view = FleetView()
@@ -384,9 +396,11 @@ def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str,
              "other_node": [paused("n1", 2, "e0"), Event("n2", "b1", 3, {})],
              "stopping": [paused("n1", 2, "e0"),
                           state_event("n1", 3, "e1", "healthy", "stopping", "exited")],
+             "all_stopping": [state_event("n1", 2, "e0", "healthy", "stopping", "exited"),
+                              state_event("n1", 3, "e1", "healthy", "stopping", "exited")],
              "unknown_node": [paused("n9", 1, "e0")]}[case]
     before = json.dumps(view.status())
-    if shape == "run" and case in ("gap", "other_node"):   # not one run: its seqs follow on
+    if shape != "events" and case in ("gap", "other_node"):   # not one run: its seqs follow on
         batch = [replace(batch[0], seq=3 if case == "gap" else 2,
                          node_id="n2" if case == "other_node" else "n1")]
     assert taken_whole(view, shape, batch, "n9" if case == "unknown_node" else "n1", T0 + 1,

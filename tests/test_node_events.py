@@ -11,6 +11,7 @@ from rollout_watchdog.agent.hub_policy import OwnEvent, Policy
 from rollout_watchdog.agent.node_events import NodeEvents
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.plain import PlainRun, decode_plain
 from rollout_watchdog.common.protocol import Event, Hello, Run
 from rollout_watchdog.refit_bridge.fleet import FleetView
 
@@ -100,8 +101,8 @@ def test_a_run_of_new_events_is_taken_whole_and_relayed_as_the_frame_it_came_in(
     rec.view.alone = False
     run = Run.of([paused("n1", seq, f"e{seq - 1}") for seq in range(1, 9)], common=True)
     frame = protocol.encode(run)
-    decoded = protocol.decode(frame)
-    assert isinstance(decoded, Run)
+    decoded = decode_plain(frame)
+    assert isinstance(decoded, PlainRun) and decoded.common is not None
     rec.node_events().run(decoded, frame, "n1", T0, WALL0)
     assert rec.out == [("ack", ("n1", 8)), ("relay", (1, 8, "run"))]
     assert rec.items[0].frame is frame and rec.items[0].common
@@ -118,7 +119,7 @@ def test_a_plain_events_frame_is_taken_whole_from_the_next_seq() -> None:
     rec.view.alone = False
     frame = protocol.encode(protocol.Events([paused("n1", seq, f"e{seq - 1}")
                                              for seq in (3, 4, 5)]))
-    batch = protocol.decode_plain(frame)
+    batch = decode_plain(frame)
     assert isinstance(batch, protocol.PlainEvents)
     intake.batch(batch, frame, "n1", T0, WALL0)
     assert rec.out[-2:] == [("ack", ("n1", 3)), ("relay", (3, 3, "events"))]
@@ -132,7 +133,7 @@ def test_a_run_overlapping_what_was_taken_goes_event_by_event_and_only_the_new_a
     first = paused("n1", 1, "e0")
     intake.event(first, protocol.encode(first), "n1", T0, WALL0)
     run = Run.of([paused("n1", 1, "e0"), paused("n1", 2, "e1"), paused("n1", 3, "e2")])
-    intake.run(run, protocol.encode(run), "n1", T0, WALL0)
+    intake.run(PlainRun.of(run), protocol.encode(run), "n1", T0, WALL0)
     # the replayed seq 1 is dropped (the view counts it); 2 and 3 go out each as an event
     assert rec.out == [("ack", ("n1", 1)), ("relay", (1, 1, "event")),
                        ("ack", ("n1", 3)), ("relay", (2, 1, "event")), ("relay", (3, 1, "event"))]

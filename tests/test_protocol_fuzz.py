@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from rollout_watchdog.common import json_frame, protocol
 from rollout_watchdog.common.frames import EventsFrame
+from rollout_watchdog.common.plain import PlainRun, decode_plain
 from rollout_watchdog.common.protocol import (
     MAJOR,
     Ack,
@@ -27,6 +28,7 @@ from rollout_watchdog.common.protocol import (
     ProtocolError,
     Reply,
     ResumePoint,
+    Run,
     Subscribe,
     decode,
     encode,
@@ -54,10 +56,21 @@ positive = st.floats(min_value=1e-6, max_value=1e9, allow_nan=False)
 events = st.builds(Event, node_id=names, boot=names, seq=st.integers(1, (1 << 63) - 1),
                    event=json_objects,
                    engine_status=st.none() | json_objects.map(lambda o: {**o, "id": "e0"}))
+# A node's run (1.4), with its shared fields said once (1.5) or not: the events of one boot, in
+# order, some sharing fields (a pause's "paused" events share all but the engine and the time)
+shared_bodies = st.tuples(json_objects, st.lists(json_objects, min_size=1, max_size=4)).map(
+    lambda c: [{**c[0], **own} for own in c[1]])
+runs = st.builds(
+    lambda node, boot, seq, bodies, statuses, common: Run.of(
+        [Event(node, boot, seq + i, body, statuses[i % len(statuses)])
+         for i, body in enumerate(bodies)], common),
+    names, names, st.integers(1, 1 << 40), shared_bodies,
+    st.sampled_from([[None], [{"id": "e0"}], [None, {"id": "e1", "x": [1]}]]), st.booleans())
 messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Hello, node_id=names, boot=names, engines=engines, last_seq=seqs),
     events,
     st.builds(Events, events=st.lists(events, min_size=1, max_size=4)),
+    runs,
     st.builds(Ack, boot=names, seq=seqs, batches=st.booleans()),
     st.builds(Heartbeat, sent_at=finite),
     st.builds(lambda r, c, a, n, e, t: Command(r, c, a, n, e if n else None, t),
@@ -196,11 +209,14 @@ def test_an_event_in_a_batch_is_judged_as_it_would_be_alone(event: Event, versio
 
 
 def decoded(data: bytes, decoder: Any = decode) -> Any:
-    """A decoder's answer: the message (the Events of a PlainEvents), or the refusal's text."""
+    """A decoder's answer: the message (the Events of a PlainEvents, the Run of a PlainRun), or
+    the refusal's text."""
     try:
         msg = decoder(data)
     except ProtocolError as exc:
         return str(exc)
+    if isinstance(msg, PlainRun):
+        return msg.run()
     return Events(msg.events()) if isinstance(msg, protocol.PlainEvents) else msg
 
 
@@ -208,13 +224,14 @@ def decoded(data: bytes, decoder: Any = decode) -> Any:
 @given(messages, st.sampled_from(["", " ", "\n\t "]), st.sampled_from([None, ", ", ","]))
 def test_the_hub_s_plain_decode_agrees_with_decode(msg: Message, blank: str,
                                                    separator: str | None) -> None:
-    """decode_plain (a plain batch taken without an object per event): the same message or
-    refusal as decode, with or without blanks around and within the frame."""
+    """decode_plain (a plain batch or a run taken without an object per event): the same
+    message or refusal as decode, with or without blanks around and within the frame."""
     separators = None if separator is None else (separator, ":")
     data = (blank + json.dumps(msg.to_json(), separators=separators) + blank).encode()
-    assert decoded(data, protocol.decode_plain) == decoded(data) == msg
-    plain = protocol.decode_plain(data)
+    assert decoded(data, decode_plain) == decoded(data) == msg
+    plain = decode_plain(data)
     assert isinstance(plain, protocol.PlainEvents) == isinstance(msg, Events)
+    assert isinstance(plain, PlainRun) == isinstance(msg, Run)
 
 
 @FAST
@@ -236,7 +253,7 @@ def test_a_mutated_event_in_a_batch_is_judged_alike_by_both_decoders(
     items = [e.to_json() for e in batch]
     items[min(at, len(items) - 1)][name] = value
     data = json.dumps({"v": [MAJOR, 3], "kind": "events", "events": items}).encode()
-    assert decoded(data, protocol.decode_plain) == decoded(data)
+    assert decoded(data, decode_plain) == decoded(data)
     if at == 0 and isinstance(alone, str):
         assert decoded(data) == f"events[0]: {alone}"
 

@@ -39,6 +39,7 @@ from rollout_watchdog.common import frames, handshakes, lines, protocol
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.handshakes import HANDSHAKE_TIMEOUT_S
 from rollout_watchdog.common.lograte import worth_logging
+from rollout_watchdog.common.plain import PlainRun, decode_plain
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -240,7 +241,7 @@ class Hub:
         """One message from the connection `route`; `user` is the name of its CURVE key (None
         without). Only the connection a node's HELLO came from speaks for it (NodeRoutes)."""
         try:
-            msg = protocol.decode_plain(data)
+            msg = decode_plain(data)
         except protocol.ProtocolError as exc:
             self._bad("undecodable", str(exc))
             return
@@ -254,13 +255,13 @@ class Hub:
             if isinstance(msg, protocol.Hello):
                 self._hello(msg, route, user, now, wall)
             elif isinstance(msg, (protocol.Event, protocol.PlainEvents, protocol.Events,
-                                  protocol.Run)):
+                                  PlainRun)):
                 if node is None:
                     raise Refused("no_hello", f"{msg.KIND} from a peer that sent no HELLO "
                                               f"(routing id {route[:60]!r})")
                 if isinstance(msg, protocol.Event):
                     self.node_events.event(msg, data, node, now, wall)
-                elif isinstance(msg, protocol.Run):
+                elif isinstance(msg, PlainRun):
                     self.node_events.run(msg, data, node, now, wall)
                 else:
                     self.node_events.batch(msg, data, node, now, wall)

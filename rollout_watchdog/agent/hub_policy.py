@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.plain import PlainRun
 
 # An event of the coordinator's own, shaped like the nodes' events (`common.events.Event`).
 OwnEvent = dict[str, Any]
@@ -49,7 +50,7 @@ class View(Protocol):
     def batch(self, batch: protocol.PlainEvents, peer: str, now: float, wall: float
               ) -> list[OwnEvent] | None:
         """A node's "events" frame taken whole when plain (None: take each event alone)."""
-    def run(self, run: protocol.Run, peer: str, now: float, wall: float
+    def run(self, run: PlainRun, peer: str, now: float, wall: float
             ) -> list[OwnEvent] | None:
         """A node's "run" frame (1.4) taken whole when plain (None: take each event alone)."""
     def heard(self, peer: str, now: float, wall: float) -> list[OwnEvent]:

@@ -20,6 +20,7 @@ from rollout_watchdog.agent.acks import AckSchedule
 from rollout_watchdog.agent.hub_policy import OwnEvent, Policy, Refused, View
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.plain import PlainRun
 
 
 class NodeEvents:
@@ -46,8 +47,7 @@ class NodeEvents:
         for node, engine in self.policy.restarts(peer, msg):
             self.policy.group_restart(node, engine, msg)
 
-    def run(self, msg: protocol.Run, frame: bytes, peer: str, now: float, wall: float
-            ) -> None:
+    def run(self, msg: PlainRun, frame: bytes, peer: str, now: float, wall: float) -> None:
         """A node's run (1.4), taken whole when plain (FleetView.run: no object per event) and
         relayed as it came; else as the events it stands for, each on its own."""
         common = msg.common is not None
@@ -60,7 +60,8 @@ class NodeEvents:
                 self._relay(Relayed(peer, msg.boot, msg.seq, frame, len(msg.events), msg.KIND,
                                     common))
                 return
-        self.batch(protocol.Events(msg.as_events()), frame, peer, now, wall, msg.KIND, common)
+        self.batch(protocol.Events(msg.run().as_events()), frame, peer, now, wall, msg.KIND,
+                   common)
 
     def batch(self, msg: protocol.PlainEvents | protocol.Events, frame: bytes, peer: str,
               now: float, wall: float, kind: str = protocol.Events.KIND, common: bool = False

@@ -371,7 +371,7 @@ def _is_event_envelope(item: object) -> bool:
 @dataclass(frozen=True)
 class PlainEvents:
     """An "events" message as parsed, each of its items plainly a valid "event" message (what
-    Events.from_json takes without a question): `decode_plain` gives it to the coordinator,
+    Events.from_json takes without a question): `plain.decode_plain` gives it to the coordinator,
     which takes a node's batch without an object per event. Not a message class of its own:
     `events()` gives the Events' events."""
 
@@ -479,16 +479,11 @@ def from_json(obj: object) -> Message:
 
 def decode(data: bytes) -> Message:
     """The message in one frame; ProtocolError (and nothing else) for anything invalid."""
-    return _message(parse(data, MAX_MESSAGE_BYTES))
+    return message_in(parse(data, MAX_MESSAGE_BYTES))
 
 
-def decode_plain(data: bytes) -> Message | PlainEvents:
-    """decode(), but a plain "events" message as PlainEvents (the coordinator's hot path)."""
-    obj = parse(data, MAX_MESSAGE_BYTES)
-    return plain_events(obj) or _message(obj)
-
-
-def _message(obj: object) -> Message:
+def message_in(obj: object) -> Message:
+    """from_json(), with a value nested too deeply to show in a refusal refused as such."""
     try:
         return from_json(obj)
     except RecursionError:  # showing a deeply nested value in a refusal

@@ -16,6 +16,7 @@ from typing import Any
 
 from rollout_watchdog.agent.hub_policy import Refused
 from rollout_watchdog.common import protocol
+from rollout_watchdog.common.plain import PlainRun
 from rollout_watchdog.common.states import EngineState
 
 log = logging.getLogger(__name__)
@@ -143,22 +144,25 @@ class FleetView:
                 apply_event(engines, item["event"], item.get("engine_status"))
         return own
 
-    def run(self, run: protocol.Run, peer: str, now: float, wall: float
+    def run(self, run: PlainRun, peer: str, now: float, wall: float
             ) -> list[dict[str, Any]] | None:
-        """A node's run (1.4) taken whole, as `batch` takes an "events" frame (and when)."""
+        """A node's run (1.4) taken whole, as `batch` takes an "events" frame (and when), its
+        events read as the frame says them (an event's own field, else its `common` one)."""
         record = self.nodes.get(peer)
         if (record is None or run.node_id != peer or run.boot != record.boot
                 or run.seq != record.received_seq + 1):
             return None
         events, statuses = run.events, run.statuses
+        shared = shared_fields(run.common)
+        to = shared[_TO]
         for event in events:
-            if event.get("to") == _STOPPING:
+            if event.get("to", to) == _STOPPING:
                 return None
         own = self._heard(record, now, wall, "event")
         record.received_seq = run.seq + len(events) - 1
         engines = record.engines
         for i in range(max(0, record.snapshot_seq + 1 - run.seq), len(events)):  # past it
-            apply_event(engines, events[i], None if statuses is None else statuses[i])
+            apply_event(engines, events[i], None if statuses is None else statuses[i], shared)
         return own
 
     def heard(self, peer: str, now: float, wall: float) -> list[dict[str, Any]]:
@@ -252,30 +256,50 @@ class FleetView:
         return [(r.node_id, e["id"]) for r, e in targets]
 
 
+# The fields of an event that `apply_event` reads, in the order of `shared`: what a run's
+# `common` (1.5) says of them for all its events (an event's own win), read once a run
+SHARED_FIELDS = ("engine", "kind", "incarnation", "to", "deadline")
+NOT_SHARED: tuple[Any, ...] = (None,) * len(SHARED_FIELDS)
+_TO = SHARED_FIELDS.index("to")
+
+
+def shared_fields(common: dict[str, Any] | None) -> tuple[Any, ...]:
+    """`common`'s values of SHARED_FIELDS (None for each it does not say)."""
+    if common is None:
+        return NOT_SHARED
+    get = common.get
+    return get("engine"), get("kind"), get("incarnation"), get("to"), get("deadline")
+
+
 def apply_event(engines: dict[str, dict[str, Any]], event: dict[str, Any],
-                status: dict[str, Any] | None) -> None:
+                status: dict[str, Any] | None, shared: tuple[Any, ...] = NOT_SHARED) -> None:
     """Bring one engine's entry up to date with an event message's `event` and
     `engine_status`: the status the node sent along replaces it; an event without one (a pause
-    event, or any event of an older node) updates what the event itself says."""
+    event, or any event of an older node) updates what the event itself says, or else what
+    its run says for all (`shared`: `shared_fields`)."""
     if status is not None:
         engines[status["id"]] = dict(status)
         return
-    engine_id = str(event.get("engine"))
+    get = event.get
+    engine_default, kind_default, incarnation_default, to_default, deadline_default = shared
+    engine_id = str(get("engine", engine_default))
     engine = engines.get(engine_id)
     if engine is None:
         return
-    kind, incarnation = event.get("kind"), event.get("incarnation")
+    kind, incarnation = get("kind", kind_default), get("incarnation", incarnation_default)
     if kind in _FORGETTING and incarnation in (None, engine.get("incarnation")):
         del engines[engine_id]   # gone from its node: from the view and router
         return
     if incarnation is not None:
         engine["incarnation"] = incarnation
-    if kind == "state" and isinstance(event.get("to"), str):
-        engine["state"] = event["to"]
+    if kind == "state":
+        to = get("to", to_default)
+        if isinstance(to, str):
+            engine["state"] = to
     elif kind in _PAUSE_KINDS:   # sent without a status: they say all they change
         paused = kind in _PAUSING
         engine["paused"] = paused
-        engine["pause_deadline"] = event.get("deadline") if paused else None
+        engine["pause_deadline"] = get("deadline", deadline_default) if paused else None
 
 
 def engine_view(engine: dict[str, Any], reachable: bool) -> dict[str, Any]:
