@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import select
 import shlex
@@ -154,12 +155,23 @@ class Summary:
     def min(self) -> float:
         return min(self.values)
 
+    @property
+    def p99(self) -> float:
+        return percentile(self.values, 99)
+
     def line(self, digits: int = 1) -> str:
         if not self.values:
             return f"  {self.name:<44} no samples"
         f = f"{{:.{digits}f}}"
         return (f"  {self.name:<44} min {f.format(self.min)} / median {f.format(self.median)}"
                 f" / max {f.format(self.max)} {self.unit}  (n={len(self.values)})")
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The nearest-rank percentile: the smallest value that `p` % of the values are at most
+    (p99 of 100 values is the second largest; of 20 or fewer, the largest)."""
+    ranked = sorted(values)
+    return ranked[max(0, math.ceil(p / 100 * len(ranked)) - 1)]
 
 
 def summary(name: str, values: list[float], unit: str, digits: int = 1) -> Summary:

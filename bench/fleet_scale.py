@@ -485,7 +485,7 @@ def pauses(coord: CoordinatorProcess, workers: Workers, sub: Subscriber, cpu: Cp
     print("fleet-wide pause round trip (through the coordinator):")
     s = summary("pause, every node acknowledged", rtts, "ms", 1)
     summary("resume", resumes, "ms", 1)
-    p99 = sorted(rtts)[min(len(rtts) - 1, int(0.99 * len(rtts)))]
+    p99 = s.p99
     print(f"  CPU per pause: coordinator {1000 * used['coordinator'] / repeat:.0f} ms, nodes "
           f"{1000 * used['nodes'] / repeat:.0f} ms, subscriber "
           f"{1000 * used['subscriber'] / repeat:.0f} ms (the coordinator's main thread "

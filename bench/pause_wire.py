@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from _common import wait_for  # (first: it puts tests/ on the path, for fleet_harness)
+from _common import percentile, wait_for  # (first: it puts tests/ on the path, for fleet_harness)
 from _cpu import CpuMeter
 from fleet_harness import CoordinatorProcess, start_coordinator_process
 from pause_cpu import engine
@@ -263,7 +263,8 @@ def main() -> None:
              or "unknown (the nodes' process did not say)"))
     print("the coordinator's CPU per fleet-wide pause, ms: mean (psutil counts in 10 ms "
           "ticks), gross and net of the idle rate over the pause's wall time; its main thread; "
-          "the pause's round trip, median and max (n=--repeat)")
+          "the pause's round trip, median, p99 (nearest rank: the max for 20 or fewer) and max "
+          "(n=--repeat)")
     means = {}
     for mode, runs in figures.items():
         means[mode] = 1000 * sum(t for t, _, _ in runs) / len(runs)
@@ -271,8 +272,8 @@ def main() -> None:
         main_thread = 1000 * sum(m for _, m, _ in runs) / len(runs)
         walls = [1000 * w for _, _, w in runs]
         print(f"  {mode:<9} process {means[mode]:6.1f}, net {net:6.1f}; main thread "
-              f"{main_thread:6.1f}; round trip {statistics.median(walls):6.1f}, max "
-              f"{max(walls):6.1f}")
+              f"{main_thread:6.1f}; round trip {statistics.median(walls):6.1f}, p99 "
+              f"{percentile(walls, 99):6.1f}, max {max(walls):6.1f}")
     if len(means) == 2:
         ratio = (f"{means['lines'] / means['separate']:.2f}" if means["separate"] else
                  "- (a pause under psutil's 10 ms tick: more nodes or pauses)")
