@@ -18,6 +18,7 @@ from rollout_watchdog.common.protocol import (
     PlainEvents,
     ProtocolError,
     Run,
+    decode,
     encode,
 )
 from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
@@ -380,6 +381,64 @@ def test_a_plain_batch_is_taken_whole_as_its_events_one_by_one(shape: str) -> No
     assert whole.nodes["n1"].received_seq == alone.nodes["n1"].received_seq == 4
     # seq 1 was in the HELLO's snapshot: not applied; the others paused with their deadline
     assert [e["paused"] for e in whole.nodes["n1"].engines.values()] == [False, True, True, True]
+
+
+# Runs as a node could write them (the wire allows more than Run.of makes): each event's own
+# fields, and `common` said once; an event's own field wins, its own null too.
+HANDWRITTEN_RUNS = {
+    "own_kind_wins": ({"kind": "paused", "deadline": 5.0, "incarnation": 1},
+                      [{"engine": "e0"}, {"engine": "e1", "kind": "resumed"}]),
+    "own_null_wins": ({"kind": "state", "to": "stopping", "engine": "e0"},
+                      [{"to": None}, {"to": None}]),
+    "engine_and_to_from_common": ({"engine": "e0", "kind": "state"},
+                                  [{"to": "healthy"}, {"to": "suspect"}]),
+    "incarnation_from_common": ({"kind": "state", "incarnation": 2, "to": "starting"},
+                                [{"engine": "e0"}, {"engine": "e1"}]),
+    "forgotten_by_common": ({"kind": "removed", "incarnation": 1}, [{"engine": "e1"}]),
+    "deadline_own_null": ({"kind": "paused", "deadline": 9.0},
+                          [{"engine": "e0", "deadline": None}, {"engine": "e1"}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HANDWRITTEN_RUNS))
+def test_a_run_s_common_fields_are_read_as_if_merged_into_each_event(case: str) -> None:
+    """The hub's run (its events as the frame says them, common not merged) leaves the view as
+    the same events merged (protocol.decode) taken one by one."""
+    common, events = HANDWRITTEN_RUNS[case]
+    frame = json.dumps({"v": [1, 6], "kind": "run", "node_id": "n1", "boot": "b1", "seq": 1,
+                        "common": common, "events": events}).encode()
+    whole, alone = FleetView(), FleetView()
+    for view in (whole, alone):
+        joined(view, "n1", engines=[engine("e0"), engine("e1")])
+    plain, merged = decode_plain(frame), decode(frame)
+    assert isinstance(plain, PlainRun) and isinstance(merged, Run)
+    assert whole.run(plain, "n1", T0, WALL0) is not None
+    for event in merged.as_events():
+        assert alone.event(event, "n1", T0, WALL0)[0]
+    assert whole.status() == alone.status()
+    engines = whole.nodes["n1"].engines
+    assert {"own_kind_wins": lambda: (engines["e0"]["paused"], engines["e1"]["paused"])
+            == (True, False),
+            "own_null_wins": lambda: engines["e0"]["state"] == "healthy",
+            "engine_and_to_from_common": lambda: engines["e0"]["state"] == "suspect",
+            "incarnation_from_common": lambda: [e["incarnation"] for e in engines.values()]
+            == [2, 2],
+            "forgotten_by_common": lambda: list(engines) == ["e0"],
+            "deadline_own_null": lambda: (engines["e0"]["pause_deadline"],
+                                          engines["e1"]["pause_deadline"]) == (None, 9.0),
+            }[case]()
+
+
+def test_a_hostile_from_restarts_nothing_and_raises_nothing() -> None:
+    """A failure's `from` that is no state (a list: unhashable) is no running part failing."""
+    view = FleetView()
+    joined(view, "n1", engines=[engine("e0", group="g"), engine("e1", group="g")])
+    view.nodes["n1"].engines["e1"]["state"] = ["healthy"]   # a hostile HELLO's state, too
+    for source in ([], {"a": 1}, None, "stopping"):
+        assert view.group_restarts("n1", {"kind": "state", "to": "stopping", "cause": "exited",
+                                          "engine": "e0", "from": source}) == []
+    assert view.group_restarts("n1", {"kind": "state", "to": "stopping", "cause": "exited",
+                                      "engine": "e0", "from": "healthy"}) == []   # e1: no state
 
 
 @pytest.mark.parametrize("shape", ["events", "run", "run_common"])

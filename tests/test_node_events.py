@@ -133,7 +133,10 @@ def test_a_run_overlapping_what_was_taken_goes_event_by_event_and_only_the_new_a
     first = paused("n1", 1, "e0")
     intake.event(first, protocol.encode(first), "n1", T0, WALL0)
     run = Run.of([paused("n1", 1, "e0"), paused("n1", 2, "e1"), paused("n1", 3, "e2")])
-    intake.run(PlainRun.of(run), protocol.encode(run), "n1", T0, WALL0)
+    frame = protocol.encode(run)
+    plain = decode_plain(frame)
+    assert isinstance(plain, PlainRun)
+    intake.run(plain, frame, "n1", T0, WALL0)
     # the replayed seq 1 is dropped (the view counts it); 2 and 3 go out each as an event
     assert rec.out == [("ack", ("n1", 1)), ("relay", (1, 1, "event")),
                        ("ack", ("n1", 3)), ("relay", (2, 1, "event")), ("relay", (3, 1, "event"))]

@@ -258,6 +258,28 @@ def test_a_mutated_event_in_a_batch_is_judged_alike_by_both_decoders(
         assert decoded(data) == f"events[0]: {alone}"
 
 
+@FAST
+@given(runs, st.sampled_from(["v", "kind", "node_id", "boot", "seq", "events", "statuses",
+                              "common", "events[0]", "statuses[0]"]),
+       json_values | st.integers(-1, 2) | st.lists(json_objects, max_size=2))
+@example(Run("n", "b", 1, [{}]), "common", 5)
+@example(Run("n", "b", 1, [{}]), "statuses", [{"id": ""}])
+@example(Run("n", "b", 1, [{}]), "seq", (1 << 63) - 1)
+@example(Run("n", "b", 1, [{}, {}]), "statuses", [None])
+def test_a_mutated_run_is_judged_alike_by_both_decoders(run: Run, name: str, value: Any
+                                                        ) -> None:
+    """The hub's run (decode_plain: common not merged) is the message decode gives, or the same
+    refusal, whatever a node puts in it."""
+    obj = run.to_json()
+    if name.endswith("[0]"):
+        items = obj.get(name[:-3]) or [None]
+        obj[name[:-3]] = [value, *items[1:]]
+    else:
+        obj[name] = value
+    data = json.dumps(obj).encode()
+    assert decoded(data, decode_plain) == decoded(data)
+
+
 def test_an_empty_batch_is_refused() -> None:
     for empty in ([], None, {}):
         data = json.dumps({"v": [MAJOR, 1], "kind": "events", "events": empty}).encode()

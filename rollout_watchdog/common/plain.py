@@ -36,12 +36,8 @@ class PlainRun:
         self.node_id, self.boot, self.seq = node_id, boot, seq
         self.events, self.statuses, self.common = events, statuses, common
 
-    @classmethod
-    def of(cls, run: Run) -> PlainRun:
-        """A whole run as a plain one (its events hold every field, common's too)."""
-        return cls(run.node_id, run.boot, run.seq, run.events, run.statuses, run.common)
-
     def run(self) -> Run:
+        """The whole message: each event with common's fields merged in."""
         events = self.events if self.common is None else expanded(self.common, self.events)
         return Run(self.node_id, self.boot, self.seq, events,  # type: ignore[arg-type]
                    self.statuses, self.common)
@@ -61,11 +57,8 @@ def plain_run_message(obj: object) -> PlainRun | None:
 
 
 def decode_plain(data: bytes) -> Message | PlainEvents | PlainRun:
-    """protocol.decode(), but a plain "events" message as PlainEvents and a "run" as PlainRun:
-    ProtocolError (and nothing else) for anything invalid."""
+    """protocol.decode(), but a plain "events" message as PlainEvents and a "run" as PlainRun
+    (every valid run is plain: Run's checks take no other), ProtocolError (and nothing else)
+    for anything invalid."""
     obj = parse(data, MAX_MESSAGE_BYTES)
-    found = plain_events(obj) or plain_run_message(obj)
-    if found is not None:
-        return found
-    msg = message_in(obj)
-    return PlainRun.of(msg) if isinstance(msg, Run) else msg
+    return plain_events(obj) or plain_run_message(obj) or message_in(obj)

@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 NODE_TIMEOUT_S = 5.0
 STATUS_PAGE_BYTES = 512 * 1024   # well below the protocol's 1 MiB message limit
 OLD_BOOTS_KEPT = 8
-RUNNING_STATES = frozenset(state.value for state in EngineState if state.running)
-# Plain values for apply_event and batch, which see every event (tuples, not sets: a hostile
-# node's kind may be any JSON value, unhashable too)
+# Plain values for apply_event, batch and group_restarts, which see every event (tuples, not
+# sets: a hostile node's kind, state or from may be any JSON value, unhashable too)
+RUNNING_STATES = tuple(state.value for state in EngineState if state.running)
 _STOPPING = EngineState.STOPPING.value
 _FORGETTING, _PAUSE_KINDS = protocol.FORGETTING_KINDS, protocol.PAUSE_KINDS
 _PAUSING = ("paused", "pause_extended")
@@ -153,8 +153,8 @@ class FleetView:
                 or run.seq != record.received_seq + 1):
             return None
         events, statuses = run.events, run.statuses
-        shared = shared_fields(run.common)
-        to = shared[_TO]
+        defaults = common_defaults(run.common)
+        to = defaults[_TO]
         for event in events:
             if event.get("to", to) == _STOPPING:
                 return None
@@ -162,7 +162,7 @@ class FleetView:
         record.received_seq = run.seq + len(events) - 1
         engines = record.engines
         for i in range(max(0, record.snapshot_seq + 1 - run.seq), len(events)):  # past it
-            apply_event(engines, events[i], None if statuses is None else statuses[i], shared)
+            apply_event(engines, events[i], None if statuses is None else statuses[i], defaults)
         return own
 
     def heard(self, peer: str, now: float, wall: float) -> list[dict[str, Any]]:
@@ -256,32 +256,29 @@ class FleetView:
         return [(r.node_id, e["id"]) for r, e in targets]
 
 
-# The fields of an event that `apply_event` reads, in the order of `shared`: what a run's
-# `common` (1.5) says of them for all its events (an event's own win), read once a run
-SHARED_FIELDS = ("engine", "kind", "incarnation", "to", "deadline")
-NOT_SHARED: tuple[Any, ...] = (None,) * len(SHARED_FIELDS)
-_TO = SHARED_FIELDS.index("to")
+# The fields of an event that `apply_event` reads, in the order it unpacks them: what a run's
+# `common` (1.5) says of them for all its events (an event's own win), read once a run.
+DEFAULTED_FIELDS = ("engine", "kind", "incarnation", "to", "deadline")
+NO_DEFAULTS: tuple[Any, ...] = (None,) * len(DEFAULTED_FIELDS)
+_TO = DEFAULTED_FIELDS.index("to")
 
 
-def shared_fields(common: dict[str, Any] | None) -> tuple[Any, ...]:
-    """`common`'s values of SHARED_FIELDS (None for each it does not say)."""
-    if common is None:
-        return NOT_SHARED
-    get = common.get
-    return get("engine"), get("kind"), get("incarnation"), get("to"), get("deadline")
+def common_defaults(common: dict[str, Any] | None) -> tuple[Any, ...]:
+    """`common`'s values of DEFAULTED_FIELDS (None for each it does not say)."""
+    return NO_DEFAULTS if common is None else tuple(map(common.get, DEFAULTED_FIELDS))
 
 
 def apply_event(engines: dict[str, dict[str, Any]], event: dict[str, Any],
-                status: dict[str, Any] | None, shared: tuple[Any, ...] = NOT_SHARED) -> None:
+                status: dict[str, Any] | None, defaults: tuple[Any, ...] = NO_DEFAULTS) -> None:
     """Bring one engine's entry up to date with an event message's `event` and
     `engine_status`: the status the node sent along replaces it; an event without one (a pause
     event, or any event of an older node) updates what the event itself says, or else what
-    its run says for all (`shared`: `shared_fields`)."""
+    its run says for all (`defaults`: `common_defaults`)."""
     if status is not None:
         engines[status["id"]] = dict(status)
         return
     get = event.get
-    engine_default, kind_default, incarnation_default, to_default, deadline_default = shared
+    engine_default, kind_default, incarnation_default, to_default, deadline_default = defaults
     engine_id = str(get("engine", engine_default))
     engine = engines.get(engine_id)
     if engine is None:
