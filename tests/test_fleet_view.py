@@ -397,6 +397,12 @@ HANDWRITTEN_RUNS = {
     "forgotten_by_common": ({"kind": "removed", "incarnation": 1}, [{"engine": "e1"}]),
     "deadline_own_null": ({"kind": "paused", "deadline": 9.0},
                           [{"engine": "e0", "deadline": None}, {"engine": "e1"}]),
+    "own_incarnation_in_a_pause": ({"kind": "pause_extended", "deadline": 7.0, "incarnation": 2},
+                                   [{"engine": "e0", "incarnation": 3}, {"engine": "e1"}]),
+    "resumed_by_common": ({"kind": "resumed", "deadline": 7.0},
+                          [{"engine": "e0", "ts": 1.0}, {"engine": "e1", "ts": 2.0}]),
+    "pause_with_an_unknown_engine": ({"kind": "paused", "deadline": 3.0},
+                                     [{"engine": "e9"}, {"engine": "e1"}]),
 }
 
 
@@ -426,6 +432,13 @@ def test_a_run_s_common_fields_are_read_as_if_merged_into_each_event(case: str) 
             "forgotten_by_common": lambda: list(engines) == ["e0"],
             "deadline_own_null": lambda: (engines["e0"]["pause_deadline"],
                                           engines["e1"]["pause_deadline"]) == (None, 9.0),
+            "own_incarnation_in_a_pause": lambda: [
+                (e["incarnation"], e["paused"], e["pause_deadline"]) for e in engines.values()]
+            == [(3, True, 7.0), (2, True, 7.0)],
+            "resumed_by_common": lambda: [(e["paused"], e["pause_deadline"])
+                                          for e in engines.values()] == [(False, None)] * 2,
+            "pause_with_an_unknown_engine": lambda: [
+                e["paused"] for e in engines.values()] == [False, True],
             }[case]()
 
 
