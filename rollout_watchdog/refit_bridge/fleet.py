@@ -255,8 +255,9 @@ class FleetView:
         return [(r.node_id, e["id"]) for r, e in targets]
 
 
-# The fields of an event that `apply_event` reads, in the order it unpacks them: what a run's
-# `common` (1.5) says of them for all its events (an event's own win), read once a run.
+# The fields of an event that `apply_event` reads, in the order it and `apply_run` unpack them:
+# what a run's `common` (1.5) says of them for all its events (an event's own win), read once a
+# run.
 DEFAULTED_FIELDS = ("engine", "kind", "incarnation", "to", "deadline")
 NO_DEFAULTS: tuple[Any, ...] = (None,) * len(DEFAULTED_FIELDS)
 _TO = DEFAULTED_FIELDS.index("to")
@@ -297,7 +298,7 @@ def apply_event(engines: dict[str, dict[str, Any]], event: dict[str, Any],
             kind, get("deadline", deadline_default))
 
 
-def pause_fields(kind: str, deadline: Any) -> tuple[bool, Any]:
+def pause_fields(kind: object, deadline: Any) -> tuple[bool, Any]:
     """An engine's `paused` and `pause_deadline` after a PAUSE_KINDS event with `deadline`."""
     paused = kind in _PAUSING
     return paused, deadline if paused else None
