@@ -4,8 +4,6 @@ embedded coordinator, the trainer process, generation and the router's worker li
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,15 +45,14 @@ def by_name(fleet: FleetClient) -> dict[str, EngineView]:
     return {e.name: e for e in fleet.engines()}
 
 
-def run_trainer(endpoint: str, version: str, seed: int, *extra: str,
-                timeout: float = 180.0) -> dict[str, Any]:
-    """Run one refit in a trainer process of its own; its JSON outcome."""
-    done = subprocess.run([sys.executable, str(TRAINER), endpoint, version, str(seed), *extra],
-                          capture_output=True, text=True, timeout=timeout)
-    lines = done.stdout.strip().splitlines()
-    assert lines, f"the trainer printed nothing (rc {done.returncode}): {done.stderr[-2000:]}"
-    outcome: dict[str, Any] = json.loads(lines[-1])
-    return outcome
+def run_trainer(endpoint: str, version: str, seed: int) -> dict[str, Any]:
+    """Run one refit as a trainer does, in this process (a trainer process of its own imports
+    torch, ~3 s of CPU, for nothing these tests check: the ones that kill or stop the trainer
+    run refit_trainer.py as a script); its outcome."""
+    from refit_trainer import refit_outcome
+
+    with FleetClient(endpoint) as fleet:
+        return refit_outcome(fleet, version, seed)
 
 
 def generate(url: str, prompt: str = PROMPT, timeout: float = 10.0

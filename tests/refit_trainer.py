@@ -1,5 +1,7 @@
-"""A trainer process for the refit tests: one `fleet.refit(version)` with the emulator model's
-weights built from a seed, over gloo. Prints one JSON line: the outcome.
+"""The refit tests' trainer: one `fleet.refit(version)` with the emulator model's weights built
+from a seed, over gloo. `refit_outcome` runs it in the caller's process (`refit_harness.
+run_trainer`); as a script, in a process of its own, for a trainer a test kills or stops. The
+script prints one JSON line: the outcome.
 
     python tests/refit_trainer.py EP VERSION SEED [--hold | --stall] [--lease-s S] [--timeout-s S]
 
@@ -14,11 +16,12 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rollout_watchdog import EngineLost, FleetClient, RolloutWatchdogError
 from rollout_watchdog.emulator.model import named_weights
+from rollout_watchdog.refit_bridge.refit import Refit
 
 
 def stalled(token: object, seed: int) -> Iterator[tuple[str, Any]]:
@@ -28,6 +31,24 @@ def stalled(token: object, seed: int) -> Iterator[tuple[str, Any]]:
     print(json.dumps({"token": token, "paused": True}), flush=True)
     while True:
         time.sleep(1)
+
+
+def refit_outcome(fleet: FleetClient, version: str, seed: int, lease_s: float = 30.0,
+                  timeout_s: float = 120.0, before: Callable[[Refit], None] | None = None
+                  ) -> dict[str, Any]:
+    """One `fleet.refit(version)` with the seed's weights, as a trainer runs it: the outcome.
+    `before(refit)` runs inside the refit, before the update (--hold, --stall)."""
+    try:
+        with fleet.refit(version, lease_s=lease_s, timeout_s=timeout_s, backend="gloo") as refit:
+            if before is not None:
+                before(refit)
+            refit.update_weights(named_weights(seed))
+            members = [e.name for e in refit.engines]
+    except EngineLost as exc:
+        return {"error": "EngineLost", "lost": exc.lost, "message": str(exc)}
+    except RolloutWatchdogError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"ok": True, "members": members}
 
 
 def main() -> int:
@@ -40,26 +61,20 @@ def main() -> int:
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args()
-    fleet = FleetClient(args.coordinator)
-    try:
-        with fleet.refit(args.version, lease_s=args.lease_s, timeout_s=args.timeout_s,
-                         backend="gloo") as refit:
-            if args.hold:
-                print(json.dumps({"token": refit.token}), flush=True)
-                while True:
-                    time.sleep(1)
-            if args.stall:   # one tensor a bucket: the first is broadcast before the stall
-                refit.update_weights(stalled(refit.token, args.seed), bucket_bytes=1)
-            refit.update_weights(named_weights(args.seed))
-            members = [e.name for e in refit.engines]
-    except EngineLost as exc:
-        print(json.dumps({"error": "EngineLost", "lost": exc.lost, "message": str(exc)}))
-        return 1
-    except RolloutWatchdogError as exc:
-        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
-        return 1
-    print(json.dumps({"ok": True, "members": members}))
-    return 0
+
+    def hold(refit: Refit) -> None:
+        print(json.dumps({"token": refit.token}), flush=True)
+        while True:
+            time.sleep(1)
+
+    def stall(refit: Refit) -> None:   # one tensor a bucket: the first is broadcast first
+        refit.update_weights(stalled(refit.token, args.seed), bucket_bytes=1)
+
+    before = hold if args.hold else stall if args.stall else None
+    outcome = refit_outcome(FleetClient(args.coordinator), args.version, args.seed,
+                            args.lease_s, args.timeout_s, before)
+    print(json.dumps(outcome))
+    return 0 if outcome.get("ok") else 1
 
 
 if __name__ == "__main__":
