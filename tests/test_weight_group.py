@@ -1,23 +1,25 @@
 """WeightUpdateGroup against real engine-side processes over gloo on 127.0.0.1.
 
-The peers are this file run as a script: an HTTP server with SGLang's weight-update endpoints
-(0.5.21+ session rules, or the old kind without begin/end) whose handlers really join the group
-and receive the broadcasts, plus the faults a refit must survive: a call accepted and then never
-joining the collective (wedged, alive), and a SIGKILL while the trainer broadcasts.
+The peers are processes, each an HTTP server with SGLang's weight-update endpoints (0.5.21+
+session rules, or the old kind without begin/end) whose handlers really join the group and
+receive the broadcasts, plus the faults a refit must survive: a call accepted and then never
+joining the collective (wedged, alive), and a SIGKILL while the trainer broadcasts. They are
+forked from a `forkserver` that has imported torch and this module: one import of torch a test
+worker, not one a peer (~3 s of CPU each).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -43,9 +45,10 @@ from rollout_watchdog.refit_bridge.group import (  # noqa: E402
 BIG = 8 << 20  # floats: 32 MiB, more than the socket buffers hold, so a stalled peer blocks rank 0
 
 
-# ---- the peer (run as a script) ----------------------------------------------------------
+# ---- the peer (a forked process) ---------------------------------------------------------
 
-def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in the subprocess
+def _peer_main(version: str, fault: str, out: Connection) -> None:  # pragma: no cover - the peer
+    """The peer: says "port N" once it serves, "in-init" and "in-update" as it enters them."""
     import datetime
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -63,7 +66,7 @@ def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in 
 
     def init(body: dict[str, Any]) -> tuple[int, str]:
         if fault == "stall_init":
-            print("in-init", flush=True)
+            out.send("in-init")
             time.sleep(3600)
         try:
             groups[body["group_name"]] = init_custom_process_group(
@@ -77,7 +80,7 @@ def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in 
     def update(body: dict[str, Any]) -> tuple[int, str]:
         if session_server and not state["session"]:
             return 400, "update_weights_from_distributed requires begin_weight_update"
-        print("in-update", flush=True)
+        out.send("in-update")
         if fault == "stall_update":
             time.sleep(3600)
         pg = groups[body["group_name"]]
@@ -151,20 +154,27 @@ def _peer_main(version: str, fault: str) -> None:  # pragma: no cover - runs in 
             self._answer(code, {"success": code == 200, "message": message})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    print(f"port {server.server_address[1]}", flush=True)
+    out.send(f"port {server.server_address[1]}")
     server.serve_forever()
 
 
 # ---- test helpers ---------------------------------------------------------------------
 
+# (preloaded: the forkserver imports them once, so that each peer starts without an import)
+_PEERS = multiprocessing.get_context("forkserver")
+_PEERS.set_forkserver_preload(["torch", "torch.distributed", __name__])
+
+
 class Peer:
-    """A peer process; ``lines`` collects its stdout (``wait_line`` waits for one)."""
+    """A peer process; ``lines`` collects what it says (``wait_line`` waits for one)."""
 
     def __init__(self, version: str, fault: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, version, fault],
-                                     stdout=subprocess.PIPE, text=True)
+        said, out = _PEERS.Pipe(duplex=False)
+        self.proc = _PEERS.Process(target=_peer_main, args=(version, fault, out), daemon=True)
+        self.proc.start()
+        out.close()   # the peer's end: its death is the end of `said`
         self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, args=(said,), daemon=True).start()
         try:
             wait_until(lambda: any(ln.startswith("port ") for ln in self.lines), 60.0,
                        what="the peer's port")
@@ -174,10 +184,13 @@ class Peer:
         port = next(ln for ln in self.lines if ln.startswith("port ")).split()[1]
         self.url = f"http://127.0.0.1:{port}"
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
+    def _read(self, said: Connection) -> None:
+        with said:
+            while True:
+                try:
+                    self.lines.append(said.recv())
+                except EOFError:
+                    return
 
     def wait_line(self, text: str) -> None:
         wait_until(lambda: text in self.lines, 30.0, what=f"the peer printing {text!r}")
@@ -188,9 +201,9 @@ class Peer:
         return info
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)   # (an abrupt death: no cleanup of its own)
+        self.proc.join(30.0)
 
 
 @pytest.fixture
@@ -327,7 +340,7 @@ def test_abort_frees_a_trainer_blocked_on_an_alive_member(
     assert caught.value.reason == "refit deadline"
     print(f"abort -> raise: {raised_at - aborted_at[0]:.4f} s")
     group.destroy()
-    assert stalled.proc.poll() is None  # alive: its watchdog, not the bridge, restarts it
+    assert stalled.proc.is_alive()  # alive: its watchdog, not the bridge, restarts it
     retry = _group([healthy])  # the healthy member's collective was freed by the teardown
     retry.build()
     retry.update_weights(_weights(), weight_version="v2")
@@ -518,6 +531,3 @@ def test_a_call_freed_by_the_teardown_is_not_taken_for_a_gone_member() -> None:
     assert failed.value.gone == [members[1]]
     assert failed.value.members == [members[1]]
 
-
-if __name__ == "__main__":  # pragma: no cover - the peer
-    _peer_main(sys.argv[1], sys.argv[2])
