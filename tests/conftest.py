@@ -26,8 +26,8 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
 # scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-4} xdist workers;
 # then the `heavy` ones on 3 workers (test_ray_fleet whole on one) and beside nothing else: they
 # load the whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs);
-# then, alone, the `serial` ones: a flood of connections or descriptors, or a bound another
-# test's load would blur (a probe in flight, trickling engines).
+# then the `serial` ones, two at a time and beside nothing else: a flood of connections or
+# descriptors, or a bound the main pass's load would blur (a probe in flight, trickling engines).
 HEAVY_MODULES = frozenset({
     "test_ray_fleet", "test_demo", "test_demo_fleet", "test_examples", "test_bench_smoke"})
 SERIAL_MODULES = frozenset({
@@ -72,7 +72,7 @@ PASS_MODULES: dict[str, Callable[[str], bool]] = {
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "serial: run alone, not beside another xdist worker")
+    config.addinivalue_line("markers", "serial: kept from the main pass's load: run after it, two at a time")
     config.addinivalue_line("markers", "heavy: loads the machine; run beside two others at most")
 
 
