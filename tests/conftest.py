@@ -72,7 +72,7 @@ PASS_MODULES: dict[str, Callable[[str], bool]] = {
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "serial: kept from the main pass's load: run after it, two at a time")
+    config.addinivalue_line("markers", "serial: after the main pass, two at a time")
     config.addinivalue_line("markers", "heavy: loads the machine; run beside two others at most")
 
 
