@@ -372,17 +372,19 @@ def test_a_refit_from_a_ray_actor_through_a_pickled_client_with_curve(
         ray_fleet: RayFleet) -> None:
     fleet = ray_fleet.fleet
     assert "curve=True" in repr(fleet)
-    engines = [fleet.launch(node, emulator(f"r{i}", model=True), wait_s=WAIT_S)
+    trainer = Trainer.remote()   # (its worker starts while the engines load, both at once)
+    engines = [fleet.launch(node, emulator(f"r{i}", model=True))
                for i, node in enumerate((ray_fleet.cpu, ray_fleet.gpu))]
+    names = {e.name for e in engines}
     try:
-        trainer = Trainer.remote()
+        fleet.wait_until(lambda view: sum(e.name in names and e.state == "healthy"
+                                          for e in view) == len(names), WAIT_S)
         members = ray.get(trainer.refit.remote(fleet, "v1"), timeout=WAIT_S * 2)
-        assert members == sorted(e.name for e in engines)
-        names = {e.name for e in engines}
+        assert members == sorted(names)
         fleet.wait_until(lambda view: all(e.weight_version == "v1" for e in view
                                           if e.name in names), WAIT_S)
-        ray.kill(trainer)
     finally:
+        ray.kill(trainer)
         for engine in engines:
             fleet.remove(engine.name, wait_s=WAIT_S)
 
@@ -408,11 +410,13 @@ def test_a_node_removed_goes_unreachable_and_nothing_of_it_stays(ray_fleet: RayF
     with pytest.raises(ValueError):
         ray.get_actor(f"node-{node}", namespace=NS)
     # a refit goes on without it
+    trainer = Trainer.remote()   # (its worker starts while the engine loads)
     survivor = fleet.launch(ray_fleet.cpu, emulator("after", model=True), wait_s=WAIT_S)
     try:
-        members = ray.get(Trainer.remote().refit.remote(fleet, "v2"), timeout=WAIT_S * 2)
+        members = ray.get(trainer.refit.remote(fleet, "v2"), timeout=WAIT_S * 2)
         assert members == [survivor.name]
     finally:
+        ray.kill(trainer)
         fleet.remove(survivor.name, wait_s=WAIT_S)
 
 
