@@ -8,9 +8,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # -I: not from the working directory (nor PYTHONPATH); the package must be this checkout's (an
-# editable install made from another copy of the tree points there).
-if ! .venv/bin/python -I -c 'import sys, rollout_watchdog, torch, numpy, pdoc, pytest, zmq, psutil, mypy, importlinter, ray
-sys.exit(not rollout_watchdog.__file__.startswith(sys.argv[1]))' "$PWD/" 2>/dev/null \
+# editable install made from another copy of the tree points there). Each is found, not
+# imported (importing torch and ray took ~5 s of every run); an install cut short left no
+# .venv/.installed.
+if ! .venv/bin/python -I -c 'import sys
+from importlib.util import find_spec
+names = "rollout_watchdog torch numpy pdoc pytest zmq psutil mypy importlinter ray".split()
+found = [find_spec(name) for name in names]
+sys.exit(None in found or not str(found[0].origin).startswith(sys.argv[1]))' "$PWD/" 2>/dev/null \
    || [ setup.cfg -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
