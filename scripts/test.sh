@@ -14,7 +14,8 @@ unset PYTHONDONTWRITEBYTECODE
 # status taken after it: without its cache, as in a fresh clone, it takes ~38 s of one core
 # (it reads 1,384 of torch's files and 818 of ray's), half of which the busy pass absorbs.
 mypy_report=$(mktemp)
-trap 'rm -f "$mypy_report"' EXIT
+mypy_pid=
+trap 'if [ -n "$mypy_pid" ]; then kill "$mypy_pid" 2>/dev/null || true; fi; rm -f "$mypy_report"' EXIT
 .venv/bin/mypy >"$mypy_report" 2>&1 &
 mypy_pid=$!
 # Three passes (tests/conftest.py marks them): most tests on ${RW_TEST_WORKERS:-4} xdist workers (4: with
@@ -30,6 +31,7 @@ status=0
 run -n "${RW_TEST_WORKERS:-4}" -m "not serial and not heavy" "$@" || status=$?
 mypy_status=0
 wait "$mypy_pid" || mypy_status=$?
+mypy_pid=
 cat "$mypy_report"
 [ "$status" -ne 0 ] || status=$mypy_status
 run -n 3 -m heavy "$@" || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }

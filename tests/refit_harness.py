@@ -1,9 +1,10 @@
 """Shared pieces of the refit tests: a fleet of node daemons with emulator engines under an
-embedded coordinator, the trainer process, generation and the router's worker list."""
+embedded coordinator, the trainer, generation and the router's worker list."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 
 from rollout_watchdog import FleetClient
 from rollout_watchdog.emulator.testing import http_request
+from rollout_watchdog.refit_bridge.refit_state import GROUPS
 from rollout_watchdog.refit_bridge.router import RouterClient, normalize_url
 from rollout_watchdog.refit_bridge.views import EngineView
 
@@ -45,14 +47,30 @@ def by_name(fleet: FleetClient) -> dict[str, EngineView]:
     return {e.name: e for e in fleet.engines()}
 
 
-def run_trainer(endpoint: str, version: str, seed: int) -> dict[str, Any]:
-    """Run one refit as a trainer does, in this process (a trainer process of its own imports
-    torch, ~3 s of CPU, for nothing these tests check: the ones that kill or stop the trainer
-    run refit_trainer.py as a script); its outcome."""
+def run_trainer(endpoint: str, version: str, seed: int, timeout_s: float = 180.0
+                ) -> dict[str, Any]:
+    """Run one refit as a trainer does, in a thread of this process (a trainer process of its
+    own imports torch, ~3 s of CPU, for nothing these tests check: the ones that kill or stop
+    the trainer run refit_trainer.py as a script); its outcome, within `timeout_s`. The
+    trainer's weight-update group ends with it, as it did with its process."""
     from refit_trainer import refit_outcome
 
-    with FleetClient(endpoint) as fleet:
-        return refit_outcome(fleet, version, seed)
+    outcome: list[dict[str, Any]] = []
+
+    def trainer() -> None:
+        with FleetClient(endpoint) as fleet:
+            try:
+                outcome.append(refit_outcome(fleet, version, seed))
+            finally:
+                group = GROUPS.get(fleet.address)
+                if group is not None and GROUPS.discard(fleet.address, group):
+                    group.destroy()
+
+    thread = threading.Thread(target=trainer, name=f"trainer {version}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert outcome, f"the trainer's refit to {version} did not end within {timeout_s:g} s"
+    return outcome[0]
 
 
 def generate(url: str, prompt: str = PROMPT, timeout: float = 10.0

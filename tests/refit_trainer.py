@@ -1,7 +1,7 @@
 """The refit tests' trainer: one `fleet.refit(version)` with the emulator model's weights built
 from a seed, over gloo. `refit_outcome` runs it in the caller's process (`refit_harness.
 run_trainer`); as a script, in a process of its own, for a trainer a test kills or stops. The
-script prints one JSON line: the outcome.
+script prints one JSON line: the outcome (unless it is killed first).
 
     python tests/refit_trainer.py EP VERSION SEED [--hold | --stall] [--lease-s S] [--timeout-s S]
 

@@ -373,10 +373,11 @@ def test_a_refit_from_a_ray_actor_through_a_pickled_client_with_curve(
     fleet = ray_fleet.fleet
     assert "curve=True" in repr(fleet)
     trainer = Trainer.remote()   # (its worker starts while the engines load, both at once)
-    engines = [fleet.launch(node, emulator(f"r{i}", model=True))
-               for i, node in enumerate((ray_fleet.cpu, ray_fleet.gpu))]
-    names = {e.name for e in engines}
+    engines: list[EngineView] = []
     try:
+        for i, node in enumerate((ray_fleet.cpu, ray_fleet.gpu)):
+            engines.append(fleet.launch(node, emulator(f"r{i}", model=True)))
+        names = {e.name for e in engines}
         fleet.wait_until(lambda view: sum(e.name in names and e.state == "healthy"
                                           for e in view) == len(names), WAIT_S)
         members = ray.get(trainer.refit.remote(fleet, "v1"), timeout=WAIT_S * 2)
@@ -411,13 +412,15 @@ def test_a_node_removed_goes_unreachable_and_nothing_of_it_stays(ray_fleet: RayF
         ray.get_actor(f"node-{node}", namespace=NS)
     # a refit goes on without it
     trainer = Trainer.remote()   # (its worker starts while the engine loads)
-    survivor = fleet.launch(ray_fleet.cpu, emulator("after", model=True), wait_s=WAIT_S)
     try:
-        members = ray.get(trainer.refit.remote(fleet, "v2"), timeout=WAIT_S * 2)
-        assert members == [survivor.name]
+        survivor = fleet.launch(ray_fleet.cpu, emulator("after", model=True), wait_s=WAIT_S)
+        try:
+            members = ray.get(trainer.refit.remote(fleet, "v2"), timeout=WAIT_S * 2)
+            assert members == [survivor.name]
+        finally:
+            fleet.remove(survivor.name, wait_s=WAIT_S)
     finally:
         ray.kill(trainer)
-        fleet.remove(survivor.name, wait_s=WAIT_S)
 
 
 def test_a_raylet_crash_stops_its_daemon_and_engines(ray_fleet: RayFleet) -> None:

@@ -1,5 +1,5 @@
 """The refit bridge end to end (issue 7): two nodes' emulator engines under node watchdogs, a
-coordinator with the real sglang-router, and a trainer process; an engine SIGKILLed during
+coordinator with the real sglang-router, and a trainer; an engine SIGKILLed during
 generation, brought back, kept out of the router until the next refit syncs it."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_crash_recover_and_resync_through_the_router(make_node: Callable[..., No
         start_fleet(make_node, coordinator.endpoint, nodes=2, engines=2)
         fleet.wait_until(all_healthy(4), 90)
 
-        # 1. Refit v1 from a trainer process: every engine holds v1 and is in the router.
+        # 1. Refit v1 from a trainer: every engine holds v1 and is in the router.
         outcome = run_trainer(coordinator.endpoint, "v1", seed=1)
         assert outcome.get("ok"), outcome
         assert len(outcome["members"]) == 4

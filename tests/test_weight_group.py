@@ -4,8 +4,8 @@ The peers are processes, each an HTTP server with SGLang's weight-update endpoin
 session rules, or the old kind without begin/end) whose handlers really join the group and
 receive the broadcasts, plus the faults a refit must survive: a call accepted and then never
 joining the collective (wedged, alive), and a SIGKILL while the trainer broadcasts. They are
-forked from a `forkserver` that has imported torch and this module: one import of torch a test
-worker, not one a peer (~3 s of CPU each).
+forked from a `forkserver` that has imported torch and what the peer uses: one import of torch
+a test worker, not one a peer (~3 s of CPU each).
 """
 
 from __future__ import annotations
@@ -160,9 +160,14 @@ def _peer_main(version: str, fault: str, out: Connection) -> None:  # pragma: no
 
 # ---- test helpers ---------------------------------------------------------------------
 
-# (preloaded: the forkserver imports them once, so that each peer starts without an import)
+# Preloaded: the forkserver imports them once, so that a peer starts with them imported. By
+# name, not this module's: before Python 3.12.8 the forkserver does not take the parent's
+# sys.path (CPython gh-117378), so each peer imports this module itself, cheaply then.
 _PEERS = multiprocessing.get_context("forkserver")
-_PEERS.set_forkserver_preload(["torch", "torch.distributed", __name__])
+_PEERS.set_forkserver_preload([
+    "torch", "torch.distributed", "pytest", "http.server", "rollout_watchdog.emulator.model",
+    "rollout_watchdog.emulator.testing", "rollout_watchdog.refit_bridge.group",
+    "rollout_watchdog.refit_bridge.engine_calls", "rollout_watchdog.common.torch_group"])
 
 
 class Peer:
