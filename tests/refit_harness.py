@@ -56,19 +56,25 @@ def run_trainer(endpoint: str, version: str, seed: int, timeout_s: float = 180.0
     from refit_trainer import refit_outcome
 
     outcome: list[dict[str, Any]] = []
+    raised: list[BaseException] = []   # raised again here: not taken for a hang
 
     def trainer() -> None:
-        with FleetClient(endpoint) as fleet:
-            try:
-                outcome.append(refit_outcome(fleet, version, seed))
-            finally:
-                group = GROUPS.get(fleet.address)
-                if group is not None and GROUPS.discard(fleet.address, group):
-                    group.destroy()
+        try:
+            with FleetClient(endpoint) as fleet:
+                try:
+                    outcome.append(refit_outcome(fleet, version, seed))
+                finally:
+                    group = GROUPS.get(fleet.address)
+                    if group is not None and GROUPS.discard(fleet.address, group):
+                        group.destroy()
+        except BaseException as exc:  # noqa: BLE001 - the caller raises it
+            raised.append(exc)
 
     thread = threading.Thread(target=trainer, name=f"trainer {version}", daemon=True)
     thread.start()
     thread.join(timeout_s)
+    if raised:
+        raise raised[0]
     assert outcome, f"the trainer's refit to {version} did not end within {timeout_s:g} s"
     return outcome[0]
 
