@@ -5,9 +5,12 @@ from its `ping`, its Prometheus endpoint and its log."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from fleet_harness import start_coordinator_process
 from test_coordinator import Peer, curve_of, keys  # noqa: F401
 from test_coordinator_metrics import scrape
 
+from rollout_watchdog.agent.hub_socket import FailedHandshakes
 from rollout_watchdog.common import handshakes
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
@@ -26,6 +30,7 @@ SHORT_HANDSHAKE_S = 2.0
 # More than libzmq's monitor pipe holds (about 2,000 events): an unread monitor would stall the
 # ROUTER's I/O thread, and with it these very connections.
 FLOOD = 3_000
+SILENT = 8   # silent connections among clients that come and go
 
 
 @pytest.fixture
@@ -66,6 +71,39 @@ def test_each_failure_event_maps_to_its_kind() -> None:
     assert handshakes.failure_kind(no_detail, errno.ECONNRESET) == handshakes.CLOSED
     assert handshakes.failure_kind(no_detail, errno.EPIPE) == handshakes.CLOSED
     assert handshakes.failure_kind(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0) is None
+    # dated: a peer-gone errno on a failure as old as the timer's half is the timer's, stale
+    assert handshakes.failure_kind(no_detail, errno.EPIPE, 1.0, 2.0) == handshakes.TIMEOUT
+    assert handshakes.failure_kind(no_detail, errno.EPIPE, 0.9, 2.0) == handshakes.CLOSED
+    assert handshakes.failure_kind(no_detail, errno.EAGAIN, 0.0, 2.0) == handshakes.TIMEOUT
+
+
+def monitor_event(event: int, value: int) -> handshakes.MonitorEvent:
+    return handshakes.MonitorEvent(event, value, "tcp://127.0.0.1:5555")
+
+
+def test_a_failure_with_no_detail_is_dated_by_its_connection() -> None:
+    """libzmq's order, one connection after another: ACCEPTED (its descriptor), NO_DETAIL (an
+    errno), DISCONNECTED (the descriptor). The errno of a timer is stale: the age decides."""
+    failed = FailedHandshakes(timeout_s=2.0)
+    no_detail = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    for fd, start, errno_left, end, kind in (
+            (7, 0.0, errno.EPIPE, 2.01, handshakes.TIMEOUT),   # the timer, a stale errno
+            (8, 3.0, errno.ECONNRESET, 3.02, handshakes.CLOSED),   # a peer that left
+            (7, 4.0, errno.EAGAIN, 6.0, handshakes.TIMEOUT)):   # the timer, plainly
+        before = failed.counts[kind]
+        failed.note(monitor_event(zmq.EVENT_ACCEPTED, fd), start)
+        failed.note(monitor_event(no_detail, errno_left), end)
+        assert failed.counts[kind] == before   # not until its DISCONNECTED dates it
+        failed.note(monitor_event(zmq.EVENT_DISCONNECTED, fd), end)
+        assert failed.counts[kind] == before + 1
+    assert failed.counts == {"timeout": 2, "closed": 1, "auth": 0, "protocol": 0}
+    # a handshaken connection's end counts nothing; a failure whose DISCONNECTED never came is
+    # counted by its errno when the next failure comes
+    failed.note(monitor_event(zmq.EVENT_ACCEPTED, 9), 10.0)
+    failed.note(monitor_event(zmq.EVENT_DISCONNECTED, 9), 50.0)
+    failed.note(monitor_event(no_detail, errno.EPIPE), 60.0)
+    failed.note(monitor_event(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400), 61.0)
+    assert failed.counts == {"timeout": 2, "closed": 2, "auth": 1, "protocol": 0}
 
 
 def test_a_connection_that_never_speaks_is_dropped_and_counted_as_a_timeout(
@@ -143,10 +181,52 @@ def test_the_standalone_coordinator_takes_its_handshake_timeout_from_the_command
     log = tmp_path / "coordinator.log"
     coord = start_coordinator_process(f"tcp://127.0.0.1:{free_port()}",
                                       ["--handshake-timeout", "0.5"], log_path=log)
+    watcher = coord.connect()
     try:
         with raw_connection(coord.endpoint):
-            wait_for(lambda: coord.call("ping", timeout_s=2.0).result[
+            wait_for(lambda: watcher.call("ping", timeout_s=10.0).result[
                 "handshakes_failed"]["timeout"] >= 1, 30, "the silent connection counted")
         wait_for(lambda: "no handshake within 0.5 s" in log.read_text(), 10, "the log line")
     finally:
+        watcher.close()
+        coord.cleanup()
+
+
+def test_silent_connections_among_clients_that_come_and_go_are_counted_as_timeouts(
+        tmp_path: Path) -> None:
+    """A timer's failure carries the errno another connection's end left (EPIPE, ECONNRESET):
+    beside clients that connect, call and leave, each silent connection is still a timeout,
+    never a peer that left (before these were dated, about 1 in 5 read as `closed`)."""
+    coord = start_coordinator_process(f"tcp://127.0.0.1:{free_port()}",
+                                      ["--handshake-timeout", "0.5"],
+                                      log_path=tmp_path / "coordinator.log")
+    watcher = coord.connect()
+    done = threading.Event()
+
+    def come_and_go() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                coord.call("ping", timeout_s=2.0)
+    clients = [threading.Thread(target=come_and_go, daemon=True) for _ in range(3)]
+    silent: list[socket.socket] = []
+    try:
+        for client in clients:
+            client.start()
+        for _ in range(SILENT):
+            silent.append(raw_connection(coord.endpoint))
+            time.sleep(0.15)   # spread over the clients' comings and goings
+
+        def failed() -> dict[str, int] | None:
+            counts: dict[str, int] = watcher.call("ping", timeout_s=10.0).result[
+                "handshakes_failed"]
+            return counts if counts["timeout"] + counts["closed"] >= SILENT else None
+        counts = wait_for(failed, 30, f"{SILENT} silent connections counted")
+        assert counts["closed"] == 0, counts
+    finally:
+        done.set()
+        for client in clients:
+            client.join(10)
+        for sock in silent:
+            sock.close()
+        watcher.close()
         coord.cleanup()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections import Counter
 
 import zmq
 
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, curve_server
 from rollout_watchdog.common import handshakes, protocol
+from rollout_watchdog.common.handshakes import MonitorEvent
 from rollout_watchdog.common.lograte import worth_logging
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None,
     # libzmq answers here by itself); the coordinator finds silent nodes by their
     # heartbeats (node_timeout_s), and silent subscribers expire (relay.py).
     auth = None
-    monitor = sock.get_monitor_socket(handshakes.FAILURES)
+    monitor = sock.get_monitor_socket(handshakes.DATED_FAILURES)
     try:
         if keys:
             auth = curve_server(ctx, sock, keys)
@@ -67,23 +69,48 @@ class FailedHandshakes:
     """The connections the ROUTER dropped before they spoke, counted by kind
     (`common.handshakes`: timeout, closed, auth, protocol), each kind logged as a WARNING,
     rate-limited: a flood of half-open connections, or a node with the wrong key, never
-    reaches the hub's loop as a message, so this is where it shows."""
+    reaches the hub's loop as a message, so this is where it shows. A failure with no detail
+    is dated by its connection's ACCEPTED and the DISCONNECTED that follows it, so that a
+    timeout is told from a peer that left (`handshakes.failure_kind`)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.counts: Counter[str] = Counter(dict.fromkeys(handshakes.FAILURE_KINDS, 0))
+        self._accepted: dict[int, float] = {}   # a live connection's descriptor -> read when
+        self._undated: MonitorEvent | None = None   # a NO_DETAIL waiting for its DISCONNECTED
 
     def take(self, monitor: zmq.Socket[bytes], limit: int) -> None:
         """Count what `monitor` reported, at most `limit` events, never blocking."""
         for event in handshakes.monitor_events(monitor, limit):
-            kind = handshakes.failure_kind(event.event, event.value)
-            if kind is None:
-                continue
-            self.counts[kind] += 1
-            count = self.counts[kind]
-            if worth_logging(count):
-                log.warning("dropped a connection to %s before it spoke (%s, %d so far): %s",
-                            event.endpoint, kind, count, self._why(kind, event.value))
+            self.note(event, time.monotonic())
+
+    def note(self, event: MonitorEvent, now: float) -> None:
+        """One event of the ROUTER's monitor (`handshakes.DATED_FAILURES`), read at `now`."""
+        if event.event == zmq.EVENT_ACCEPTED:
+            self._accepted[event.value] = now
+            return
+        undated, self._undated = self._undated, None
+        if event.event == zmq.EVENT_DISCONNECTED:
+            accepted = self._accepted.pop(event.value, None)
+            if undated is not None:
+                self._count(undated, None if accepted is None else now - accepted)
+            return
+        if undated is not None:    # no DISCONNECTED came after it: its errno alone says
+            self._count(undated, None)
+        if event.event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._undated = event
+        else:
+            self._count(event, None)
+
+    def _count(self, event: MonitorEvent, age_s: float | None) -> None:
+        kind = handshakes.failure_kind(event.event, event.value, age_s, self.timeout_s)
+        if kind is None:
+            return
+        self.counts[kind] += 1
+        count = self.counts[kind]
+        if worth_logging(count):
+            log.warning("dropped a connection to %s before it spoke (%s, %d so far): %s",
+                        event.endpoint, kind, count, self._why(kind, event.value))
 
     def _why(self, kind: str, value: int) -> str:
         if kind == handshakes.TIMEOUT:
