@@ -32,7 +32,10 @@ def start_fleet(make_node: Callable[..., Node], endpoint: str, nodes: int, engin
     for i in range(nodes):
         node = make_node([EngineSpec(f"e{j}", flags=flags, extra={"tp_size": 1})
                           for j in range(engines)], node_id=f"node{i}",
-                         top={"coordinator": endpoint}, probe={"health_interval_s": 0.5},
+                         top={"coordinator": endpoint},
+                         # 3 failed probes in a row (1 s timeout each) to restart: these tests
+                         # count restarts, and a refit loads a 2-core host
+                         probe={"health_interval_s": 0.5, "failure_threshold": 3},
                          **node_kwargs)
         node.start()
         out.append(node)

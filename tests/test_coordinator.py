@@ -196,7 +196,8 @@ def test_fleet_view_shape_and_unreachable_node(make_node: Callable[..., Node],
     assert nodes[1].proc is not None
     nodes[1].proc.send_signal(signal.SIGSTOP)   # silent, connection open: a hung node
     try:
-        client.wait_event(lambda e: e["kind"] == "node_unreachable", "node1 unreachable")
+        client.wait_event(lambda e: e["kind"] == "node_unreachable" and e["node_id"] == "node1",
+                          "node1 unreachable")
         node1 = next(n for n in client.fleet()["nodes"] if n["node_id"] == "node1")
         assert node1["reachable"] is False
         assert [(e["reachable"], e["state"], e["serving"]) for e in node1["engines"]] \

@@ -196,7 +196,9 @@ def test_start_reconciles_router_with_desired(router: Router, engines: Engines,
     # b posted once, or once more per add job of the router's own that gave up on it (its
     # health checks, on a loaded host: see the pending-registration test below)
     assert status["adds"] == 1 + router.failed_add_jobs(b), (status, router.log_tail())
-    assert status["removes"] == 1
+    # the stray removed once, or again if a listing taken before the router's removal job ran
+    # still showed it (as for a killed engine, below)
+    assert 1 <= status["removes"] <= 3, status
     assert status["reachable"] is True and status["last_error"] is None
     assert status["listed"] == sorted([a, b])
 
@@ -237,7 +239,9 @@ def test_a_routed_engine_whose_version_drifts_is_pulled_counted_and_readded(
                and "'v0'" in sync.status()["pending"].get(drifting, ""), DEADLINE_S,
                what="the drifted engine out of the router and pending, naming its version")
     state = sync.status()
-    assert state["version_mismatches"] == 1 and "'v0'" in state["last_mismatch"], state
+    # counted, and again at a check that still found it listed (the router's removal job is
+    # asynchronous: under load it can run after the next check, 0.3 s later)
+    assert state["version_mismatches"] >= 1 and "'v0'" in state["last_mismatch"], state
     status, _ = http_request(f"{drifting}/update_weight_version", "POST", {"new_version": "v1"})
     assert status == 200
     assert sync.wait_synced(DEADLINE_S), sync.status()
