@@ -11,7 +11,11 @@ import pytest
 import rollout_watchdog
 from rollout_watchdog.common.errors import RolloutWatchdogError
 from rollout_watchdog.refit_bridge.engine_calls import EngineCallError
-from rollout_watchdog.refit_bridge.group import GroupAborted, GroupMember, GroupMemberFailed
+from rollout_watchdog.refit_bridge.group_member import (
+    GroupAborted,
+    GroupMember,
+    GroupMemberFailed,
+)
 from rollout_watchdog.refit_bridge.router import RouterError
 
 LOST = [("node0", "e0", 3), ("node1", "e1", 1)]

@@ -14,12 +14,11 @@ import pytest
 
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.engine_calls import EngineCallError
-from rollout_watchdog.refit_bridge.group import (
-    REFUSAL_WAIT_S,
+from rollout_watchdog.refit_bridge.group import REFUSAL_WAIT_S, WeightUpdateGroup
+from rollout_watchdog.refit_bridge.group_member import (
     GroupAborted,
     GroupMember,
     GroupMemberFailed,
-    WeightUpdateGroup,
 )
 
 WHAT = "update_weights_from_distributed"

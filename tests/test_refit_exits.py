@@ -37,7 +37,11 @@ from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge import lock_holder
 from rollout_watchdog.refit_bridge.engine_calls import EngineCallError
-from rollout_watchdog.refit_bridge.group import GroupAborted, GroupMember, GroupMemberFailed
+from rollout_watchdog.refit_bridge.group_member import (
+    GroupAborted,
+    GroupMember,
+    GroupMemberFailed,
+)
 from rollout_watchdog.refit_bridge.refit_state import (
     GroupRegistry,
     Phase,

@@ -15,8 +15,10 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 import urllib.request
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -35,11 +37,11 @@ from rollout_watchdog.emulator.testing import (  # noqa: E402
     stop_emulator,
     wait_until,
 )
-from rollout_watchdog.refit_bridge.group import (  # noqa: E402
+from rollout_watchdog.refit_bridge.group import WeightUpdateGroup  # noqa: E402
+from rollout_watchdog.refit_bridge.group_member import (  # noqa: E402
     GroupAborted,
     GroupMember,
     GroupMemberFailed,
-    WeightUpdateGroup,
 )
 
 BIG = 8 << 20  # floats: 32 MiB, more than the socket buffers hold, so a stalled peer blocks rank 0
@@ -370,9 +372,22 @@ def test_abort_frees_a_build_waiting_for_a_member(peers: Callable[..., list[Peer
     group.destroy()
 
 
+def in_rendezvous(group: WeightUpdateGroup) -> bool:
+    """Whether a thread of `group` is still in the trainer's own side of the rendezvous."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        if names.get(ident, "").startswith(f"wug-{group.group_name}") and any(
+                f.f_code.co_name == "init_custom_process_group"
+                for f, _ in traceback.walk_stack(frame)):
+            return True
+    return False
+
+
 def test_unreachable_member_fails_build_at_once(peers: Callable[..., list[Peer]]) -> None:
     """A member whose HTTP port refuses: build() raises GroupMemberFailed naming it, without
-    waiting for the rendezvous timeout."""
+    waiting for the rendezvous timeout. destroy() returns once the trainer's own rendezvous has
+    ended (torn down), not while it runs on into the caller's next work (printing torch's
+    warning of the store's broken connection there)."""
     (healthy,) = peers("none")
     gone = GroupMember("n9", "e3", 4, "http://127.0.0.1:9", 1)
     group = WeightUpdateGroup([GroupMember("n0", "e0", 1, healthy.url, 1), gone],
@@ -382,7 +397,8 @@ def test_unreachable_member_fails_build_at_once(peers: Callable[..., list[Peer]]
         group.build()
     assert caught.value.members == [gone]
     assert "ConnectionRefusedError" in caught.value.detail  # not the rendezvous timeout
-    group.destroy()
+    group.destroy(wait_s=10.0)   # (its bound: a loaded host's)
+    assert not in_rendezvous(group)
 
 
 def _healthy(url: str) -> bool:

@@ -12,6 +12,7 @@ too (gloo: its sockets; NCCL: its abort).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
@@ -20,10 +21,8 @@ import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_watchdog.common.errors import RolloutWatchdogError
 from rollout_watchdog.common.torch_group import (
     destroy_process_group,
     init_custom_process_group,
@@ -31,6 +30,11 @@ from rollout_watchdog.common.torch_group import (
 )
 from rollout_watchdog.refit_bridge import engine_calls, sockets
 from rollout_watchdog.refit_bridge.buckets import buckets, dtype_name, with_last
+from rollout_watchdog.refit_bridge.group_member import (
+    GroupAborted,
+    GroupMember,
+    GroupMemberFailed,
+)
 from rollout_watchdog.refit_bridge.member_calls import MemberCalls, unanswered
 from rollout_watchdog.refit_bridge.rendezvous import free_port
 
@@ -52,58 +56,7 @@ FAILURE_GRACE_S = 2.0
 # restarted (a suite run: UpdateRefused for all three members came out EngineLost).
 REFUSAL_WAIT_S = 5.0
 UPDATE_CALL = "update_weights_from_distributed"   # the broadcast's calls (_fail)
-
-
-@dataclass(frozen=True)
-class GroupMember:
-    """One engine in the group: who it is (for errors) and where it listens."""
-
-    node_id: str
-    engine: str
-    incarnation: int
-    url: str
-    tp_size: int
-    # The node's identity of its main process (kernel boot, pid, start time): a process that
-    # took over an incarnation number (a daemon that lost its state file) is another member.
-    process: str | None = None
-
-    def label(self) -> str:
-        return f"{self.node_id}/{self.engine} (incarnation {self.incarnation})"
-
-
-class GroupMemberFailed(RolloutWatchdogError):
-    """Members' calls failed. ``members`` names the likely culprits: those that gave no answer at
-    all (gone), else those that answered with an error, else those whose calls never completed.
-    ``detail`` has every member's reason; ``gone`` lists every member that gave no answer,
-    ``refused`` every member that answered with an error, (node_id, engine, incarnation) ->
-    its answer (internal: a refit raises EngineLost or UpdateRefused for them)."""
-
-    def __init__(self, members: list[GroupMember], detail: str, *,
-                 gone: list[GroupMember] | None = None,
-                 refused: dict[GroupMember, str] | None = None) -> None:
-        self.members = list(members)
-        self.detail = detail
-        self.gone = list(gone or [])
-        self.refused = {(m.node_id, m.engine, m.incarnation): why
-                        for m, why in (refused or {}).items()}
-        names = ", ".join(m.label() for m in self.members) or "no member"
-        super().__init__(f"weight-update group failed at {names}: {detail}")
-
-    @property
-    def lost(self) -> list[tuple[str, str, int]]:
-        """(node_id, engine, incarnation) of each culprit, as EngineLost takes them."""
-        return [(m.node_id, m.engine, m.incarnation) for m in self.members]
-
-
-class GroupAborted(RolloutWatchdogError):
-    """:meth:`WeightUpdateGroup.abort` was called; ``pending`` lists the members whose calls had
-    not completed then (on a deadline: the wedged ones)."""
-
-    def __init__(self, reason: str, pending: list[GroupMember]) -> None:
-        self.reason = reason
-        self.pending = list(pending)
-        names = ", ".join(m.label() for m in pending) or "none"
-        super().__init__(f"weight-update group aborted ({reason}); calls pending at: {names}")
+RENDEZVOUS_RECHECK_S = 0.1   # destroy() tears a failed build's rendezvous down this often
 
 
 class WeightUpdateGroup:
@@ -146,6 +99,7 @@ class WeightUpdateGroup:
         self._session_given = session
         self.session: dict[GroupMember, bool] = {}
         self._pg: ProcessGroup | None = None
+        self._own_side: Future[ProcessGroup] | None = None   # rank 0's rendezvous
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.calls: MemberCalls[GroupMember] = MemberCalls(
@@ -185,7 +139,7 @@ class WeightUpdateGroup:
                       "group_name": self.group_name, "backend": self.backend}
                   for m in self.members}
         calls = self.calls.post_all("/init_weights_update_group", bodies, blocking=True)
-        local = self.calls.submit(own_side)
+        local = self._own_side = self.calls.submit(own_side)
         local.add_done_callback(lambda _f: self._wake.set())
         self._await(calls, [local], "init_weights_update_group")
         self._pg = local.result()
@@ -278,7 +232,18 @@ class WeightUpdateGroup:
         self._ask_all("/destroy_weights_update_group",
                       {m: {"group_name": self.group_name} for m in self.members
                        if m not in skipped}, deadline)
+        self._end_rendezvous(deadline)
         self.calls.shutdown()
+
+    def _end_rendezvous(self, deadline: float) -> None:
+        """The trainer's own side of a failed build's rendezvous, until it ends or `deadline`:
+        torn down again (its store may have connected after the first teardown), so that no
+        thread of the group waits out init_timeout_s into the caller's next work."""
+        own = self._own_side
+        while own is not None and not own.done() and (left := deadline - time.monotonic()) > 0:
+            self._teardown_group()
+            with contextlib.suppress(Exception):   # (its own error: the build's is raised)
+                own.exception(timeout=min(RENDEZVOUS_RECHECK_S, left))
 
     def _ask_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],
                  deadline: float) -> None:

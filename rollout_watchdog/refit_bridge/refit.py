@@ -45,6 +45,7 @@ from rollout_watchdog.common.errors import (
 )
 from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge import engine_calls
+from rollout_watchdog.refit_bridge.group_member import GroupMember, GroupMemberFailed
 from rollout_watchdog.refit_bridge.lock_holder import CALL_TIMEOUT_S, LockHolder
 from rollout_watchdog.refit_bridge.refit_state import (
     GROUPS,
@@ -194,7 +195,6 @@ class Refit:
                        bucket_bytes: int | None = None, flattened: bool = False) -> None:
         """Broadcast `named_tensors` (in that order) to every member over the weight-update
         group, built first if the membership changed since the last refit."""
-        from rollout_watchdog.refit_bridge.group import GroupMemberFailed
         if self.committed:
             raise RuntimeError(f"refit {self.version!r} is committed: update_weights() comes "
                                "before commit()")
@@ -306,8 +306,8 @@ class Refit:
         self._each("server_info", lambda url: sizes.__setitem__(
             url, engine_calls.tp_size(url, timeout)),
             [str(e.url) for e in self.engines if not e.tp_size])
-        members = [groups.GroupMember(e.node_id, e.id, e.incarnation, str(e.url),
-                                      sizes[str(e.url)], _process(e)) for e in self.engines]
+        members = [GroupMember(e.node_id, e.id, e.incarnation, str(e.url), sizes[str(e.url)],
+                               _process(e)) for e in self.engines]
         key = self.client.address
         cached = GROUPS.get(key)
         if cached is not None and cached.members == members and cached.backend == self.backend \
