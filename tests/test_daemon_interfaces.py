@@ -85,8 +85,9 @@ def test_prometheus_metrics(make_node: MakeNode) -> None:
     node.wait_state("e0", "healthy", incarnation=2)
     healthy = 'rollout_watchdog_engine_state{engine="e0",state="healthy"} 1.0'
 
-    def scrape() -> str | None:   # (healthy at the scrape: one slow probe on a loaded host
-        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text   # passes)
+    # (healthy at the scrape: one slow probe on a loaded host passes)
+    def scrape() -> str | None:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         return text if healthy in text else None
     text = wait_for(scrape, 30, "a scrape with e0 healthy")
     assert 'rollout_watchdog_restarts_total{cause="exited",engine="e0"} 1.0' in text

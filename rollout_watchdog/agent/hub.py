@@ -46,7 +46,7 @@ HEARTBEAT_S = 1.0
 SWEEP_S = 0.1               # how often silent nodes and subscribers are looked for
 MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
 BEHIND_POLL_S = 0.005       # the relay has more to send: a short look at the sockets first
-MONITOR_EVENTS_PER_TURN = 1_000   # handshake events read a turn: a flood of them waits its turn
+MONITOR_EVENTS_PER_TURN = 3_000   # monitor events read a turn (3 a connection): a flood waits
 # Plain ints for the flags of the sends and receives of every message: pyzmq's flag enums, and
 # its multipart helpers built on them, cost microseconds a call (thousands a fleet-wide pause)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)

@@ -32,7 +32,8 @@ def bind_hub(ctx: zmq.Context[zmq.Socket[bytes]], bind: str, keys: str | None,
              ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], NamedKeyAuthenticator | None]:
     """The bound ROUTER, the monitor of its handshakes (`common.handshakes`: attached before
     the bind, so that none is missed) and its authenticator (with `keys`); ValueError naming
-    the problem."""
+    the problem. `ctx` has one I/O thread (the monitor's failures are dated by the events
+    next to them: `FailedHandshakes`)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer fails, never vanishes

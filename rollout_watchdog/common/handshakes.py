@@ -13,15 +13,17 @@ What libzmq 4.3 raises (`stream_engine_base.cpp`, `zmtp_engine.cpp`; checked by 
   connection left (measured: 9 timeouts in 40 read as `closed` beside 3 clients that came and
   went), so the ROUTER's monitor also watches each connection's ACCEPTED and DISCONNECTED
   (their value its descriptor; libzmq reports DISCONNECTED right after the failure, from the
-  same I/O thread) and `failure_kind` takes the failed handshake's age: one that lasted as long
-  as the timer's half is a timeout, whatever the errno says.
+  same I/O thread: adjacent in the monitor while the context has one I/O thread, pyzmq's
+  default, which the coordinator keeps) and `failure_kind` takes the failed handshake's age: one
+  that lasted half the timer is a timeout, whatever the errno says.
 A first byte other than 0xff is taken for a ZMTP 1.0 peer: without CURVE it is spoken to (and
 ends as above), with CURVE it is dropped with no handshake event at all, so it is not counted.
 The v1 monitor names the socket's own endpoint, never the peer's (libzmq's v2 monitor is a
 draft API that pyzmq's libzmq lacks). An unread monitor blocks libzmq's I/O thread once its
 pipe is full (about 2,000 events, measured: the socket then stops accepting and moving
-messages), so its reader reads it every turn, and drains it before `disable_monitor()`, which
-waits for the lock that the blocked I/O thread holds.
+messages; a connection costs the ROUTER's monitor three), so its reader reads it every turn,
+and drains it before `disable_monitor()`, which waits for the lock that the blocked I/O thread
+holds.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILURES   # each handshake's end, e
 # the ROUTER's monitor: the failures, dated by their connection's start and end
 DATED_FAILURES = FAILURES | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 # A NO_DETAIL that came this share of the handshake timeout after its connection was accepted
-# is the timer's, even with a peer-gone errno: the times are those the monitor was read at, a
-# turn of the reader late each, far less than half a timeout.
+# is the timer's, even with a peer-gone errno. The times are those the monitor was read at, each
+# a turn of the reader late: a reader late by half a timeout dates wrongly (one late by a whole
+# timeout reads both events in one turn, age ~0: the errno decides, as before). A peer that
+# leaves after half the timeout without a word is counted as a timeout.
 TIMER_SHARE = 0.5
 DRAIN_EVENTS = 10_000   # more than a full monitor pipe holds
 # The coordinator drops a connection that has not finished its handshake by then (the CLI's
@@ -84,9 +88,9 @@ def failure_kind(event: int, value: int, age_s: float | None = None,
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         return PROTOCOL
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        timer_age = age_s is not None and timeout_s is not None \
+        old_enough = age_s is not None and timeout_s is not None \
             and age_s >= timeout_s * TIMER_SHARE
-        return CLOSED if value in _PEER_GONE and not timer_age else TIMEOUT
+        return CLOSED if value in _PEER_GONE and not old_enough else TIMEOUT
     return None
 
 

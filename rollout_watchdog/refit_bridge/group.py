@@ -12,7 +12,6 @@ too (gloo: its sockets; NCCL: its abort).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import logging
@@ -20,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
 from rollout_watchdog.common.torch_group import (
@@ -215,7 +214,8 @@ class WeightUpdateGroup:
     def destroy(self, wait_s: float = 2.0, skip: Iterable[GroupMember] = ()) -> None:
         """Destroy the trainer's group and ask every member but `skip` (stuck ones, to be
         restarted) to destroy theirs and to end an update session an abort left open, waiting
-        at most `wait_s` for their answers. Never raises: errors are logged."""
+        at most `wait_s` in all for their answers, then for a failed build's own rendezvous to
+        end. Never raises: errors are logged."""
         if self._destroyed:
             return
         self._destroyed = True
@@ -233,17 +233,22 @@ class WeightUpdateGroup:
                       {m: {"group_name": self.group_name} for m in self.members
                        if m not in skipped}, deadline)
         self._end_rendezvous(deadline)
+        self._own_side = None   # (a built group's future holds the destroyed process group)
         self.calls.shutdown()
 
     def _end_rendezvous(self, deadline: float) -> None:
-        """The trainer's own side of a failed build's rendezvous, until it ends or `deadline`:
-        torn down again (its store may have connected after the first teardown), so that no
-        thread of the group waits out init_timeout_s into the caller's next work."""
+        """The trainer's own side of a failed build's rendezvous, torn down again (its store
+        may have connected after the build's teardown) at once, then while it runs, until
+        `deadline`: so that no thread of the group waits out init_timeout_s into the caller's
+        next work."""
         own = self._own_side
-        while own is not None and not own.done() and (left := deadline - time.monotonic()) > 0:
+        if own is None or own.done():
+            return
+        self._teardown_group()
+        while (left := deadline - time.monotonic()) > 0:
+            if wait([own], timeout=min(RENDEZVOUS_RECHECK_S, left)).done:
+                return
             self._teardown_group()
-            with contextlib.suppress(Exception):   # (its own error: the build's is raised)
-                own.exception(timeout=min(RENDEZVOUS_RECHECK_S, left))
 
     def _ask_all(self, path: str, bodies: dict[GroupMember, dict[str, Any]],
                  deadline: float) -> None:
@@ -433,7 +438,8 @@ class WeightUpdateGroup:
         count = sockets.shutdown_new_sockets(
             self._before, self.calls.inodes(),
             only=own if own is not None else sockets.connected_tcp_inodes(self.master_port))
-        log.info("weight-update group %s: %d sockets shut down", self.group_name, count)
+        log.log(logging.INFO if count else logging.DEBUG, "weight-update group %s: %d sockets "
+                "shut down", self.group_name, count)
 
     def _destroy_pg_bounded(self, pg: ProcessGroup) -> None:
         """destroy_process_group, given http_timeout_s: a group with a hung collective may hang
