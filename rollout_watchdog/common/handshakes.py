@@ -94,6 +94,23 @@ def failure_kind(event: int, value: int, age_s: float | None = None,
     return None
 
 
+def failed_handshake_hint(failure: int | None, keyed: bool) -> str:
+    """What a client that got no answer says of its last handshake, by how it failed (a FAILED
+    event; None: none failed, "") and whether the client speaks CURVE (`keyed`). The ways it
+    fails, measured from the client's side: a key not authorized is AUTH; a coordinator of the
+    other mechanism, or a CURVE key for another coordinator, drops the connection (NO_DETAIL)."""
+    if failure is None:
+        return ""
+    if failure == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (" (the CURVE handshake failed: the coordinator does not authorize this "
+                "client's key; is it in the coordinator's authorized/?)")
+    if keyed:
+        return (" (the CURVE handshake failed: the coordinator dropped it; does it run with "
+                "keys, and is this client's coordinator key that coordinator's?)")
+    return (" (the handshake failed: the coordinator dropped it; does it require CURVE? this "
+            "client has no key)")
+
+
 def close_monitored(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
     """Close `sock` and its monitor: the monitor drained first (see above), then stopped."""
     for _ in monitor_events(monitor, DRAIN_EVENTS):

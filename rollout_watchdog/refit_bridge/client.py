@@ -68,15 +68,16 @@ class _Connection:
     sock: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
     handshakes: int = 0     # completed on this socket: past the first, a reconnect
-    refused: bool = False   # the last handshake failed (CURVE: is the key authorized?)
+    failure: int | None = None   # how the last handshake failed (None: it did not)
 
     def heard(self, event: int) -> bool:
         """Take one monitor event; whether it was a reconnect (not the socket's first)."""
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.handshakes += 1
-            self.refused = False
+            self.failure = None
             return self.handshakes > 1
-        self.refused = self.refused or event in handshakes.FAILED
+        if event in handshakes.FAILED:
+            self.failure = event
         return False
 
     def close(self) -> None:
@@ -212,8 +213,7 @@ class FleetClient:
             self._drop(conn)
             raise
         self._drop(conn)   # the command must not go out later, on a reconnect
-        why = " (the CURVE handshake failed: is this client's key authorized?)" \
-            if conn.refused else ""
+        why = handshakes.failed_handshake_hint(conn.failure, self._curve is not None)
         # (rounded: a paged call waits what is left of its timeout, 0.499999 s of 0.5 s)
         raise CoordinatorUnavailable(f"no answer from the coordinator at {self.address} "
                                      f"within {round(wait, 3):g} s{why}")
