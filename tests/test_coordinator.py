@@ -579,6 +579,19 @@ def test_curve_lets_in_listed_keys_only(make_node: Callable[..., Node], tmp_path
                 peer.close()
 
 
+def test_a_node_whose_key_is_not_authorized_says_why_it_has_no_link(
+        make_node: Callable[..., Node], tmp_path: Path, keys: Path) -> None:
+    """Nothing else tells the node's operator: its log names the refusal and what to check."""
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys)) as coord:
+        node = make_node([], node_id="stranger", top={
+            "coordinator": coord.endpoint, "key": str(tmp_path / "peers" / "stranger.key_secret"),
+            "coordinator_key": str(keys / "coordinator.key")}).start()
+        wait_for(lambda: "the coordinator does not authorize this key" in node.log_text(), 30,
+                 "the refusal in the node's log")
+        assert f"no link to the coordinator at {coord.endpoint} (1 failed handshakes)" \
+            in node.log_text()
+
+
 def test_sighup_lets_in_a_key_added_to_authorized(tmp_path: Path, keys: Path) -> None:
     """An operator adds a node's or client's public key and sends SIGHUP: no restart."""
     bind = f"tcp://127.0.0.1:{free_port()}"

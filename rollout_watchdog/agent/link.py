@@ -33,7 +33,7 @@ from typing import Any, Protocol, cast
 import zmq
 
 from rollout_watchdog.agent.outgoing import Outgoing
-from rollout_watchdog.common import protocol
+from rollout_watchdog.common import handshakes, protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
 from rollout_watchdog.common.handshakes import close_monitored, read_event
@@ -58,7 +58,7 @@ MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves t
 # Plain ints: pyzmq's flag enums cost microseconds a use (a node's every message)
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-              | zmq.EVENT_CONNECT_RETRIED)
+              | zmq.EVENT_CONNECT_RETRIED | handshakes.FAILURES)
 
 Dispatch = Callable[[str, dict[str, Any]], "dict[str, Any] | Deferred"]
 
@@ -92,6 +92,8 @@ class NodeLink:
                                  None if metrics is None else metrics.link_events_dropped)
         self.seq = 0
         self.bad_messages = 0         # frames dropped, and connections lost to bad frames
+        self.handshakes_failed = 0    # with the coordinator (each logged, rate-limited)
+        self._keyed = bool(key and coordinator_key)
         self.coordinator_seen: float | None = None   # monotonic time of its last message
         self._handshake_at: float | None = None      # the current connection's handshake
         self._redial_at: float | None = None
@@ -101,11 +103,10 @@ class NodeLink:
         self._retry_at: float | None = None          # sends held back by a full queue
         self._next_heartbeat = 0.0
         sock = ctx.socket(zmq.DEALER)
-        curve = bool(key and coordinator_key)
         # With CURVE the coordinator knows the node by its key, and a routing id of its own
         # that is never shown keeps any other admitted peer off its connection
         # (hub_socket.NodeRoutes); without, the routing id is the node id.
-        sock.setsockopt(zmq.ROUTING_ID, secrets.token_hex(16).encode() if curve
+        sock.setsockopt(zmq.ROUTING_ID, secrets.token_hex(16).encode() if self._keyed
                         else node_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)   # nothing queued for a peer that is not there
@@ -253,6 +254,12 @@ class NodeLink:
             self._redial_at = now + max(REDIAL_GRACE_S, self._redial_wait)
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self._redial_at = None
+        elif event in handshakes.FAILED:   # never linked, and nothing else would say why
+            self.handshakes_failed += 1
+            if worth_logging(self.handshakes_failed):
+                log.warning("no link to the coordinator at %s (%d failed handshakes): %s",
+                            self.endpoint, self.handshakes_failed,
+                            handshakes.failed_handshake_hint(event, self._keyed))
 
     def _silent_since(self) -> float | None:
         """Since when a handshaken coordinator has said nothing (None: not handshaken)."""

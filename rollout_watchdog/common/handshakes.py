@@ -95,20 +95,20 @@ def failure_kind(event: int, value: int, age_s: float | None = None,
 
 
 def failed_handshake_hint(failure: int | None, keyed: bool) -> str:
-    """What a client that got no answer says of its last handshake, by how it failed (a FAILED
-    event; None: none failed, "") and whether the client speaks CURVE (`keyed`). The ways it
-    fails, measured from the client's side: a key not authorized is AUTH; a coordinator of the
-    other mechanism, or a CURVE key for another coordinator, drops the connection (NO_DETAIL)."""
+    """What a client or node says of its last handshake with the coordinator, by how it failed
+    (a FAILED event; None: it did not, "") and whether this side speaks CURVE (`keyed`). The
+    ways, measured from this side: a key not authorized is AUTH; a coordinator of the other
+    mechanism, or a CURVE key for another coordinator, drops the connection (NO_DETAIL)."""
     if failure is None:
         return ""
     if failure == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (" (the CURVE handshake failed: the coordinator does not authorize this "
-                "client's key; is it in the coordinator's authorized/?)")
+        return ("the CURVE handshake failed: the coordinator does not authorize this key; is "
+                "its public half in the coordinator's authorized/?")
     if keyed:
-        return (" (the CURVE handshake failed: the coordinator dropped it; does it run with "
-                "keys, and is this client's coordinator key that coordinator's?)")
-    return (" (the handshake failed: the coordinator dropped it; does it require CURVE? this "
-            "client has no key)")
+        return ("the CURVE handshake failed: the coordinator dropped it; does it run with keys, "
+                "and is the coordinator key given here that coordinator's?")
+    return ("the handshake failed: the coordinator dropped it; does it require CURVE? no key "
+            "is given here")
 
 
 def close_monitored(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:

@@ -213,7 +213,8 @@ class FleetClient:
             self._drop(conn)
             raise
         self._drop(conn)   # the command must not go out later, on a reconnect
-        why = handshakes.failed_handshake_hint(conn.failure, self._curve is not None)
+        hint = handshakes.failed_handshake_hint(conn.failure, self._curve is not None)
+        why = f" ({hint})" if hint else ""
         # (rounded: a paged call waits what is left of its timeout, 0.499999 s of 0.5 s)
         raise CoordinatorUnavailable(f"no answer from the coordinator at {self.address} "
                                      f"within {round(wait, 3):g} s{why}")
