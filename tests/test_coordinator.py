@@ -557,7 +557,7 @@ def curve_of(tmp_path: Path, name: str) -> tuple[bytes, bytes, bytes]:
 def test_curve_lets_in_listed_keys_only(make_node: Callable[..., Node], tmp_path: Path,
                                         keys: Path) -> None:
     with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys)) as coord:
-        fleet_of(make_node, coord.endpoint, 1, top={
+        (node,) = fleet_of(make_node, coord.endpoint, 1, top={
             "key": str(tmp_path / "peers" / "node0.key_secret"),
             "coordinator_key": str(keys / "coordinator.key")})
         trainer = Peer(coord.endpoint, curve_of(tmp_path, "trainer"))
@@ -565,6 +565,8 @@ def test_curve_lets_in_listed_keys_only(make_node: Callable[..., Node], tmp_path
         plain = Peer(coord.endpoint)
         try:
             wait_for(all_healthy(trainer, 1), 60, "the node, over CURVE")
+            link = node.status()["link"]
+            assert (link["handshakes_failed"], link["handshake_failure"]) == (0, None)
             for outsider in (stranger, plain):
                 assert outsider.call("restart", timeout=2.0, node="node0", engine="e0") is None
                 assert outsider.call("status", timeout=1.0) is None
@@ -590,6 +592,9 @@ def test_a_node_whose_key_is_not_authorized_says_why_it_has_no_link(
                  "the refusal in the node's log")
         assert f"no link to the coordinator at {coord.endpoint} (1 failed handshakes)" \
             in node.log_text()
+        link = node.status()["link"]   # and its status says the same
+        assert link["connected"] is False and link["handshakes_failed"] >= 1
+        assert "does not authorize this key" in link["handshake_failure"]
 
 
 def test_sighup_lets_in_a_key_added_to_authorized(tmp_path: Path, keys: Path) -> None:

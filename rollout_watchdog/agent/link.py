@@ -93,6 +93,7 @@ class NodeLink:
         self.seq = 0
         self.bad_messages = 0         # frames dropped, and connections lost to bad frames
         self.handshakes_failed = 0    # with the coordinator (each logged, rate-limited)
+        self.handshake_failure: str | None = None   # why the last one failed, until one passes
         self._keyed = bool(key and coordinator_key)
         self.coordinator_seen: float | None = None   # monotonic time of its last message
         self._handshake_at: float | None = None      # the current connection's handshake
@@ -133,7 +134,8 @@ class NodeLink:
         """The `link` object of the node's `status`."""
         return {"coordinator": self.endpoint, "connected": self.connected,
                 "outbox": len(self.outbox), "unsent": self.unsent, "dropped": self.dropped,
-                "bad_messages": self.bad_messages}
+                "bad_messages": self.bad_messages, "handshakes_failed": self.handshakes_failed,
+                "handshake_failure": self.handshake_failure}
 
     @property
     def outbox(self) -> deque[protocol.Event]:
@@ -247,6 +249,7 @@ class NodeLink:
         now = self._clock.monotonic()
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._handshake_at, self._redial_at = now, None
+            self.handshake_failure = None
             self._hello()  # a (re)connected coordinator learns everything again
         elif event == zmq.EVENT_DISCONNECTED:
             # libzmq retries at once after a lost connection, never after a protocol error
@@ -256,10 +259,10 @@ class NodeLink:
             self._redial_at = None
         elif event in handshakes.FAILED:   # never linked, and nothing else would say why
             self.handshakes_failed += 1
+            self.handshake_failure = handshakes.failed_handshake_hint(event, self._keyed)
             if worth_logging(self.handshakes_failed):
                 log.warning("no link to the coordinator at %s (%d failed handshakes): %s",
-                            self.endpoint, self.handshakes_failed,
-                            handshakes.failed_handshake_hint(event, self._keyed))
+                            self.endpoint, self.handshakes_failed, self.handshake_failure)
 
     def _silent_since(self) -> float | None:
         """Since when a handshaken coordinator has said nothing (None: not handshaken)."""
