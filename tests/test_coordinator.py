@@ -565,8 +565,7 @@ def test_curve_lets_in_listed_keys_only(make_node: Callable[..., Node], tmp_path
         plain = Peer(coord.endpoint)
         try:
             wait_for(all_healthy(trainer, 1), 60, "the node, over CURVE")
-            link = node.status()["link"]
-            assert (link["handshakes_failed"], link["handshake_failure"]) == (0, None)
+            assert node.status()["link"]["handshake_failure"] is None
             for outsider in (stranger, plain):
                 assert outsider.call("restart", timeout=2.0, node="node0", engine="e0") is None
                 assert outsider.call("status", timeout=1.0) is None
@@ -588,13 +587,28 @@ def test_a_node_whose_key_is_not_authorized_says_why_it_has_no_link(
         node = make_node([], node_id="stranger", top={
             "coordinator": coord.endpoint, "key": str(tmp_path / "peers" / "stranger.key_secret"),
             "coordinator_key": str(keys / "coordinator.key")}).start()
-        wait_for(lambda: "the coordinator does not authorize this key" in node.log_text(), 30,
+        wait_for(lambda: "the coordinator refused this side's key" in node.log_text(), 30,
                  "the refusal in the node's log")
-        assert f"no link to the coordinator at {coord.endpoint} (1 failed handshakes)" \
+        assert f"no link to the coordinator at {coord.endpoint} (failed handshakes: 1)" \
             in node.log_text()
         link = node.status()["link"]   # and its status says the same
-        assert link["connected"] is False and link["handshakes_failed"] >= 1
-        assert "does not authorize this key" in link["handshake_failure"]
+        assert link["connected"] is False and link["failed_handshakes"] >= 1
+        assert "refused this side's key" in link["handshake_failure"]
+
+
+def test_a_node_without_a_key_at_a_curve_coordinator_says_so_once_it_repeats(
+        make_node: Callable[..., Node], keys: Path) -> None:
+    """The coordinator drops a keyless node's handshake, and libzmq dials again: the first drop
+    is logged at INFO (a coordinator restarting drops one too), the repeats at WARNING."""
+    with Coordinator(bind="tcp://127.0.0.1:0", keys=str(keys)) as coord:
+        node = make_node([], node_id="keyless", top={"coordinator": coord.endpoint}).start()
+
+        def drops() -> list[dict[str, Any]]:
+            lines = (json.loads(line) for line in node.log_text().splitlines() if line.strip())
+            return [e for e in lines if "requires CURVE keys: none are set" in e.get("msg", "")]
+        wait_for(lambda: any(e["level"] == "warning" for e in drops()), 30, "the warning")
+        assert drops()[0]["level"] == "info"
+        assert "requires CURVE keys" in node.status()["link"]["handshake_failure"]
 
 
 def test_sighup_lets_in_a_key_added_to_authorized(tmp_path: Path, keys: Path) -> None:

@@ -57,6 +57,8 @@ SEND_RETRY_S = 0.01          # how soon sends held back by a full queue are trie
 MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves the engines
 # Plain ints: pyzmq's flag enums cost microseconds a use (a node's every message)
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+# Dropped handshakes in a row before the link warns (one alone may be a coordinator restarting)
+DROPS_TO_WARN = 3
 _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
               | zmq.EVENT_CONNECT_RETRIED | handshakes.FAILURES)
 
@@ -92,8 +94,9 @@ class NodeLink:
                                  None if metrics is None else metrics.link_events_dropped)
         self.seq = 0
         self.bad_messages = 0         # frames dropped, and connections lost to bad frames
-        self.handshakes_failed = 0    # with the coordinator (each logged, rate-limited)
+        self.failed_handshakes = 0    # with the coordinator (each logged, rate-limited)
         self.handshake_failure: str | None = None   # why the last one failed, until one passes
+        self._failed_in_a_row = 0
         self._keyed = bool(key and coordinator_key)
         self.coordinator_seen: float | None = None   # monotonic time of its last message
         self._handshake_at: float | None = None      # the current connection's handshake
@@ -134,7 +137,7 @@ class NodeLink:
         """The `link` object of the node's `status`."""
         return {"coordinator": self.endpoint, "connected": self.connected,
                 "outbox": len(self.outbox), "unsent": self.unsent, "dropped": self.dropped,
-                "bad_messages": self.bad_messages, "handshakes_failed": self.handshakes_failed,
+                "bad_messages": self.bad_messages, "failed_handshakes": self.failed_handshakes,
                 "handshake_failure": self.handshake_failure}
 
     @property
@@ -188,9 +191,10 @@ class NodeLink:
     def tick(self, now: float) -> None:
         self._pending.answer(now)
         if self._redial_at is not None and now >= self._redial_at:
-            self._bad("protocol_error", "libzmq dropped the connection for a protocol error "
-                      f"(a frame over {protocol.MAX_MESSAGE_BYTES} bytes, garbage, a failed "
-                      "handshake) and gave it up; dialing again")
+            if not self._failed_in_a_row:   # (a failed handshake is counted as such)
+                self._bad("protocol_error", "libzmq dropped the connection for a protocol error "
+                          f"(a frame over {protocol.MAX_MESSAGE_BYTES} bytes, garbage) and gave "
+                          "it up; dialing again")
             self._redial()
         elif (silent_since := self._silent_since()) is not None \
                 and now - silent_since >= self.silent_redial_s:
@@ -249,7 +253,7 @@ class NodeLink:
         now = self._clock.monotonic()
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._handshake_at, self._redial_at = now, None
-            self.handshake_failure = None
+            self.handshake_failure, self._failed_in_a_row = None, 0
             self._hello()  # a (re)connected coordinator learns everything again
         elif event == zmq.EVENT_DISCONNECTED:
             # libzmq retries at once after a lost connection, never after a protocol error
@@ -257,12 +261,17 @@ class NodeLink:
             self._redial_at = now + max(REDIAL_GRACE_S, self._redial_wait)
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self._redial_at = None
-        elif event in handshakes.FAILED:   # never linked, and nothing else would say why
-            self.handshakes_failed += 1
+        elif event in handshakes.FAILED:   # no link: nothing else would say why
+            self.failed_handshakes += 1
+            self._failed_in_a_row += 1
             self.handshake_failure = handshakes.failed_handshake_hint(event, self._keyed)
-            if worth_logging(self.handshakes_failed):
-                log.warning("no link to the coordinator at %s (%d failed handshakes): %s",
-                            self.endpoint, self.handshakes_failed, self.handshake_failure)
+            # a refused key is certain; a dropped handshake, once, may be a restart
+            certain = event == zmq.EVENT_HANDSHAKE_FAILED_AUTH \
+                or self._failed_in_a_row >= DROPS_TO_WARN
+            if worth_logging(self.failed_handshakes):
+                log.log(logging.WARNING if certain else logging.INFO,
+                        "no link to the coordinator at %s (failed handshakes: %d): %s",
+                        self.endpoint, self.failed_handshakes, self.handshake_failure)
 
     def _silent_since(self) -> float | None:
         """Since when a handshaken coordinator has said nothing (None: not handshaken)."""

@@ -1,6 +1,7 @@
-"""ZMTP/CURVE handshakes as a libzmq socket monitor reports them, for the two sides that watch
-them: a client that wants to say why it got no answer (its key refused), and the coordinator's
-ROUTER, which counts the connections it dropped before they spoke (docs/protocol.md).
+"""ZMTP/CURVE handshakes as a libzmq socket monitor reports them, for the sides that watch
+them: a client or a node that wants to say why it got no answer or no link (its key refused,
+its handshake dropped), and the coordinator's ROUTER, which counts the connections it dropped
+before they spoke (docs/protocol.md).
 
 What libzmq 4.3 raises (`stream_engine_base.cpp`, `zmtp_engine.cpp`; checked by experiment):
 - HANDSHAKE_FAILED_AUTH: the ZAP handler refused the peer (CURVE: a key not in `authorized/`);
@@ -95,20 +96,23 @@ def failure_kind(event: int, value: int, age_s: float | None = None,
 
 
 def failed_handshake_hint(failure: int | None, keyed: bool) -> str:
-    """What a client or node says of its last handshake with the coordinator, by how it failed
-    (a FAILED event; None: it did not, "") and whether this side speaks CURVE (`keyed`). The
-    ways, measured from this side: a key not authorized is AUTH; a coordinator of the other
-    mechanism, or a CURVE key for another coordinator, drops the connection (NO_DETAIL)."""
+    """What a client or node says of its last handshake with the coordinator ("" for None: it
+    did not fail), by how it failed (a FAILED event) and whether this side speaks CURVE
+    (`keyed`). Measured from this side: a key not authorized is AUTH, which is certain; a
+    coordinator of the other mechanism, or a CURVE key for another coordinator, drops the
+    connection (NO_DETAIL), as does a coordinator restarting or too slow to finish in time."""
     if failure is None:
         return ""
     if failure == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return ("the CURVE handshake failed: the coordinator does not authorize this key; is "
-                "its public half in the coordinator's authorized/?")
+        return ("the CURVE handshake failed: the coordinator refused this side's key; add its "
+                "public key to the coordinator's authorized/ and send the coordinator SIGHUP")
     if keyed:
-        return ("the CURVE handshake failed: the coordinator dropped it; does it run with keys, "
-                "and is the coordinator key given here that coordinator's?")
-    return ("the handshake failed: the coordinator dropped it; does it require CURVE? no key "
-            "is given here")
+        return ("the CURVE handshake failed: the coordinator dropped it (as it does while "
+                "restarting or overloaded); if this repeats, check that the coordinator runs "
+                "with keys and that the coordinator key set on this side is its public key")
+    return ("the handshake failed: the coordinator dropped it (as it does while restarting or "
+            "overloaded); if this repeats, check whether the coordinator requires CURVE keys: "
+            "none are set on this side")
 
 
 def close_monitored(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:

@@ -126,8 +126,8 @@ def status(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     "process", "incarnation", "restarts", "url", "last_failure": {"cause", "detail", "ts"} |
     null, ...}]} ("process" names the main process: kernel boot, pid, start time),
     plus, with a coordinator configured, "link": {"coordinator", "connected", "outbox",
-    "unsent", "dropped", "bad_messages", "handshakes_failed", "handshake_failure" (why the
-    last handshake failed, null once one passed)}
+    "unsent", "dropped", "bad_messages", "failed_handshakes" (since the daemon started),
+    "handshake_failure" (why the last handshake failed, null once one passed)}
     """
     return node_status(node)
 
