@@ -593,8 +593,10 @@ def test_a_node_whose_key_is_not_authorized_says_why_it_has_no_link(
             in node.log_text()
         # and its status says the same; a refusal is no bad message (a second one comes from
         # the link's own redial: libzmq gives a refused connection up)
-        link = wait_for(lambda: (lambda s: s if s["failed_handshakes"] >= 2 else None)(
-            node.status()["link"]), 30, "a second refusal, after the link's redial")
+        def refused_twice() -> dict[str, Any] | None:
+            link: dict[str, Any] = node.status()["link"]
+            return link if link["failed_handshakes"] >= 2 else None
+        link = wait_for(refused_twice, 30, "a second refusal, after the link's redial")
         assert link["connected"] is False and link["bad_messages"] == 0
         assert "refused this side's key" in link["handshake_failure"]
 

@@ -228,11 +228,11 @@ def test_silent_connections_among_clients_that_come_and_go_are_counted_as_timeou
             while sock.recv(4096):
                 pass
 
-        def failed() -> dict[str, int]:
+        def handshake_counts() -> dict[str, int]:
             return dict(watcher.call("ping", timeout_s=10.0).result["handshakes_failed"])
-        wait_for(lambda: sum(failed().values()) >= SILENT, 30,
+        wait_for(lambda: sum(handshake_counts().values()) >= SILENT, 30,
                  f"{SILENT} silent connections counted")
-        counts = failed()   # (a turn later: whatever that turn's monitor held is counted)
+        counts = handshake_counts()   # (a turn later: what that turn's monitor held is counted)
         assert counts["closed"] == 0 and answered[0] > 0, (counts, answered)
     finally:
         done.set()

@@ -13,7 +13,6 @@ import zmq
 
 from rollout_watchdog.agent.security import NamedKeyAuthenticator, curve_server
 from rollout_watchdog.common import handshakes, protocol
-from rollout_watchdog.common.handshakes import MonitorEvent
 from rollout_watchdog.common.lograte import worth_logging
 
 log = logging.getLogger(__name__)
@@ -78,14 +77,15 @@ class FailedHandshakes:
         self.timeout_s = timeout_s
         self.counts: Counter[str] = Counter(dict.fromkeys(handshakes.FAILURE_KINDS, 0))
         self._accepted: dict[int, float] = {}   # a live connection's descriptor -> read when
-        self._undated: MonitorEvent | None = None   # a NO_DETAIL waiting for its DISCONNECTED
+        # a NO_DETAIL waiting for its DISCONNECTED
+        self._undated: handshakes.MonitorEvent | None = None
 
     def take(self, monitor: zmq.Socket[bytes], limit: int) -> None:
         """Count what `monitor` reported, at most `limit` events, never blocking."""
         for event in handshakes.monitor_events(monitor, limit):
             self.note(event, time.monotonic())
 
-    def note(self, event: MonitorEvent, now: float) -> None:
+    def note(self, event: handshakes.MonitorEvent, now: float) -> None:
         """One event of the ROUTER's monitor (`handshakes.DATED_FAILURES`), read at `now`."""
         if event.event == zmq.EVENT_ACCEPTED:
             self._accepted[event.value] = now
@@ -103,7 +103,7 @@ class FailedHandshakes:
         else:
             self._count(event, None)
 
-    def _count(self, event: MonitorEvent, age_s: float | None) -> None:
+    def _count(self, event: handshakes.MonitorEvent, age_s: float | None) -> None:
         kind = handshakes.failure_kind(event.event, event.value, age_s, self.timeout_s)
         if kind is None:
             return

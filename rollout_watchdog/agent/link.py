@@ -36,7 +36,6 @@ from rollout_watchdog.agent.outgoing import Outgoing
 from rollout_watchdog.common import handshakes, protocol
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.events import Event
-from rollout_watchdog.common.handshakes import close_monitored, read_event
 from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.common.lograte import worth_logging
 from rollout_watchdog.common.replies import (
@@ -173,7 +172,7 @@ class NodeLink:
     def handle(self, ready: Container[Any]) -> None:
         if self.monitor in ready:
             while self.monitor.poll(0):
-                self._on_monitor_event(read_event(self.monitor).event)
+                self._on_monitor_event(handshakes.read_event(self.monitor).event)
         if self.socket in ready:
             for _ in range(MAX_MESSAGES_PER_ROUND):
                 if not cast(int, self.socket.get(_EVENTS)) & _POLLIN:   # (no zmq.Again: ~5 us)
@@ -245,7 +244,7 @@ class NodeLink:
         return True
 
     def close(self) -> None:
-        close_monitored(self.socket, self.monitor)   # (drained first: see common/handshakes)
+        handshakes.close_monitored(self.socket, self.monitor)   # (drained first: see there)
 
     # ------------------------------------------------------------------ the connection
 
