@@ -38,7 +38,6 @@ def test_a_put_back_the_process_ending_cuts_short_is_said_not_raised(
     def refused(urls: list[str], action: object) -> dict[str, str]:
         raise RuntimeError("cannot schedule new futures after interpreter shutdown")
     monkeypatch.setattr(putback_module.engine_calls, "on_each", refused)
-    monkeypatch.setattr(putback_module, "process_ending", lambda: True)
     caplog.set_level(logging.WARNING, logger="rollout_watchdog.refit_bridge.putback")
     putback = PutBack("refit #8", ["http://127.0.0.1:9"], call_s=2.0)
     wait_for(putback.done, 10, "the put-back")

@@ -21,9 +21,11 @@ PUTBACK_CALL_S = 5.0   # one engine call; a member that does not answer is left 
 SHOWN_ERRORS = 5       # members named in the warning of a put-back that failed somewhere
 
 
-def process_ending() -> bool:
-    """The interpreter is shutting down (its main thread is over): no thread can be started."""
-    return not threading.main_thread().is_alive()
+def process_ending(refusal: RuntimeError) -> bool:
+    """Whether `refusal` (of a new thread) says the interpreter is shutting down. Its main
+    thread is still alive when ThreadPoolExecutor starts refusing (threading's exit hooks run
+    before the main thread stops), so the refusal's own words say it first."""
+    return "interpreter shutdown" in str(refusal) or not threading.main_thread().is_alive()
 
 
 class PutBack:
@@ -42,8 +44,8 @@ class PutBack:
         try:
             try:
                 errors = engine_calls.on_each(self.urls, self._one)
-            except RuntimeError:   # no new thread once the interpreter is ending
-                if not process_ending():
+            except RuntimeError as exc:   # no new thread once the interpreter is ending
+                if not process_ending(exc):
                     raise
                 log.warning("%s: the process is ending: %d member(s) not put back in service",
                             self.what, len(self.urls))
