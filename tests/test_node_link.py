@@ -1,7 +1,7 @@
 """The node's link to the coordinator, against a real daemon and a real ROUTER standing in for
 the coordinator: HELLO with a snapshot, events in order until acknowledged and resent to a
 coordinator that restarted, commands through the node's command table (a repeated request id
-gets the same reply), garbage survived."""
+gets the same reply, a repeat of one still running nothing more), garbage survived."""
 
 from __future__ import annotations
 
@@ -137,3 +137,27 @@ def test_commands_run_through_the_node_table(linked: tuple[Node, Coordinator]) -
                                and m.request_id == "r2")
     assert refused.status == "error" and "no engine 'nope'" in (refused.reason or "")
     coordinator.wait("a heartbeat", lambda m: isinstance(m, protocol.Heartbeat))
+
+
+def test_a_repeat_of_a_command_still_running_gets_only_its_one_reply(
+        linked: tuple[Node, Coordinator]) -> None:
+    """The coordinator sends a node its unanswered commands again on each HELLO; a repeat of
+    one still running (here a long-poll for events) is not run a second time."""
+    node, coordinator = linked
+    coordinator.wait("a HELLO", lambda m: isinstance(m, protocol.Hello))
+    node.wait_state("e0", "healthy")
+    last = node.client.call("events", {"since": 0, "wait_s": 0})["next"]
+    poll = protocol.Command("poll", "events", {"since": last, "wait_s": 30}, node="test-node")
+    coordinator.send(poll)
+    coordinator.send(poll)   # while the first waits
+    coordinator.send(protocol.Command("p1", "pause", {"deadline_s": 60}, node="test-node",
+                                      engine="e0"))   # an event: the poll's answer
+    answered = coordinator.wait("the poll's reply", lambda m: isinstance(m, protocol.Reply)
+                                and m.request_id == "poll")
+    assert answered.status == "ok" and [e["kind"] for e in answered.result["events"]] == [
+        "paused"]
+    coordinator.send(protocol.Command("barrier", "ping", {}, node="test-node"))
+    coordinator.wait("the ping's reply", lambda m: isinstance(m, protocol.Reply)
+                     and m.request_id == "barrier")   # taken in order, after the repeat
+    assert [m for m in coordinator.received
+            if isinstance(m, protocol.Reply) and m.request_id == "poll"] == [answered]

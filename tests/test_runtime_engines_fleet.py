@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -130,3 +131,26 @@ def test_cli_launch_and_remove_local_and_through_the_coordinator(
     missing = cli("remove", "x1", "--control", node.control)
     assert missing.returncode == 1 and "no engine 'x1'" in missing.stderr
     assert node.status()["engines"] == []
+
+
+def test_a_remove_sent_while_the_node_daemon_restarts_is_done_by_the_new_daemon(
+        make_node: MakeNode) -> None:
+    """The node's daemon is SIGKILLed and its engine removed before another daemon is back
+    (the coordinator still counts the node reachable: a restart is quicker than its node
+    timeout). The command waits for the new daemon's HELLO, which adopts the engine and
+    removes it; it was refused at once before ("no answer within ... s"), the node's old
+    connection being gone."""
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=60.0) as coordinator:
+        node = make_node([], node_id="n1", top={"coordinator": coordinator.endpoint}).start()
+        fleet = FleetClient(coordinator.endpoint, timeout_s=10.0)
+        view = fleet.launch("n1", emulated("x0"), wait_s=60)
+        boot = node.status()["boot_id"]
+        node.kill_daemon()
+        with ThreadPoolExecutor(1) as pool:
+            removing = pool.submit(fleet.remove, "n1/x0", wait_s=60)
+            node.start()   # (nothing answers the remove before this daemon does)
+            result = removing.result(timeout=120)
+        assert node.status()["boot_id"] != boot
+        assert result.nodes["n1"].result == {"engine": "x0", "action": "stopped and forgotten"}
+        assert view.pid is not None and pid_gone(view.pid)
+        fleet.wait_until(lambda v: not any(e.name == "n1/x0" for e in v), 30)

@@ -3,7 +3,10 @@
 A client's command becomes one command per target node, whose request id is the client's with
 the node appended, so a node that hears it twice (a retry, a coordinator restart) answers it
 once. The gathered reply is complete when every target answered or went unreachable, or when the
-deadline passes; then it names each node that answered an error or nothing.
+deadline passes; then it names each node that answered an error or nothing. A node's command
+is sent again on each of its HELLOs until it answers: one sent while its daemon restarted (to a
+connection already gone, or none yet) reaches the daemon that comes back, which answers a
+repeat once (agent/link.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Gathering:
     finished: bool = False                # complete or expired: its final reply made ...
     final: protocol.Reply | None = None   # ... (None: its finisher answers by itself) ...
     frame: bytes = b""                    # ... and encoded, once
+    commands: dict[str, bytes] = field(default_factory=dict)   # node -> its command, encoded
     # Makes the final reply out of the gathered one (a refit's lock reply after its pause);
     # None: the finisher answers by itself, later (nothing is sent or kept for repeats here).
     finish: Callable[[Gathering], protocol.Reply | None] | None = None
@@ -51,9 +55,13 @@ class Gathering:
         missing = [n for n in self.targets if n not in self.answers]
         failed = [n for n in self.targets if self.answers.get(n, {}).get("status") == "error"]
         problems = [f"{n}: {self.answers[n].get('reason')}" for n in failed]
-        if missing:
+        late = [n for n in missing if n not in self.gone]
+        if late:
             timeout = self.command.timeout_s or DEFAULT_TIMEOUT_S
-            problems.append(f"no answer within {timeout:g} s from {', '.join(missing)}")
+            problems.append(f"no answer within {timeout:g} s from {', '.join(late)}")
+        if len(late) < len(missing):
+            problems.append("unreachable before answering: "
+                            + ", ".join(n for n in missing if n in self.gone))
         result = {"nodes": self.answers, "missing": missing}
         if problems:
             return protocol.Reply(self.command.request_id, "error", "; ".join(problems), result,
@@ -82,7 +90,15 @@ class Fanout:
         self.pending[cmd.request_id] = gathering
         for rid, node in targets:
             self.by_node_request[rid, node] = cmd.request_id
-        return [(node, frame) for (_, node), frame in zip(targets, per_node, strict=True)]
+        sends = [(node, frame) for (_, node), frame in zip(targets, per_node, strict=True)]
+        gathering.commands = dict(sends)
+        return sends
+
+    def unanswered(self, node: str) -> list[bytes]:
+        """The commands `node` has not answered (nor gone unreachable since): to send again
+        when it says HELLO."""
+        return [g.commands[node] for g in self.pending.values()
+                if node in g.commands and node not in g.answers and node not in g.gone]
 
     def answered(self, reply: protocol.Reply, node: str) -> Gathering | None:
         """A reply from `node` (its sender); the gathering it completes, if any. A reply from

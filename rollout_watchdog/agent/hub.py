@@ -293,6 +293,8 @@ class Hub:
         self.own_events(self.view.hello(msg, msg.node_id, now, wall))
         self.routes.bind(route, msg.node_id)
         self.acks.hello(msg.node_id)
+        for frame in self.fanout.unanswered(msg.node_id):   # lost with a connection, or unsent
+            self._send_node(msg.node_id, frame)
 
     def _tick(self, now: float, wall: float) -> None:
         """What is due: expired gatherings; the sweep (silent nodes and subscribers, then the
@@ -327,12 +329,13 @@ class Hub:
                now: float, finish: Callable[[Gathering], protocol.Reply | None] | None = None
                ) -> None:
         """Fan `cmd` out to `targets`; its gathered reply goes to `client` (None: nobody),
-        made by `finish` if given."""
+        made by `finish` if given. A node whose connection is gone (its daemon restarting) or
+        full gets its command on its next HELLO; until then it is waited for, as any node is,
+        until it answers, goes unreachable or the deadline passes."""
         timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
         gathering = Gathering(client, cmd, targets, now + timeout, finish=finish)
         for node, frame in self.fanout.start(gathering):
-            if not self._send_node(node, frame):
-                gathering.gone.add(node)
+            self._send_node(node, frame)
         if self.fanout.settle(gathering):
             self._answer(gathering)
 

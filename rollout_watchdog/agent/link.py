@@ -6,7 +6,9 @@ full snapshot, then every event not yet acknowledged. Events wait in a bounded o
 coordinator ACKs them; how a turn's events and messages are framed for what the coordinator
 takes (runs, batches, lines), and held back in order by a full send queue, is
 agent/outgoing.py's.
-Commands run through the node's one command table; a repeated request id gets the same reply.
+Commands run through the node's one command table; a repeated request id gets the same reply,
+and a repeat of one still running (the coordinator sends its unanswered commands again on every
+HELLO) gets nothing but that command's one reply when it is done.
 Heartbeats go out about once a second. The node supervises on its own whenever the coordinator
 is away: nothing here blocks, and nothing waits for it.
 
@@ -58,6 +60,7 @@ MAX_MESSAGES_PER_ROUND = 100   # so a flood from the coordinator never starves t
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 # Dropped handshakes in a row before the link warns (one alone may be a coordinator restarting)
 DROPS_TO_WARN = 3
+COORDINATOR = b"coordinator"   # the one client of this link's parked replies
 _MONITORED = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
               | zmq.EVENT_CONNECT_RETRIED | handshakes.FAILURES)
 
@@ -316,6 +319,8 @@ class NodeLink:
         if known is not None:  # a repeated request id: the same reply, nothing done again
             self.outgoing.queue(known)
             return
+        if self._pending.waiting(COORDINATOR, command.request_id):
+            return   # a repeat of one still running (sent again on a HELLO): its reply comes
         args = dict(command.args)
         if command.engine is not None:
             args.setdefault("engine", command.engine)
@@ -331,7 +336,7 @@ class NodeLink:
                                              "reason": f"internal error: {exc!r}"})
             return
         if isinstance(result, Deferred):
-            self._pending.park(b"coordinator", command.request_id, result,
+            self._pending.park(COORDINATOR, command.request_id, result,
                                lambda body: self._reply(command.request_id, body))
         else:
             self._reply(command.request_id, {"status": "ok", "result": result})

@@ -104,6 +104,11 @@ class PendingReplies:
     def __len__(self) -> int:
         return len(self._parked)
 
+    def waiting(self, client: bytes, request_id: Any) -> bool:
+        """Whether `client`'s request `request_id` is parked (a repeat of it is answered by
+        the one reply it gets when done)."""
+        return any(p.request_id == request_id and p.client == client for p in self._parked)
+
     def park(self, client: bytes, request_id: Any, deferred: Deferred, send: Send) -> None:
         """Park a reply; a client over its share, or a full table, is answered with an error
         at once (the oldest of that client's parked replies gives way first)."""
