@@ -19,6 +19,7 @@ import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 from fleet_standin import StandIn
 
+from rollout_watchdog import FleetClient
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 
@@ -183,3 +184,51 @@ def test_the_coordinator_command_with_a_node(make_node: Callable[..., Node]) -> 
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_the_cli_with_curve_keys_and_the_coordinators_routing_flags(
+        make_node: Callable[..., Node], tmp_path: Path) -> None:
+    """A coordinator started as a user starts one with keys, `--router-url` and
+    `--route-after-first-refit`; `status` and `pause` reach it with `--key` and
+    `--coordinator-key`, a node links with its own key, and a client without keys is shut out.
+    Before the first refit the healthy engine is not serving (the flag), and the router the
+    coordinator keeps in step is the one named (nothing listens there)."""
+    keys = tmp_path / "keys"
+    for name in ("coordinator", "n1", "trainer"):
+        assert cli("keygen", str(keys), name).returncode == 0
+    (keys / "authorized").mkdir()
+    for name in ("n1", "trainer"):
+        (keys / "authorized" / f"{name}.key").write_text((keys / f"{name}.key").read_text())
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    router_url = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "coordinator", "--bind",
+                             endpoint, "--keys", str(keys), "--router-url", router_url,
+                             "--route-after-first-refit"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    keyed = ("--coordinator", endpoint, "--key", str(keys / "trainer.key_secret"),
+             "--coordinator-key", str(keys / "coordinator.key"))
+    try:
+        make_node([EngineSpec("e0")], node_id="n1", top={
+            "coordinator": endpoint, "key": str(keys / "n1.key_secret"),
+            "coordinator_key": str(keys / "coordinator.key")}).start()
+
+        def engine_healthy() -> dict[str, object] | None:
+            out = cli("status", *keyed, "--json")
+            nodes = json.loads(out.stdout)["nodes"] if out.returncode == 0 else []
+            engines = [e for n in nodes for e in n["engines"] if e["state"] == "healthy"]
+            return engines[0] if engines else None
+
+        engine = wait_for(engine_healthy, 60, "n1/e0 healthy in the fleet view", interval=0.5)
+        assert engine["serving"] is False and engine["weight_version"] is None
+        out = cli("pause", "--all", *keyed)
+        assert out.returncode == 0 and out.stdout.startswith("n1: deep probes paused"), out
+        shut_out = cli("status", "--coordinator", endpoint, "--timeout", "3")
+        assert shut_out.returncode != 0 and "requires CURVE keys" in shut_out.stderr, shut_out
+
+        client = FleetClient(endpoint, str(keys / "trainer.key_secret"),
+                             str(keys / "coordinator.key"))
+        router = client.call("ping")[1]["router"]
+        assert router["router_url"] == router_url and router["listed_count"] == 0
+    finally:
+        proc.kill()
+        proc.wait(10)

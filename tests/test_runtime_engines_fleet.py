@@ -116,13 +116,13 @@ def test_cli_launch_and_remove_local_and_through_the_coordinator(
                  *emulator_command(port2))
     assert remote.returncode == 1 and "GPU 1 is already in engine x0's gpus" in remote.stderr
     remote = cli("launch", "n1/x1", "--coordinator", coordinator.endpoint, "--url",
-                 f"http://127.0.0.1:{port2}", "--gpus", "2", "--wait", "60", "--",
-                 *emulator_command(port2))
+                 f"http://127.0.0.1:{port2}", "--gpus", "2", "--restart-policy", "deferred",
+                 "--wait", "60", "--", *emulator_command(port2))
     assert remote.returncode == 0, remote.stderr
     assert "n1/x1: launched, healthy, incarnation 1" in remote.stdout
     listed = json.loads(cli("status", "--json", "--coordinator", coordinator.endpoint).stdout)
-    assert {e["id"]: e["origin"] for e in listed["nodes"][0]["engines"]} == {
-        "x0": "launched", "x1": "launched"}
+    assert {e["id"]: (e["origin"], e["restart_policy"]) for e in listed["nodes"][0]["engines"]
+            } == {"x0": ("launched", "immediate"), "x1": ("launched", "deferred")}
 
     gone = cli("remove", "n1/x0", "--coordinator", coordinator.endpoint, "--wait", "30")
     assert gone.returncode == 0 and "n1: x0: stopped and forgotten" in gone.stdout
