@@ -658,3 +658,41 @@ def test_an_ack_that_cannot_be_sent_stays_owed_for_the_next_heartbeat() -> None:
     hub._send_node = lambda node, frame: sent.append(frame) or True   # type: ignore
     hub._ack("n1")
     assert not hub.acks.owed("n1") and isinstance(protocol.decode(sent[0]), protocol.Ack)
+
+
+def test_a_command_that_cannot_be_sent_goes_at_a_heartbeat_and_again_on_the_nodes_hello(
+        ) -> None:
+    """No connection to the node (its daemon restarting) or its queue full: the command is
+    neither lost nor given up. It goes at the first heartbeat that can send it, and again on
+    the node's HELLO (one sent into a connection already gone is lost), until it is answered.
+    """
+    coord = Coordinator(bind="tcp://127.0.0.1:0")   # its hub driven here: no thread, socket
+    hub = coord.hub
+    now, wall = time.monotonic(), time.time()
+    hello = protocol.Hello("n1", "b1", [{"id": "e0", "state": "healthy"}], 0)
+    hub.view.hello(hello, "n1", now, wall)
+    sent: list[protocol.Message] = []
+    connected = False
+
+    def send_node(node: str, frame: bytes) -> bool:
+        if connected:
+            sent.append(protocol.decode(frame))
+        return connected
+
+    def commands() -> list[str]:
+        return [m.request_id for m in sent if isinstance(m, protocol.Command)]
+
+    hub._send_node = send_node   # type: ignore[method-assign]
+    hub.gather(None, protocol.Command("r1", "pause", {}, "n1", "e0", 30.0), ["n1"], now)
+    hub._tick(now, wall)                       # a heartbeat: still no connection
+    assert commands() == [] and "r1" in hub.fanout.pending
+    connected = True
+    hub._tick(now + hub.heartbeat_s, wall)     # the next one sends it
+    assert commands() == ["r1/n1"]
+    hub._tick(now + 2 * hub.heartbeat_s, wall)
+    assert commands() == ["r1/n1"]             # sent: not again at a heartbeat
+    hub._hello(hello, b"n1", None, now + 2.5, wall)
+    assert commands() == ["r1/n1", "r1/n1"]    # unanswered: again on the HELLO
+    assert hub.fanout.answered(protocol.Reply("r1/n1", "ok"), "n1") is not None
+    hub._hello(hello, b"n1", None, now + 3, wall)
+    assert commands() == ["r1/n1", "r1/n1"] and hub.fanout.pending == {}

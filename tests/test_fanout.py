@@ -106,16 +106,29 @@ def test_a_node_gets_its_unanswered_commands_again_when_it_says_hello() -> None:
     or lost with a dropped connection, reaches the node on its next HELLO; one it answered, or
     whose gathering stopped waiting for it, does not."""
     fanout = Fanout()
-    first = dict(fanout.start(gathering("r1", ["n1", "n2"], timeout_s=2.0)))
-    second = dict(fanout.start(gathering("r2", ["n1"], timeout_s=9.0)))
-    assert fanout.unanswered("n1") == [first["n1"], second["n1"]]
+    first, second = gathering("r1", ["n1", "n2"], timeout_s=2.0), gathering("r2", ["n1"], 9.0)
+    assert dict(fanout.start(first)) == first.commands
+    fanout.start(second)
+    assert fanout.unanswered("n1") == [first, second]
     assert fanout.unanswered("n3") == []
     fanout.answered(Reply("r2/n1", "ok"), "n1")
-    assert fanout.unanswered("n1") == [first["n1"]]
+    assert fanout.unanswered("n1") == [first]
     assert fanout.node_gone("n2") == []
     assert fanout.unanswered("n2") == []
     fanout.expire(T0 + 2.0)
-    assert fanout.unanswered("n1") == []
+    assert fanout.unanswered("n1") == [] and first.commands == {}   # its frames let go
+
+
+def test_commands_not_sent_yet_are_listed_until_answered_or_given_up() -> None:
+    fanout = Fanout()
+    g = gathering("r1", ["n1", "n2", "n3"])
+    fanout.start(g)
+    g.unsent |= {"n1", "n2", "n3"}
+    fanout.answered(Reply("r1/n1", "ok"), "n1")
+    fanout.node_gone("n2")
+    assert fanout.unsent() == [("n3", g)]
+    fanout.answered(Reply("r1/n3", "ok"), "n3")
+    assert fanout.unsent() == [] and g.unsent == set()
 
 
 def test_error_replies_are_named_in_the_reason() -> None:

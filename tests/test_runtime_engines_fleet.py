@@ -148,6 +148,7 @@ def test_a_remove_sent_while_the_node_daemon_restarts_is_done_by_the_new_daemon(
         node.kill_daemon()
         with ThreadPoolExecutor(1) as pool:
             removing = pool.submit(fleet.remove, "n1/x0", wait_s=60)
+            wait_for(lambda: coordinator.fanout.pending, 30, "the remove at the coordinator")
             node.start()   # (nothing answers the remove before this daemon does)
             result = removing.result(timeout=120)
         assert node.status()["boot_id"] != boot

@@ -1,12 +1,12 @@
 """Commands fanned out to nodes and their replies gathered under a deadline (pure logic).
 
 A client's command becomes one command per target node, whose request id is the client's with
-the node appended, so a node that hears it twice (a retry, a coordinator restart) answers it
-once. The gathered reply is complete when every target answered or went unreachable, or when the
-deadline passes; then it names each node that answered an error or nothing. A node's command
-is sent again on each of its HELLOs until it answers: one sent while its daemon restarted (to a
-connection already gone, or none yet) reaches the daemon that comes back, which answers a
-repeat once (agent/link.py).
+the node appended, so a node that hears it twice (a retry, a coordinator restart) runs it once
+(agent/link.py). The gathered reply is complete when every target answered or went unreachable,
+or when the deadline passes; then it names each node that answered an error or nothing. Until
+then a node's command is sent again on each of its HELLOs: one sent while its daemon restarted
+(to a connection already gone, or none yet) reaches the daemon that comes back. One that could
+not be sent (no connection yet, or the node's queue full) is tried again at each heartbeat too.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Gathering:
     final: protocol.Reply | None = None   # ... (None: its finisher answers by itself) ...
     frame: bytes = b""                    # ... and encoded, once
     commands: dict[str, bytes] = field(default_factory=dict)   # node -> its command, encoded
+    unsent: set[str] = field(default_factory=set)   # nodes it could not be sent to yet
     # Makes the final reply out of the gathered one (a refit's lock reply after its pause);
     # None: the finisher answers by itself, later (nothing is sent or kept for repeats here).
     finish: Callable[[Gathering], protocol.Reply | None] | None = None
@@ -94,11 +95,17 @@ class Fanout:
         gathering.commands = dict(sends)
         return sends
 
-    def unanswered(self, node: str) -> list[bytes]:
-        """The commands `node` has not answered (nor gone unreachable since): to send again
-        when it says HELLO."""
-        return [g.commands[node] for g in self.pending.values()
+    def unanswered(self, node: str) -> list[Gathering]:
+        """The gatherings whose command `node` has not answered (nor gone unreachable since):
+        to send again when it says HELLO."""
+        return [g for g in self.pending.values()
                 if node in g.commands and node not in g.answers and node not in g.gone]
+
+    def unsent(self) -> list[tuple[str, Gathering]]:
+        """(node, gathering) for each command still waiting to be sent (no connection to its
+        node, or its queue full), its node neither answered nor unreachable."""
+        return [(node, g) for g in self.pending.values() for node in g.unsent
+                if node not in g.answers and node not in g.gone]
 
     def answered(self, reply: protocol.Reply, node: str) -> Gathering | None:
         """A reply from `node` (its sender); the gathering it completes, if any. A reply from
@@ -148,6 +155,7 @@ class Fanout:
         for node in gathering.targets:
             self.by_node_request.pop((node_request_id(request_id, node), node), None)
         gathering.finished = True
+        gathering.commands, gathering.unsent = {}, set()   # (a fleet-wide one: 1,000 frames)
         gathering.final = (gathering.finish(gathering) if gathering.finish is not None
                            else gathering.reply())
         if gathering.final is not None:   # (a plain gathered reply is made of parsed answers)

@@ -293,8 +293,8 @@ class Hub:
         self.own_events(self.view.hello(msg, msg.node_id, now, wall))
         self.routes.bind(route, msg.node_id)
         self.acks.hello(msg.node_id)
-        for frame in self.fanout.unanswered(msg.node_id):   # lost with a connection, or unsent
-            self._send_node(msg.node_id, frame)
+        for gathering in self.fanout.unanswered(msg.node_id):   # lost with a connection, unsent
+            self._send_command(msg.node_id, gathering)
 
     def _tick(self, now: float, wall: float) -> None:
         """What is due: expired gatherings; the sweep (silent nodes and subscribers, then the
@@ -314,6 +314,8 @@ class Hub:
             self.policy.sweep(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
+            for node, gathering in self.fanout.unsent():
+                self._send_command(node, gathering)
             beat = protocol.encode(protocol.Heartbeat(wall))
             for node in self.view.reachable():
                 if self.acks.owed(node):   # an ACK stands for the heartbeat
@@ -329,15 +331,22 @@ class Hub:
                now: float, finish: Callable[[Gathering], protocol.Reply | None] | None = None
                ) -> None:
         """Fan `cmd` out to `targets`; its gathered reply goes to `client` (None: nobody),
-        made by `finish` if given. A node whose connection is gone (its daemon restarting) or
-        full gets its command on its next HELLO; until then it is waited for, as any node is,
-        until it answers, goes unreachable or the deadline passes."""
+        made by `finish` if given. Every node is waited for until it answers, goes unreachable
+        or the deadline passes, its command sent again on each of its HELLOs (one lost with a
+        connection that was gone) and, while it cannot be sent, at each heartbeat."""
         timeout = cmd.timeout_s or DEFAULT_TIMEOUT_S
         gathering = Gathering(client, cmd, targets, now + timeout, finish=finish)
-        for node, frame in self.fanout.start(gathering):
-            self._send_node(node, frame)
+        for node, _ in self.fanout.start(gathering):
+            self._send_command(node, gathering)
         if self.fanout.settle(gathering):
             self._answer(gathering)
+
+    def _send_command(self, node: str, gathering: Gathering) -> None:
+        """Send `node` its command of `gathering`, or mark it to be tried again."""
+        if self._send_node(node, gathering.commands[node]):
+            gathering.unsent.discard(node)
+        else:
+            gathering.unsent.add(node)
 
     def reply(self, client: bytes, reply: protocol.Reply) -> None:
         """Answer `client`; the reply is kept for a repeat of its request id."""
