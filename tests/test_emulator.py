@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -464,3 +466,33 @@ def test_pytest_xdist_workers_pick_ports_from_slices_of_their_own(
         assert all(slices[-1][0] <= free_port() <= slices[-1][1] for _ in range(20))
     (low0, top0), (low1, top1) = slices
     assert low0 <= top0 < low1 <= top1
+
+
+def test_the_cli_subcommand_runs_the_emulator_with_its_fault_options() -> None:
+    """`rollout-watchdog emulator --port P [fault options]` (the contract's way to start one):
+    it serves, and a fault option acts (--crash-after: it SIGKILLs itself, its scheduler
+    child with it)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rollout_watchdog", "emulator", "--port",
+                             str(port), "--no-model", "--crash-after", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(f"{url}/health"), 60, what="the emulator's /health")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "no scheduler child"
+        assert proc.wait(60) == -signal.SIGKILL
+        psutil.wait_procs(children, timeout=10)
+        assert not [c for c in children if c.is_running()
+                    and c.status() != psutil.STATUS_ZOMBIE], "the scheduler outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
