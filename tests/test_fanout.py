@@ -251,3 +251,22 @@ def test_a_finisher_that_answers_by_itself_leaves_nothing_to_send_or_repeat() ->
     fanout.start(none)
     assert fanout.settle(none) is False and finished == [g, none]   # no node at all: at once
     assert fanout.settle(none) is False and finished == [g, none]
+
+
+def test_a_command_sent_again_asks_the_node_to_wait_only_for_what_is_left() -> None:
+    """A pause (or remove) asks the node to wait `wait_s` and answer within the gathering's
+    deadline; sent again later (a HELLO, a heartbeat), it asks for that much less, so the
+    answer still comes in time and says what the node waited for."""
+    fanout = Fanout()
+    g = Gathering(CLIENT, Command("r1", "pause", {"wait_s": 10.0, "all": True}, None, None,
+                                  12.0), ["n1"], T0 + 12.0)
+    fanout.start(g)
+    assert fanout.again(g, "n1", T0) == g.commands["n1"]
+    later = decode(fanout.again(g, "n1", T0 + 4.0))
+    assert isinstance(later, Command) and later.request_id == "r1/n1" and later.node == "n1"
+    assert later.args == {"wait_s": 6.0, "all": True} and later.timeout_s == 12.0
+    too_late = decode(fanout.again(g, "n1", T0 + 11.0))
+    assert isinstance(too_late, Command) and too_late.args["wait_s"] == 0.0
+    plain = gathering("r2", ["n1"])                # nothing to wait for: the same frame
+    fanout.start(plain)
+    assert fanout.again(plain, "n1", T0 + 3.0) == plain.commands["n1"]

@@ -101,6 +101,24 @@ class Fanout:
         return [g for g in self.pending.values()
                 if node in g.commands and node not in g.answers and node not in g.gone]
 
+    @staticmethod
+    def again(gathering: Gathering, node: str, now: float) -> bytes:
+        """`node`'s command of `gathering` to send again at `now`: a wait it asks of the node
+        (`wait_s`: a pause's for its probes, a remove's for its engine) shortened by the time
+        gone since the first send, so that the node's answer still comes within the deadline
+        (and says what it is waiting for, rather than being missing)."""
+        frame = gathering.commands[node]
+        wait = gathering.command.args.get("wait_s")
+        timeout = gathering.command.timeout_s or DEFAULT_TIMEOUT_S
+        gone_by = now - (gathering.deadline - timeout)
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or gone_by <= 0:
+            return frame
+        sent = protocol.decode(frame)
+        assert isinstance(sent, protocol.Command)
+        return protocol.encode(protocol.Command(
+            sent.request_id, sent.cmd, {**sent.args, "wait_s": max(0.0, wait - gone_by)},
+            sent.node, sent.engine, sent.timeout_s))
+
     def unsent(self) -> list[tuple[str, Gathering]]:
         """(node, gathering) for each command still waiting to be sent (no connection to its
         node, or its queue full), its node neither answered nor unreachable."""

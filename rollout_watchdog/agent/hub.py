@@ -294,7 +294,7 @@ class Hub:
         self.routes.bind(route, msg.node_id)
         self.acks.hello(msg.node_id)
         for gathering in self.fanout.unanswered(msg.node_id):   # lost with a connection, unsent
-            self._send_command(msg.node_id, gathering)
+            self._send_command(msg.node_id, gathering, now)
 
     def _tick(self, now: float, wall: float) -> None:
         """What is due: expired gatherings; the sweep (silent nodes and subscribers, then the
@@ -315,7 +315,7 @@ class Hub:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_s
             for node, gathering in self.fanout.unsent():
-                self._send_command(node, gathering)
+                self._send_command(node, gathering, now)
             beat = protocol.encode(protocol.Heartbeat(wall))
             for node in self.view.reachable():
                 if self.acks.owed(node):   # an ACK stands for the heartbeat
@@ -341,9 +341,13 @@ class Hub:
         if self.fanout.settle(gathering):
             self._answer(gathering)
 
-    def _send_command(self, node: str, gathering: Gathering) -> None:
-        """Send `node` its command of `gathering`, or mark it to be tried again."""
-        if self._send_node(node, gathering.commands[node]):
+    def _send_command(self, node: str, gathering: Gathering, again: float | None = None
+                      ) -> None:
+        """Send `node` its command of `gathering` (sent `again` at that time: `Fanout.again`),
+        or mark it to be tried again."""
+        frame = (gathering.commands[node] if again is None
+                 else self.fanout.again(gathering, node, again))
+        if self._send_node(node, frame):
             gathering.unsent.discard(node)
         else:
             gathering.unsent.add(node)
