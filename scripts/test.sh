@@ -18,8 +18,9 @@ mypy_pid=
 trap 'if [ -n "$mypy_pid" ]; then kill "$mypy_pid" 2>/dev/null || true; fi; rm -f "$mypy_report"' EXIT
 .venv/bin/mypy >"$mypy_report" 2>&1 &
 mypy_pid=$!
-# Three passes (tests/conftest.py marks them): most tests on ${RW_TEST_WORKERS:-4} xdist workers (4: with
-# --no-model engines the pass waits more than it computes);
+# Three passes (tests/conftest.py marks them): most tests on ${RW_TEST_WORKERS:-6} xdist workers (6:
+# the pass waits on engines and deadlines as much as it computes; alternated on 2 cores, 6
+# workers took 214 and 266 s against 4's 249 and 297 s, and 8 took 278 s: bench/README.md);
 # then those marked `heavy` (a Ray cluster, the demos, the examples) on 3 workers, test_ray_fleet
 # whole on one (its cluster is set up once), the others each alone, longest first (conftest.py's
 # HeavyScheduling); then those marked `serial` (floods, bounds the main pass's load would blur)
@@ -28,7 +29,7 @@ mypy_pid=$!
 # status is the script's. Exit status 5 of a pass means "$@" selected none of its tests.
 run() { .venv/bin/python -m pytest -q "$@" || { rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }; }
 status=0
-run -n "${RW_TEST_WORKERS:-4}" -m "not serial and not heavy" "$@" || status=$?
+run -n "${RW_TEST_WORKERS:-6}" -m "not serial and not heavy" "$@" || status=$?
 mypy_status=0
 wait "$mypy_pid" || mypy_status=$?
 mypy_pid=

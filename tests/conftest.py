@@ -23,7 +23,7 @@ from rollout_watchdog.watchdog.cgroup import (  # noqa: E402
     own_cgroup,
 )
 
-# scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-4} xdist workers;
+# scripts/test.sh runs the tests in three passes: most on ${RW_TEST_WORKERS:-6} xdist workers;
 # then the `heavy` ones on 3 workers (test_ray_fleet whole on one) and beside nothing else: they
 # load the whole machine (a Ray cluster, the demos and examples, the benchmarks' smoke runs);
 # then the `serial` ones, two at a time and beside nothing else: a flood of connections or
