@@ -90,6 +90,22 @@ def ray_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:
         _kill_left_over(tmp)
 
 
+@pytest.fixture(autouse=True)
+def _one_failure_stays_one(request: pytest.FixtureRequest) -> Iterator[None]:
+    """An engine a failed test could not remove would be the next tests' too (a refit takes
+    every engine of the fleet): whatever a test launched and left on a live node is removed
+    after it (one of a node that is gone, as a raylet's crash leaves, stays listed)."""
+    yield
+    if "ray_fleet" not in request.fixturenames:
+        return
+    fleet: FleetClient = request.getfixturevalue("ray_fleet").fleet
+    with contextlib.suppress(RolloutWatchdogError, TimeoutError):
+        for engine in fleet.engines():
+            if engine.origin == "launched" and engine.reachable:
+                print(f"removing {engine.name}, left by {request.node.name}")
+                fleet.remove(engine.name, wait_s=WAIT_S)
+
+
 def emulator(engine_id: str, gpus: list[int] | None = None, model: bool = False,
              **kwargs: Any) -> EngineSpec:
     """An emulator engine's spec; without a model (no torch: ~1.5 s less CPU a start) unless
