@@ -155,3 +155,24 @@ def test_a_remove_sent_while_the_node_daemon_restarts_is_done_by_the_new_daemon(
         assert result.nodes["n1"].result == {"engine": "x0", "action": "stopped and forgotten"}
         assert view.pid is not None and pid_gone(view.pid)
         fleet.wait_until(lambda v: not any(e.name == "n1/x0" for e in v), 30)
+
+
+def test_a_remove_whose_daemon_died_mid_kill_is_finished_by_the_new_daemon(
+        make_node: MakeNode) -> None:
+    """The daemon is SIGKILLed while it stops a removed engine (one that ignores SIGTERM: the
+    kill waits out its grace). The new daemon finds the engine in neither the config nor the
+    launched specs and stops it; the remove the coordinator sends it again is answered
+    "stopped and forgotten", not "the config owns it" (a config the engine was never in)."""
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=60.0) as coordinator:
+        node = make_node([], node_id="n1", top={"coordinator": coordinator.endpoint}).start()
+        fleet = FleetClient(coordinator.endpoint, timeout_s=10.0)
+        view = fleet.launch("n1", emulated("x0", "--ignore-sigterm"), wait_s=60)
+        with ThreadPoolExecutor(1) as pool:
+            removing = pool.submit(fleet.remove, "n1/x0", wait_s=60)
+            wait_for(lambda: node.engine("x0")["state"] == "stopping", 30, "x0 being stopped")
+            node.kill_daemon()
+            node.start()
+            result = removing.result(timeout=120)
+        assert result.nodes["n1"].result == {"engine": "x0", "action": "stopped and forgotten"}
+        assert view.pid is not None and pid_gone(view.pid)
+        assert node.status()["engines"] == []

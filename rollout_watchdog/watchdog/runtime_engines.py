@@ -85,7 +85,9 @@ def remove(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
 
     It leaves `status`, the fleet view and the router, and a daemon restart does not bring it
     back. A configured engine is refused (the config owns it: take it out of the file); so is
-    a registered one (its owner stops it: `unregister` it).
+    a registered one (its owner stops it: `unregister` it). One that is in neither the config
+    nor the launched specs is being stopped for good already (a remove that the daemon before
+    this one began, sent again by the coordinator): answered as removed, once it is gone.
     args: {"engine": ID, "wait_s"?: S: answer once it is gone, or with an error after S (it is
     still being stopped, and forgotten when it is)}. result: {"engine": ID, "action": TEXT}
     """
@@ -97,14 +99,18 @@ def remove(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
     if engine.external:
         raise CommandError(f"engine {engine_id} is registered, not launched: `unregister` it "
                            "(its owner stops it)")
-    if not engine.launched:
+    if not engine.launched and any(cfg.id == engine_id for cfg in node.config.engines):
         raise CommandError(f"engine {engine_id} is in the config: the config owns it (take it "
                            "out of the file)")
-    try:
-        node.launched.drop(engine_id)
-    except OSError as exc:
-        raise CommandError(f"engine {engine_id} not removed: its spec cannot be taken out of "
-                           f"{node.launched.path}: {exc.strerror or exc}") from None
+    if engine.launched:
+        try:
+            node.launched.drop(engine_id)
+        except OSError as exc:
+            raise CommandError(f"engine {engine_id} not removed: its spec cannot be taken out "
+                               f"of {node.launched.path}: {exc.strerror or exc}") from None
+    # (else: in neither the config nor the launched specs, it is being stopped for good already:
+    # a remove the daemon before this one began, sent again by the coordinator; or an engine
+    # taken out of the config)
     action = _stop_for_good(node, engine)
     wait_s: float | None = args["wait_s"]
     if wait_s is None:
