@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,13 @@ import zmq
 from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
+from rollout_watchdog import FleetClient
 from rollout_watchdog.agent.journal import JOURNAL, Journal
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
-from rollout_watchdog.refit_bridge.coordinator import Coordinator
+from rollout_watchdog.refit_bridge.coordinator import Coordinator, waits_for_the_view
+from rollout_watchdog.refit_bridge.fleet import FleetView
 
 
 def relayed(node: str, boot: str, seq: int) -> Relayed:
@@ -198,3 +201,58 @@ def test_the_standalone_coordinators_start_up_hook_comes_after_the_journal_is_re
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     assert seen == [3]
+
+
+def test_a_restarted_coordinator_holds_what_needs_the_whole_fleet_until_its_nodes_are_back(
+        ) -> None:
+    view = FleetView(node_timeout_s=5.0)
+    view.expected |= {"n1", "n2"}                      # the journal knew both
+    view.hello(protocol.Hello("n1", "b1", [], 0), "n1", 100.0, 0.0)
+
+    def waits(cmd: str, node: str | None = None, at: float = 101.0) -> bool:
+        return waits_for_the_view(view, 100.0, at, protocol.Command("r", cmd, {}, node))
+
+    assert waits("pause") and waits("resume")          # every node: n2 not back yet
+    assert not waits("pause", "n1") and waits("pause", "n2") and waits("remove", "n2")
+    assert not waits("status") and not waits("ping") and waits("status", "n2")
+    assert waits("refit_acquire") and not waits("refit_commit")
+    assert not waits("pause", at=105.0)                # a node timeout on: n2 may be gone
+    view.hello(protocol.Hello("n2", "b2", [], 0), "n2", 101.0, 0.0)
+    assert not waits("pause") and not waits("refit_acquire")
+    fresh = FleetView(node_timeout_s=5.0)              # no journal: nothing to wait for
+    assert not waits_for_the_view(fresh, 100.0, 100.1, protocol.Command("r", "pause", {}))
+
+
+def test_a_fleet_wide_pause_sent_to_a_restarted_coordinator_reaches_its_nodes_once_back(
+        make_node: Callable[..., Node], tmp_path: Path) -> None:
+    """Found by a hostile run: `pause(all=True)` right after a coordinator restart answered ok
+    with no node in it, and paused nothing (the view was still empty). The journal names the
+    fleet's nodes; the pause now waits for them (the node is held stopped until the pause is
+    at the coordinator)."""
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    state = ["--state-dir", str(tmp_path / "state"), "--node-timeout", "30"]
+    coordinator = start_coordinator_process(bind, state, log_path=tmp_path / "c1.log")
+    stopped = None
+    try:
+        node = make_node([EngineSpec("e0")], node_id="n1", top={"coordinator": bind}).start()
+        client = FleetClient(bind, timeout_s=30.0)
+        client.wait_until(lambda v: any(e.name == "n1/e0" and e.state == "healthy"
+                                        for e in v), 60)
+        wait_for(lambda: node.status()["link"]["outbox"] == 0, 20, "the node's events taken")
+        coordinator.kill()
+        assert node.proc is not None
+        stopped = node.proc.pid
+        os.kill(stopped, signal.SIGSTOP)               # it cannot say hello yet
+        coordinator = start_coordinator_process(bind, state, log_path=tmp_path / "c2.log")
+        with ThreadPoolExecutor(1) as pool:
+            pausing = pool.submit(client.pause, all=True)
+            wait_for(lambda: coordinator.call("ping").result["nodes"] == 0, 10, "a ping")
+            os.kill(stopped, signal.SIGCONT)
+            stopped = None
+            result = pausing.result(timeout=60)
+        assert sorted(result.nodes) == ["n1"] and result.nodes["n1"].status == "ok"
+        assert node.engine("e0")["paused"]
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        coordinator.cleanup()

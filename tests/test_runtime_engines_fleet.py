@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from rollout_watchdog import CommandRefused, Coordinator, EngineView, FleetClien
 from rollout_watchdog import EngineSpec as Spec
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
+from rollout_watchdog.refit_bridge import launching
 
 MakeNode = Callable[..., Node]
 
@@ -176,3 +178,27 @@ def test_a_remove_whose_daemon_died_mid_kill_is_finished_by_the_new_daemon(
         assert result.nodes["n1"].result == {"engine": "x0", "action": "stopped and forgotten"}
         assert view.pid is not None and pid_gone(view.pid)
         assert node.status()["engines"] == []
+
+
+def test_a_launch_waiting_for_health_outlasts_a_coordinator_that_restarted_without_state(
+        ) -> None:
+    """Found by a hostile run: a coordinator restarted (no state dir) while a launch waited
+    for its engine refused the wait's status query as "unknown node" until the node said
+    hello again, and the launch failed though its engine came up."""
+    launched = EngineView.from_json("n1", True, {"id": "x1", "state": "starting",
+                                                 "incarnation": 1})
+    answers: list[Any] = [
+        CommandRefused("unknown node 'n1' (known: none)", code=protocol.UNKNOWN_NODE),
+        [EngineView.from_json("n1", True, {"id": "x1", "state": "healthy", "incarnation": 1})]]
+
+    def engines(node: str | None = None, timeout_s: float | None = None) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    client: Any = SimpleNamespace(timeout_s=5.0, engines=engines)
+    assert launching._wait_healthy(client, launched, 30.0).state == "healthy"
+    answers[:] = [CommandRefused("no", code=protocol.BAD_ARGS)]
+    with pytest.raises(CommandRefused, match="no"):
+        launching._wait_healthy(client, launched, 30.0)

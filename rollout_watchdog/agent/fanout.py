@@ -28,6 +28,22 @@ def node_request_id(request_id: str, node_id: str) -> str:
     return f"{request_id}/{node_id}"
 
 
+def _waits(cmd: protocol.Command) -> bool:
+    wait = cmd.args.get("wait_s")
+    return isinstance(wait, (int, float)) and not isinstance(wait, bool)
+
+
+def shortened(cmd: protocol.Command, by: float, *, timeout: bool = False) -> protocol.Command:
+    """`cmd` asking `by` seconds less of the node's wait (`wait_s`) and, with `timeout`, of
+    its gathering (`timeout_s`): what is left of them after a delay (never below zero, nor
+    below a tenth of a second for the gathering)."""
+    args = {**cmd.args, "wait_s": max(0.0, cmd.args["wait_s"] - by)} if _waits(cmd) else cmd.args
+    timeout_s = cmd.timeout_s
+    if timeout:
+        timeout_s = max(0.1, (timeout_s or DEFAULT_TIMEOUT_S) - by)
+    return protocol.Command(cmd.request_id, cmd.cmd, args, cmd.node, cmd.engine, timeout_s)
+
+
 @dataclass
 class Gathering:
     """One client command in flight."""
@@ -108,16 +124,13 @@ class Fanout:
         gone since the first send, so that the node's answer still comes within the deadline
         (and says what it is waiting for, rather than being missing)."""
         frame = gathering.commands[node]
-        wait = gathering.command.args.get("wait_s")
         timeout = gathering.command.timeout_s or DEFAULT_TIMEOUT_S
         gone_by = now - (gathering.deadline - timeout)
-        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or gone_by <= 0:
+        if not _waits(gathering.command) or gone_by <= 0:
             return frame
         sent = protocol.decode(frame)
         assert isinstance(sent, protocol.Command)
-        return protocol.encode(protocol.Command(
-            sent.request_id, sent.cmd, {**sent.args, "wait_s": max(0.0, wait - gone_by)},
-            sent.node, sent.engine, sent.timeout_s))
+        return protocol.encode(shortened(sent, gone_by))
 
     def unsent(self) -> list[tuple[str, Gathering]]:
         """(node, gathering) for each command still waiting to be sent (no connection to its

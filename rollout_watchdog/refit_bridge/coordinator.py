@@ -20,7 +20,13 @@ import uuid
 from collections.abc import Callable
 from types import TracebackType
 
-from rollout_watchdog.agent.fanout import DEFAULT_TIMEOUT_S, Fanout, Gathering, encode_reply
+from rollout_watchdog.agent.fanout import (
+    DEFAULT_TIMEOUT_S,
+    Fanout,
+    Gathering,
+    encode_reply,
+    shortened,
+)
 from rollout_watchdog.agent.hub import HEARTBEAT_S, Hub
 from rollout_watchdog.agent.hub_thread import STOP_TIMEOUT_S, HubThread
 from rollout_watchdog.agent.journal import Journal
@@ -42,6 +48,24 @@ from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 log = logging.getLogger(__name__)
 # Node commands that name one node: never fanned out to every node (an engine launched on all).
 ONE_NODE = ("launch",)
+
+
+def waits_for_the_view(view: FleetView, started: float, now: float,
+                       cmd: protocol.Command) -> bool:
+    """Whether a restarted coordinator holds `cmd` back until its view is whole again: its
+    journal named nodes, not all of which said hello yet, within a node timeout of its start
+    (`FleetView.warm`). Held: a command for every node (it would reach only those heard
+    from: a fleet-wide pause that pauses half the fleet), one for a node not heard from yet
+    (it would be refused as unknown, though it may have run before the restart), and a refit's
+    acquire (its members, and its pause, are the whole fleet's)."""
+    missing = view.expected - view.nodes.keys()
+    if not missing or view.warm(started, now):
+        return False
+    if cmd.cmd in queries.COMMANDS:
+        return cmd.node in missing
+    if cmd.cmd in refit.COMMANDS:
+        return cmd.cmd == "refit_acquire"
+    return cmd.node is None or cmd.node in missing
 
 
 class Coordinator:
@@ -68,6 +92,9 @@ class Coordinator:
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self._router_members: dict[str, str | None] | None = None   # None: not started
         self._started_at = 0.0
+        # Commands held back while a restarted coordinator's view is not whole yet
+        # (waits_for_the_view): request id -> (client, command, when it came)
+        self._held: dict[str, tuple[bytes, protocol.Command, float]] = {}
         self._view_changed = True     # since the router was last told
         self.boot = f"{COORDINATOR_BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.hub = Hub(bind, keys, self.view, self, self.boot, state_dir, heartbeat_s,
@@ -167,6 +194,11 @@ class Coordinator:
         self._view_changed = True
 
     def sweep(self, now: float) -> None:
+        if self._held and not any(waits_for_the_view(self.view, self._started_at, now, cmd)
+                                  for _, cmd, _ in self._held.values()):
+            held, self._held = self._held, {}
+            for client, cmd, since in held.values():   # what is left of their time
+                self.command(client, shortened(cmd, now - since, timeout=True), now)
         self.refit.tick(self, now)
         self._sync_router()
         if self.metrics is not None:
@@ -182,6 +214,11 @@ class Coordinator:
             return
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
+            return
+        if cmd.request_id in self._held or waits_for_the_view(
+                self.view, self._started_at, now, cmd):
+            since = self._held.get(cmd.request_id, (client, cmd, now))[2]
+            self._held[cmd.request_id] = (client, cmd, since)   # (a retry: the new socket)
             return
         if cmd.cmd in queries.COMMANDS:  # read-only: nothing to remember for a repeat
             self.hub.send_reply(client, encode_reply(queries.answer(self, cmd)))   # (TOO_BIG)

@@ -5,12 +5,16 @@ connection machinery."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from rollout_watchdog.common.errors import CoordinatorUnavailable, RolloutWatchdogError
+from rollout_watchdog.common import protocol
+from rollout_watchdog.common.errors import (
+    CommandRefused,
+    CoordinatorUnavailable,
+    RolloutWatchdogError,
+)
 from rollout_watchdog.common.spec import EngineSpec
 from rollout_watchdog.refit_bridge.client import GATHER_SHARE, POLL_INTERVAL_S, FleetClient
 from rollout_watchdog.refit_bridge.views import EngineView, FleetResult
@@ -45,13 +49,20 @@ def _wait_healthy(client: FleetClient, launched: EngineView, wait_s: float) -> E
     first = max(1, launched.incarnation)
     while True:
         left = deadline - time.monotonic()
-        with contextlib.suppress(CoordinatorUnavailable):
-            for view in client.engines(node=launched.node_id,
-                                       timeout_s=max(0.1, min(client.timeout_s, left))):
-                if view.id == launched.id:
-                    last = view
-                    if view.state == "healthy" and view.incarnation >= first:
-                        return view
+        try:
+            views = client.engines(node=launched.node_id,
+                                   timeout_s=max(0.1, min(client.timeout_s, left)))
+        except CoordinatorUnavailable:
+            views = []
+        except CommandRefused as exc:   # a coordinator restarted without a state dir knows
+            if exc.code != protocol.UNKNOWN_NODE:   # the node again once it says hello
+                raise
+            views = []
+        for view in views:
+            if view.id == launched.id:
+                last = view
+                if view.state == "healthy" and view.incarnation >= first:
+                    return view
         if left <= 0:
             break
         time.sleep(max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic())))
