@@ -48,6 +48,7 @@ from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 log = logging.getLogger(__name__)
 # Node commands that name one node: never fanned out to every node (an engine launched on all).
 ONE_NODE = ("launch",)
+MAX_HELD = 10_000   # commands held back after a restart (past it, handled at once, as before)
 
 
 def waits_for_the_view(view: FleetView, started: float, now: float,
@@ -215,8 +216,8 @@ class Coordinator:
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
             return
-        if cmd.request_id in self._held or waits_for_the_view(
-                self.view, self._started_at, now, cmd):
+        if cmd.request_id in self._held or (len(self._held) < MAX_HELD and waits_for_the_view(
+                self.view, self._started_at, now, cmd)):
             since = self._held.get(cmd.request_id, (client, cmd, now))[2]
             self._held[cmd.request_id] = (client, cmd, since)   # (a retry: the new socket)
             return
