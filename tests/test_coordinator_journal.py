@@ -19,8 +19,7 @@ from rollout_watchdog.agent.journal import JOURNAL, Journal
 from rollout_watchdog.agent.relay import Relayed
 from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
-from rollout_watchdog.refit_bridge.coordinator import Coordinator, waits_for_the_view
-from rollout_watchdog.refit_bridge.fleet import FleetView
+from rollout_watchdog.refit_bridge.coordinator import Coordinator
 
 
 def relayed(node: str, boot: str, seq: int) -> Relayed:
@@ -201,26 +200,6 @@ def test_the_standalone_coordinators_start_up_hook_comes_after_the_journal_is_re
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     assert seen == [3]
-
-
-def test_a_restarted_coordinator_holds_what_needs_the_whole_fleet_until_its_nodes_are_back(
-        ) -> None:
-    view = FleetView(node_timeout_s=5.0)
-    view.expected |= {"n1", "n2"}                      # the journal knew both
-    view.hello(protocol.Hello("n1", "b1", [], 0), "n1", 100.0, 0.0)
-
-    def waits(cmd: str, node: str | None = None, at: float = 101.0) -> bool:
-        return waits_for_the_view(view, 100.0, at, protocol.Command("r", cmd, {}, node))
-
-    assert waits("pause") and waits("resume")          # every node: n2 not back yet
-    assert not waits("pause", "n1") and waits("pause", "n2") and waits("remove", "n2")
-    assert not waits("status") and not waits("ping") and waits("status", "n2")
-    assert waits("refit_acquire") and not waits("refit_commit")
-    assert not waits("pause", at=105.0)                # a node timeout on: n2 may be gone
-    view.hello(protocol.Hello("n2", "b2", [], 0), "n2", 101.0, 0.0)
-    assert not waits("pause") and not waits("refit_acquire")
-    fresh = FleetView(node_timeout_s=5.0)              # no journal: nothing to wait for
-    assert not waits_for_the_view(fresh, 100.0, 100.1, protocol.Command("r", "pause", {}))
 
 
 def test_a_fleet_wide_pause_sent_to_a_restarted_coordinator_reaches_its_nodes_once_back(

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rollout_watchdog.common import protocol
 from rollout_watchdog.common.plain import PlainRun, decode_plain
 from rollout_watchdog.common.protocol import (
     Event,
@@ -21,6 +22,7 @@ from rollout_watchdog.common.protocol import (
     decode,
     encode,
 )
+from rollout_watchdog.refit_bridge.coordinator import waits_for_the_view
 from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
 
 T0 = 1000.0          # monotonic clock of the tests
@@ -478,3 +480,23 @@ def test_a_batch_that_is_not_plain_is_left_to_the_event_by_event_path(case: str,
     assert taken_whole(view, shape, batch, "n9" if case == "unknown_node" else "n1", T0 + 1,
                        WALL0) is None
     assert json.dumps(view.status()) == before and view.nodes["n1"].received_seq == 1
+
+
+def test_a_restarted_coordinator_holds_what_needs_the_whole_fleet_until_its_nodes_are_back(
+        ) -> None:
+    view = FleetView(node_timeout_s=5.0)
+    view.expected |= {"n1", "n2"}                      # the journal knew both
+    view.hello(protocol.Hello("n1", "b1", [], 0), "n1", 100.0, 0.0)
+
+    def waits(cmd: str, node: str | None = None, at: float = 101.0) -> bool:
+        return waits_for_the_view(view, 100.0, at, protocol.Command("r", cmd, {}, node))
+
+    assert waits("pause") and waits("resume")          # every node: n2 not back yet
+    assert not waits("pause", "n1") and waits("pause", "n2") and waits("remove", "n2")
+    assert not waits("status") and not waits("ping") and waits("status", "n2")
+    assert waits("refit_acquire") and not waits("refit_commit")
+    assert not waits("pause", at=105.0)                # a node timeout on: n2 may be gone
+    view.hello(protocol.Hello("n2", "b2", [], 0), "n2", 101.0, 0.0)
+    assert not waits("pause") and not waits("refit_acquire")
+    fresh = FleetView(node_timeout_s=5.0)              # no journal: nothing to wait for
+    assert not waits_for_the_view(fresh, 100.0, 100.1, protocol.Command("r", "pause", {}))
