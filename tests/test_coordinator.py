@@ -696,3 +696,30 @@ def test_a_command_that_cannot_be_sent_goes_at_a_heartbeat_and_again_on_the_node
     assert hub.fanout.answered(protocol.Reply("r1/n1", "ok"), "n1") is not None
     hub._hello(hello, b"n1", None, now + 3, wall)
     assert commands() == ["r1/n1", "r1/n1"] and hub.fanout.pending == {}
+
+
+def test_held_commands_go_in_order_once_the_view_is_whole_or_half_their_time_is_gone() -> None:
+    """A restarted coordinator's held commands keep their order (a resume queued behind its
+    pause does not overtake it) and none is held past half its own time."""
+    coord = Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=30.0)   # driven here
+    coord.view.expected |= {"n1", "n2"}
+    now = coord._started_at = 1000.0
+    coord.view.hello(protocol.Hello("n1", "b1", [], 0), "n1", now, 0.0)
+    done: list[str] = []
+    coord._dispatch = lambda client, cmd, at: done.append(cmd.request_id)   # type: ignore
+    coord.command(b"c", protocol.Command("pause", "pause", {"all": True}, None, None, 8.0), now)
+    coord.command(b"c", protocol.Command("resume", "resume", {}, "n1", "e0", 8.0), now)
+    coord.command(b"c", protocol.Command("ping", "ping", {}), now)
+    assert done == ["ping"]                       # a query is not held
+    coord.sweep(now + 1.0)
+    assert done == ["ping"]
+    coord.view.hello(protocol.Hello("n2", "b2", [], 0), "n2", now + 2.0, 0.0)
+    coord.sweep(now + 2.0)
+    assert done == ["ping", "pause", "resume"]    # in the order they came
+    coord.view.expected.add("n3")                 # one that never comes back
+    coord.command(b"c", protocol.Command("p2", "pause", {"all": True}, None, None, 4.0),
+                  now + 3.0)
+    coord.sweep(now + 4.9)
+    assert done[-1] == "resume"
+    coord.sweep(now + 5.0)                        # half its 4 s gone: handled as things are
+    assert done[-1] == "p2"

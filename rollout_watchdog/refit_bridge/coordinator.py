@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # Node commands that name one node: never fanned out to every node (an engine launched on all).
 ONE_NODE = ("launch",)
 MAX_HELD = 10_000   # commands held back after a restart (past it, handled at once, as before)
+HOLD_SHARE = 0.5    # of a command's own time (timeout_s), the most it is held back
 
 
 def waits_for_the_view(view: FleetView, started: float, now: float,
@@ -195,11 +196,7 @@ class Coordinator:
         self._view_changed = True
 
     def sweep(self, now: float) -> None:
-        if self._held and not any(waits_for_the_view(self.view, self._started_at, now, cmd)
-                                  for _, cmd, _ in self._held.values()):
-            held, self._held = self._held, {}
-            for client, cmd, since in held.values():   # what is left of their time
-                self.command(client, shortened(cmd, now - since, timeout=True), now)
+        self._release_held(now)
         self.refit.tick(self, now)
         self._sync_router()
         if self.metrics is not None:
@@ -216,11 +213,36 @@ class Coordinator:
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
             return
-        if cmd.request_id in self._held or (len(self._held) < MAX_HELD and waits_for_the_view(
-                self.view, self._started_at, now, cmd)):
-            since = self._held.get(cmd.request_id, (client, cmd, now))[2]
-            self._held[cmd.request_id] = (client, cmd, since)   # (a retry: the new socket)
-            return
+        held = self._held.get(cmd.request_id)
+        if held is not None:   # a retry while held: answer the new socket
+            self._held[cmd.request_id] = (client, cmd, held[2])
+        elif self._holds(cmd, now):
+            self._held[cmd.request_id] = (client, cmd, now)
+        else:
+            self._dispatch(client, cmd, now)
+
+    def _holds(self, cmd: protocol.Command, now: float) -> bool:
+        """Whether `cmd` is held back (`waits_for_the_view`), or queued behind one that is: a
+        node command must not overtake an earlier one (a resume its pause)."""
+        if len(self._held) >= MAX_HELD:
+            return False
+        return waits_for_the_view(self.view, self._started_at, now, cmd) or (
+            bool(self._held) and cmd.cmd not in queries.COMMANDS
+            and cmd.cmd not in refit.COMMANDS)
+
+    def _release_held(self, now: float) -> None:
+        """Handle the held commands, in the order they came, each once the view is whole
+        enough for it or half its own time is gone, with what is left of that time."""
+        while self._held:
+            request_id, (client, cmd, since) = next(iter(self._held.items()))
+            limit = (cmd.timeout_s or DEFAULT_TIMEOUT_S) * HOLD_SHARE
+            if now - since < limit and waits_for_the_view(self.view, self._started_at, now,
+                                                          cmd):
+                return
+            del self._held[request_id]
+            self._dispatch(client, shortened(cmd, now - since, timeout=True), now)
+
+    def _dispatch(self, client: bytes, cmd: protocol.Command, now: float) -> None:
         if cmd.cmd in queries.COMMANDS:  # read-only: nothing to remember for a repeat
             self.hub.send_reply(client, encode_reply(queries.answer(self, cmd)))   # (TOO_BIG)
             return
