@@ -236,9 +236,13 @@ class Coordinator:
         while self._held:
             request_id, (client, cmd, since) = next(iter(self._held.items()))
             limit = (cmd.timeout_s or DEFAULT_TIMEOUT_S) * HOLD_SHARE
-            if now - since < limit and waits_for_the_view(self.view, self._started_at, now,
-                                                          cmd):
-                return
+            if waits_for_the_view(self.view, self._started_at, now, cmd):
+                if now - since < limit:
+                    return
+                missing = sorted(self.view.expected - self.view.nodes.keys())
+                log.info("%s held %.1f s (half its time) for nodes not back since the restart "
+                         "(%s): handled with those back", cmd.cmd, now - since,
+                         ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
             del self._held[request_id]
             self._dispatch(client, shortened(cmd, now - since, timeout=True), now)
 
