@@ -29,6 +29,12 @@ def cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def linked(fleet: FleetClient, node_id: str) -> None:
+    """Wait until the node said hello (a daemon answers its control socket before)."""
+    wait_for(lambda: any(n.node_id == node_id for n in fleet.nodes()), 30,
+             f"{node_id} linked to the coordinator")
+
+
 def emulated(engine_id: str, *flags: str, **kwargs: Any) -> Spec:
     port = free_port()
     return Spec(engine_id, f"http://127.0.0.1:{port}", emulator_command(port, *flags), **kwargs)
@@ -145,6 +151,7 @@ def test_a_remove_sent_while_the_node_daemon_restarts_is_done_by_the_new_daemon(
     with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=60.0) as coordinator:
         node = make_node([], node_id="n1", top={"coordinator": coordinator.endpoint}).start()
         fleet = FleetClient(coordinator.endpoint, timeout_s=10.0)
+        linked(fleet, "n1")
         view = fleet.launch("n1", emulated("x0"), wait_s=60)
         boot = node.status()["boot_id"]
         node.kill_daemon()
@@ -168,6 +175,7 @@ def test_a_remove_whose_daemon_died_mid_kill_is_finished_by_the_new_daemon(
     with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=60.0) as coordinator:
         node = make_node([], node_id="n1", top={"coordinator": coordinator.endpoint}).start()
         fleet = FleetClient(coordinator.endpoint, timeout_s=10.0)
+        linked(fleet, "n1")
         view = fleet.launch("n1", emulated("x0", "--ignore-sigterm"), wait_s=60)
         with ThreadPoolExecutor(1) as pool:
             removing = pool.submit(fleet.remove, "n1/x0", wait_s=60)
