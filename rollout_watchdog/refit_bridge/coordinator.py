@@ -60,8 +60,10 @@ def waits_for_the_view(view: FleetView, started: float, now: float,
     from: a fleet-wide pause that pauses half the fleet), one for a node not heard from yet
     (it would be refused as unknown, though it may have run before the restart), and a refit's
     acquire (its members, and its pause, are the whole fleet's)."""
+    if view.warm(started, now):   # (asked of every command: the set below only before)
+        return False
     missing = view.expected - view.nodes.keys()
-    if not missing or view.warm(started, now):
+    if not missing:
         return False
     if cmd.cmd in queries.COMMANDS:
         return cmd.node in missing

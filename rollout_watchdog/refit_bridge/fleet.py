@@ -193,9 +193,9 @@ class FleetView:
     def warm(self, started: float, now: float) -> bool:
         """Whether the view is whole again after a start: every node known from the journal
         has said hello, or a node timeout has passed (a node still silent then may be gone)."""
-        if self.expected and self.expected <= self.nodes.keys():
+        if now - started >= self.node_timeout_s:   # (first: the cheap question, every command)
             return True
-        return now - started >= self.node_timeout_s
+        return bool(self.expected) and self.expected <= self.nodes.keys()
 
     def reachable(self) -> list[str]:
         return [n for n, r in self.nodes.items() if r.reachable]
