@@ -3,17 +3,23 @@ from a seed, over gloo. `refit_outcome` runs it in the caller's process (`refit_
 run_trainer`); as a script, in a process of its own, for a trainer a test kills or stops. The
 script prints one JSON line: the outcome (unless it is killed first).
 
-    python tests/refit_trainer.py EP VERSION SEED [--hold | --stall] [--lease-s S] [--timeout-s S]
+    python tests/refit_trainer.py EP VERSION SEED [--hold | --stall | --gate-commit |
+        --die-at-commit] [--lease-s S] [--timeout-s S]
 
 `--hold` takes the lock, prints {"token": N} and then waits to be killed (a trainer that dies
 holding the lock). `--stall` goes further: its update has paused the members' generation and
 opened their update sessions when it prints {"token": N, "paused": true} and waits to be
-killed or stopped (a trainer that dies or stalls mid-refit)."""
+killed or stopped (a trainer that dies or stalls mid-refit). `--gate-commit` prints
+{"updated": true} once its update went out whole and commits once a line comes on its stdin
+(a trainer stopped just before its commit); `--die-at-commit` SIGKILLs itself just before it
+sends `refit_commit`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +27,7 @@ from typing import Any
 
 from rollout_watchdog import EngineLost, FleetClient, RolloutWatchdogError
 from rollout_watchdog.emulator.model import named_weights
+from rollout_watchdog.refit_bridge.lock_holder import LockHolder
 from rollout_watchdog.refit_bridge.refit import Refit
 
 
@@ -34,15 +41,18 @@ def stalled(token: object, seed: int) -> Iterator[tuple[str, Any]]:
 
 
 def refit_outcome(fleet: FleetClient, version: str, seed: int, lease_s: float = 30.0,
-                  timeout_s: float = 120.0, before: Callable[[Refit], None] | None = None
-                  ) -> dict[str, Any]:
+                  timeout_s: float = 120.0, before: Callable[[Refit], None] | None = None,
+                  after: Callable[[Refit], None] | None = None) -> dict[str, Any]:
     """One `fleet.refit(version)` with the seed's weights, as a trainer runs it: the outcome.
-    `before(refit)` runs inside the refit, before the update (--hold, --stall)."""
+    `before(refit)` runs inside the refit, before the update (--hold, --stall); `after(refit)`
+    after it (--gate-commit)."""
     try:
         with fleet.refit(version, lease_s=lease_s, timeout_s=timeout_s, backend="gloo") as refit:
             if before is not None:
                 before(refit)
             refit.update_weights(named_weights(seed))
+            if after is not None:
+                after(refit)
             members = [e.name for e in refit.engines]
     except EngineLost as exc:
         return {"error": "EngineLost", "lost": exc.lost, "message": str(exc)}
@@ -58,6 +68,8 @@ def main() -> int:
     parser.add_argument("seed", type=int)
     parser.add_argument("--hold", action="store_true")
     parser.add_argument("--stall", action="store_true")
+    parser.add_argument("--gate-commit", action="store_true")
+    parser.add_argument("--die-at-commit", action="store_true")
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args()
@@ -70,9 +82,24 @@ def main() -> int:
     def stall(refit: Refit) -> None:   # one tensor a bucket: the first is broadcast first
         refit.update_weights(stalled(refit.token, args.seed), bucket_bytes=1)
 
+    def gate(refit: Refit) -> None:
+        print(json.dumps({"updated": True}), flush=True)
+        sys.stdin.readline()
+
+    if args.die_at_commit:
+        call = LockHolder.call
+
+        def dying(holder: LockHolder, cmd: str, *rest: Any, **kwargs: Any) -> dict[str, Any]:
+            if cmd == "refit_commit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return call(holder, cmd, *rest, **kwargs)
+
+        LockHolder.call = dying  # type: ignore[method-assign,assignment]
+
     before = hold if args.hold else stall if args.stall else None
     outcome = refit_outcome(FleetClient(args.coordinator), args.version, args.seed,
-                            args.lease_s, args.timeout_s, before)
+                            args.lease_s, args.timeout_s, before,
+                            gate if args.gate_commit else None)
     print(json.dumps(outcome))
     return 0 if outcome.get("ok") else 1
 

@@ -413,6 +413,39 @@ def test_a_commit_refused_for_its_token_is_lease_lost(
     assert lock.cmds() == ["refit_acquire", "refit_commit"]
 
 
+def test_a_holder_whose_lease_ended_unheard_touches_no_member_at_its_commit(
+        standin: StandIn, engines: Engines) -> None:
+    """A holder stopped past its lease resumes all its threads at once: its commit renews the
+    lease before it calls any member, so the members (the next holder's by then) are left
+    alone (the hostile run saw a stale holder end the next holder's update sessions and
+    continue its paused generation)."""
+    lock = Lock(standin, engines.members())
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(LeaseLost, match="lease lost"), \
+            fleet.refit("v1", timeout_s=60, backend="gloo"):
+        lock.answers["refit_renew"] = error(FENCED, protocol.LEASE_LOST)
+    assert "refit_commit" not in lock.cmds()
+    assert engines.version is None and engines.paths == []   # no member was called
+
+
+def test_a_commit_not_saved_took_effect_and_says_so(standin: StandIn, engines: Engines
+                                                    ) -> None:
+    """A commit whose state file cannot be written (a full disk) took effect in the
+    coordinator's memory: CommandRefused with code NOT_SAVED, the refit committed, the lock
+    released (it used to abort, and the abort's refusal made it LeaseLost: "nothing of ours
+    is committed", which was false)."""
+    lock = Lock(standin, engines.members())
+    lock.answers["refit_commit"] = error("cannot write the refit state: No space left on "
+                                         "device", protocol.NOT_SAVED)
+    fleet = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(CommandRefused) as refused, \
+            fleet.refit("v1", timeout_s=60, backend="gloo") as refit:
+        pass
+    assert refused.value.code == protocol.NOT_SAVED
+    assert refit.committed and engines.version == "v1"
+    assert lock.cmds() == ["refit_acquire", "refit_commit", "refit_release"]
+
+
 def test_a_commit_without_an_answer_is_coordinator_unavailable(
         standin: StandIn, engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lock_holder, "CALL_TIMEOUT_S", 1.0)
@@ -523,7 +556,7 @@ def test_update_weights_refuses_a_bad_call_before_anything_is_sent_and_the_refit
                 refit.update_weights(tensors, bucket_bytes=size)  # type: ignore[arg-type]
         assert engines.paths == [] and refit.phase is Phase.HELD
     assert refit.committed and engines.version == "v1"
-    assert lock.cmds() == ["refit_acquire", "refit_commit"]
+    assert lock.cmds() == ["refit_acquire", "refit_commit", "refit_release"]
 
 
 def test_a_member_reporting_another_version_is_engine_lost_the_others_committed(
@@ -535,7 +568,7 @@ def test_a_member_reporting_another_version_is_engine_lost_the_others_committed(
             fleet.refit("v1", timeout_s=60) as refit:
         refit.commit()
     assert lost.value.lost == [("n1", "e1", 1)]
-    assert lock.cmds() == ["refit_acquire", "refit_commit"]
+    assert lock.cmds() == ["refit_acquire", "refit_commit", "refit_release"]
     assert next(c for c in lock.asked if c.cmd == "refit_commit").args["members"] == [
         ["n1", "e0", 1]]
 

@@ -254,3 +254,86 @@ def test_a_trainer_gone_mid_refit_gets_no_engine_restarted(
         assert {(e.weight_version, e.serving) for e in by_name(fleet).values()} \
             == {("v2", True)}
         assert {e.name: (e.incarnation, e.restarts) for e in fleet.engines()} == before
+
+
+# ---------------------------------------------------------------------- late and dying commits
+
+
+def trainer_process(endpoint: str, version: str, seed: int, *flags: str
+                    ) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(TRAINER), endpoint, version, str(seed),
+                             "--timeout-s", "120", *flags],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def line_of(trainer: subprocess.Popen[str]) -> dict[str, Any]:
+    assert trainer.stdout is not None
+    line = trainer.stdout.readline()
+    assert line, f"the trainer ended (status {trainer.poll()}) without a line"
+    return dict(json.loads(line))
+
+
+def test_a_holder_stopped_past_its_lease_leaves_the_next_holders_members_alone(
+        make_node: Callable[..., Node]) -> None:
+    """Trainer A's update went out whole; A is SIGSTOPped just before its commit until its
+    lease ends, and trainer B takes the lock and stalls mid-broadcast, its members' generation
+    paused and their update sessions open. A goes on: it gets LeaseLost, and B's members are
+    still paused (A neither ended their sessions nor continued their generation: the hostile
+    run saw B's engines generate with half-updated weights, and B's refit fail)."""
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
+                     holder_timeout_s=2.0) as coordinator:
+        fleet = FleetClient(coordinator.endpoint)
+        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+        fleet.wait_until(all_healthy(2), 90)
+        urls = [str(e.url) for e in fleet.engines()]
+        a = trainer_process(coordinator.endpoint, "vA", 1, "--gate-commit")
+        b = None
+        try:
+            assert line_of(a)["updated"]
+            os.kill(a.pid, signal.SIGSTOP)
+            b = trainer_process(coordinator.endpoint, "vB", 2, "--stall")
+            assert line_of(b)["paused"]   # (it waited while A's lease ran out)
+            assert {generate(url, timeout=1.0)[0] for url in urls} == {None}
+            os.kill(a.pid, signal.SIGCONT)
+            assert a.stdin is not None
+            a.stdin.write("go\n")
+            a.stdin.flush()
+            outcome = line_of(a)
+            assert outcome["error"] == "LeaseLost", outcome
+            assert a.wait(30) == 1
+            assert {generate(url, timeout=1.0)[0] for url in urls} == {None}, \
+                "the stale holder continued the next holder's members"
+            holder = fleet.call("ping")[1]["refit"]["holder"]
+            assert holder is not None and holder["version"] == "vB", holder
+        finally:
+            for trainer in (a, b):
+                if trainer is not None and trainer.poll() is None:
+                    os.kill(trainer.pid, signal.SIGCONT)
+                    trainer.kill()
+                    trainer.wait(10)
+
+
+def test_a_trainer_dead_before_its_commit_leaves_no_engine_generating_its_weights(
+        make_node: Callable[..., Node]) -> None:
+    """The trainer SIGKILLs itself just before it sends refit_commit: the members hold its
+    version, read back, and their generation is still paused (it is continued after the
+    commit is recorded: the hostile run saw the router serve the uncommitted version for the
+    5 s until the lease ended). When the lease ends the coordinator puts them back, stale;
+    the next refit serves again."""
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
+                     holder_timeout_s=5.0) as coordinator:
+        fleet = FleetClient(coordinator.endpoint)
+        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+        fleet.wait_until(all_healthy(2), 90)
+        urls = [str(e.url) for e in fleet.engines()]
+        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--die-at-commit")
+        assert trainer.wait(60) == -signal.SIGKILL
+        assert {generate(url, timeout=1.0)[0] for url in urls} == {None}, \
+            "generation continued before the commit was recorded"
+        fleet.wait_until(lambda view: all(e.weight_version is None and not e.serving
+                                          and not e.paused for e in view), 60)
+        for url in urls:
+            wait_for(partial(generating, url), 30, f"{url} generating")
+        with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:
+            refit.update_weights(weights(2))
+        assert {(e.weight_version, e.serving) for e in fleet.engines()} == {("v2", True)}

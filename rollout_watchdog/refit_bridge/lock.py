@@ -52,6 +52,9 @@ class Lease:
     # one listing all come from it (service.py, refit_members).
     listing: list[dict[str, Any]] = field(default_factory=list)
     committed: bool = False
+    # Committed without a release: the members whose generation its holder continues next
+    # (the coordinator does, should the lease end before the holder releases it).
+    continuing: list[tuple[str, str, int]] = field(default_factory=list)
     aborted: bool = False
     # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts
     # that pause only (a finish_generation pause stays until prepare_for_generation).

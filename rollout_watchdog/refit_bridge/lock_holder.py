@@ -107,6 +107,16 @@ class LockHolder:
             raise
         return result if isinstance(result, dict) else {}
 
+    def confirm(self) -> None:
+        """Renew the lease from the refit's own thread, before it touches the members: a
+        refusal is `LeaseLost`, recorded in the guard (the guard thread's own renewals may not
+        have run yet: a holder stopped past its lease resumes all its threads at once)."""
+        try:
+            self.call("refit_renew", {})
+        except LeaseLost as exc:
+            self._state.fenced(str(exc))
+            raise
+
     def renewer(self, timeout_s: float) -> Callable[[], dict[str, Any]]:
         """The guard thread's renewal: one `refit_renew` call within `timeout_s`."""
         return lambda: self.call("refit_renew", {}, timeout_s=timeout_s)

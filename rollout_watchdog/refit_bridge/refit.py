@@ -37,7 +37,9 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from rollout_watchdog.common import protocol
 from rollout_watchdog.common.errors import (
+    CommandRefused,
     EngineLost,
     NoMembers,
     RefitTimeout,
@@ -227,9 +229,10 @@ class Refit:
 
     def commit(self) -> None:
         """Commit now (leaving the block does it otherwise): set the version on every member,
-        continue their generation, read the version back, record it at the coordinator and
-        release the lock (one call). For frameworks that moved the weights
-        themselves (e.g. CUDA IPC to colocated engines) this is the whole of the refit."""
+        read it back, record it at the coordinator, continue the members' generation and
+        release the lock, in that order (docs/refit.md): no engine generates with weights the
+        fleet has not committed. For frameworks that moved the weights themselves (e.g. CUDA
+        IPC to colocated engines) this is the whole of the refit."""
         if self.committed:
             return
         self._check()
@@ -237,6 +240,9 @@ class Refit:
         if before is Phase.UPDATING:
             raise RolloutWatchdogError(f"refit {self.version!r}: an update_weights() call "
                                        "failed, so there is nothing whole to commit")
+        # Fenced first: a holder that stalled past its lease (its guard thread stalled with it,
+        # so nothing was heard) touches no member, which may be the next holder's by now.
+        self._lock.confirm()
         timeout = self._call_timeout()
         if before is not Phase.UPDATED:   # the weights came another way (CUDA IPC, say)
             self._each("update_weight_version", lambda url: engine_calls.post(
@@ -247,25 +253,18 @@ class Refit:
         reported: dict[str, str | None] = {}
         unanswered: set[str] = set()   # gone or hung: not asked to destroy their side
 
-        def close(url: str) -> None:   # one round trip: session ended, generation continued,
-            failed: RolloutWatchdogError | None = None   # the version read back
+        def close(url: str) -> None:   # one round trip: session ended, the version read back
             try:
                 if group is not None and url in in_group:
-                    try:
-                        group.end_session(in_group[url])
-                    except RolloutWatchdogError as exc:
-                        failed = exc
-                if before.generation_paused:
-                    self._continue(url, timeout)
-                if failed is not None:
-                    raise failed
+                    group.end_session(in_group[url])
                 reported[url] = engine_calls.weight_version(url, timeout)
             except engine_calls.EngineCallError as exc:
                 if not exc.answered:
                     unanswered.add(url)
                 raise
 
-        errors = engine_calls.on_each([str(e.url) for e in self.engines], close)
+        urls = [str(e.url) for e in self.engines]
+        errors = engine_calls.on_each(urls, close)
         wrong: list[tuple[EngineView, str]] = []
         for engine in self.engines:
             url = str(engine.url)
@@ -277,19 +276,31 @@ class Refit:
         if not ok:   # never a commit with no member: the fleet's version would be no engine's
             raise self._lost(wrong, "every member: nothing committed")
         self._check()   # a death or the deadline during the checks: no commit
-        self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: this call releases
-        result = self._lock.call("refit_commit", {   # (a 1.3 coordinator: the compact form)
-            "version": self.version, "release": True, **(
+        self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: the commit renews
+        try:   # (a 1.3 coordinator: the compact form)
+            self._lock.call("refit_commit", {"version": self.version, **(
                 {"members_except": [list(_member(engine)) for engine, _ in wrong]}
                 if self._compact else {"members": [list(_member(e)) for e in ok]})})
-        self._state.advance(Phase.COMMITTED)
-        if "released" not in result:   # a coordinator before `release` ignores it
-            self._lock.release()
+        except CommandRefused as exc:
+            if exc.code != protocol.NOT_SAVED:
+                raise
+            self._committed(before, urls)   # it took effect; a restart would not know it
+            raise
+        self._committed(before, urls)
         if wrong and group is not None:   # not reused with a member in an unknown state
             GROUPS.discard(self.client.address, group)
             group.destroy(skip=[in_group[u] for u in unanswered if u in in_group])
         if wrong:
             raise self._lost(wrong, "the others committed")
+
+    def _committed(self, before: Phase, urls: list[str]) -> None:
+        """The coordinator recorded the commit: generation continued on every member, then
+        the lock released (a holder that dies in between leaves that to the coordinator,
+        which continues the members of a committed lease that ends unreleased)."""
+        self._state.advance(Phase.COMMITTED)
+        if before.generation_paused:
+            self._continue_generation(set(urls))
+        self._lock.release()
 
     def _lost(self, wrong: list[tuple[EngineView, str]], outcome: str) -> EngineLost:
         """The members that failed their read-back are lost: the error that names them."""
@@ -354,6 +365,11 @@ class Refit:
         before = self._state.advance(Phase.ABORTED)
         group = self._state.detach()
         self._group = None
+        if self._state.snapshot().lease_lost:   # the members may be the next holder's now:
+            self._abort_group(group, "the lease was lost")   # only this side is torn down
+            if group is not None:                # (the coordinator put them back when the
+                group.destroy(skip=group.members)   # lease ended)
+            return
         wedged: list[Member] = []
         to_continue: set[str] = set()
         if group is not None or before.generation_paused:
@@ -363,7 +379,7 @@ class Refit:
             group.destroy(skip=[m for m in group.members if m.url not in to_continue])
         if before.generation_paused:
             self._continue_generation(to_continue)
-        if self.token is None or self._state.snapshot().lease_lost:
+        if self.token is None:
             return
         try:
             self._lock.call("refit_abort", {   # (no members: every member of the listing)

@@ -49,7 +49,10 @@ A lease that ends with members neither committed nor aborted (it ran out, its ho
 silent, or released without either) first puts them back in service off the loop
 (putback.py: `end_weight_update`, `continue_generation`, each bounded), marks them stale, and
 only then lifts its pause: a dead trainer's paused generation must not fail their deep probes.
-Until then the lock is refused as held by `coordinator` (so `ping`'s holder says too).
+A lease committed without `release` that then runs out or goes silent puts its members back
+the same way, without marking them stale (they hold the committed version): its holder died
+before it continued their generation. Until then the lock is refused as held by `coordinator`
+(so `ping`'s holder says too).
 
 With a state dir, every reply waits until the state it reports is on disk (refit.json, written
 off the loop by durable.DurableWriter: the members of a refit in flight must be known stale
@@ -313,6 +316,7 @@ class RefitService:
                              "incarnation], got None")
         self.book.commit(version, members, core.view.process_of)
         lease.committed = True
+        lease.continuing = [] if call.args["release"] else lease.members or members
         lease.members = []
         self._save()
         core.weights_changed()
@@ -410,18 +414,27 @@ class RefitService:
         core.refit_ended("committed" if lease.committed else "aborted" if lease.aborted
                          else "expired" if expired else "released", now - lease.taken)
         self.relaunched = []
-        if not lease.members:
+        if lease.members:
+            # Neither committed nor aborted: its weights are unknown, and its holder may have
+            # left their generation paused. Put them back in service before probes resume.
+            urls = membership.member_urls(core.view, lease.members)
+            self.book.stale(lease.members)
+            core.weights_changed()
+            self._save()
+            log.warning("refit %r (refit #%d) ended uncommitted (%s): putting %d member(s) "
+                        "back in service, stale", lease.version, lease.number, why, len(urls))
+        elif expired and lease.continuing:
+            # Committed, and its holder gone before it continued their generation: they
+            # hold the fleet's version, paused.
+            urls = membership.member_urls(core.view, lease.continuing)
+            self._save()
+            log.warning("refit %r (refit #%d) ended committed but unreleased (%s): continuing "
+                        "generation on %d member(s)", lease.version, lease.number, why,
+                        len(urls))
+        else:
             self._save()
             self._resume(core, lease, now, resumed)
             return
-        # Neither committed nor aborted: its weights are unknown, and its holder may have left
-        # their generation paused. Put them back in service before their probes resume.
-        urls = membership.member_urls(core.view, lease.members)
-        self.book.stale(lease.members)
-        core.weights_changed()
-        self._save()
-        log.warning("refit %r (refit #%d) ended uncommitted (%s): putting %d member(s) back in "
-                    "service, stale", lease.version, lease.number, why, len(urls))
         self._putback = (PutBack(f"refit #{lease.number}", urls), lease)
         if resumed is not None:
             resumed()
