@@ -4,15 +4,15 @@ run_trainer`); as a script, in a process of its own, for a trainer a test kills 
 script prints one JSON line: the outcome (unless it is killed first).
 
     python tests/refit_trainer.py EP VERSION SEED [--hold | --stall | --gate-commit |
-        --die-at-commit] [--lease-s S] [--timeout-s S]
+        --die-before CMD | --die-after CMD] [--lease-s S] [--timeout-s S]
 
 `--hold` takes the lock, prints {"token": N} and then waits to be killed (a trainer that dies
 holding the lock). `--stall` goes further: its update has paused the members' generation and
 opened their update sessions when it prints {"token": N, "paused": true} and waits to be
 killed or stopped (a trainer that dies or stalls mid-refit). `--gate-commit` prints
 {"updated": true} once its update went out whole and commits once a line comes on its stdin
-(a trainer stopped just before its commit); `--die-at-commit` SIGKILLs itself just before it
-sends `refit_commit`."""
+(a trainer stopped just before its commit); `--die-before refit_commit` SIGKILLs itself just
+before it sends that lock call, `--die-after` once it has its answer."""
 
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def main() -> int:
     parser.add_argument("--hold", action="store_true")
     parser.add_argument("--stall", action="store_true")
     parser.add_argument("--gate-commit", action="store_true")
-    parser.add_argument("--die-at-commit", action="store_true")
+    parser.add_argument("--die-before", metavar="CMD")
+    parser.add_argument("--die-after", metavar="CMD")
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args()
@@ -86,13 +87,16 @@ def main() -> int:
         print(json.dumps({"updated": True}), flush=True)
         sys.stdin.readline()
 
-    if args.die_at_commit:
+    if args.die_before or args.die_after:
         call = LockHolder.call
 
         def dying(holder: LockHolder, cmd: str, *rest: Any, **kwargs: Any) -> dict[str, Any]:
-            if cmd == "refit_commit":
+            if cmd == args.die_before:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return call(holder, cmd, *rest, **kwargs)
+            answer = call(holder, cmd, *rest, **kwargs)
+            if cmd == args.die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return answer
 
         LockHolder.call = dying  # type: ignore[method-assign,assignment]
 

@@ -326,7 +326,8 @@ def test_a_trainer_dead_before_its_commit_leaves_no_engine_generating_its_weight
         start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
         fleet.wait_until(all_healthy(2), 90)
         urls = [str(e.url) for e in fleet.engines()]
-        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--die-at-commit")
+        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--die-before",
+                                  "refit_commit")
         assert trainer.wait(60) == -signal.SIGKILL
         assert {generate(url, timeout=1.0)[0] for url in urls} == {None}, \
             "generation continued before the commit was recorded"
@@ -337,3 +338,24 @@ def test_a_trainer_dead_before_its_commit_leaves_no_engine_generating_its_weight
         with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:
             refit.update_weights(weights(2))
         assert {(e.weight_version, e.serving) for e in fleet.engines()} == {("v2", True)}
+
+
+def test_a_trainer_dead_right_after_its_commit_leaves_no_engine_paused(
+        make_node: Callable[..., Node]) -> None:
+    """The trainer SIGKILLs itself once its commit is recorded, before it continues the
+    members' generation and releases the lock: when its lease ends the coordinator continues
+    their generation (they hold the committed version) and they serve it, not stale."""
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
+                     holder_timeout_s=3.0) as coordinator:
+        fleet = FleetClient(coordinator.endpoint)
+        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+        fleet.wait_until(all_healthy(2), 90)
+        urls = [str(e.url) for e in fleet.engines()]
+        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--die-after",
+                                  "refit_commit")
+        assert trainer.wait(60) == -signal.SIGKILL
+        for url in urls:
+            wait_for(partial(generating, url), 30, f"{url} generating")
+        fleet.wait_until(lambda view: {(e.weight_version, e.serving, e.paused)
+                                       for e in view} == {("v1", True, False)}, 30)
+        assert fleet.call("ping")[1]["refit"]["holder"] is None
