@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -258,15 +259,22 @@ def test_bundles_map_to_their_nodes_gpus_and_engines(ray_fleet: RayFleet) -> Non
     pg = placement_group([{"GPU": 1, "CPU": 0.01}, {"GPU": 1, "CPU": 0.01}],
                          strategy="STRICT_PACK")
     calls: list[tuple[int, str, list[int], str]] = []
+    placed = ray_fleet.tmp / NS / "coordinator" / "placed.json"   # the actor's books
+    tracked_before: list[list[str]] = []
 
     def make_spec(index: int, node_id: str, gpu_ids: list[int], host: str) -> EngineSpec:
         calls.append((index, node_id, gpu_ids, host))
+        # Each engine belongs to the group before the next bundle's spec is made (a driver
+        # SIGKILLed in a slow make_spec left the engines launched before it forever)
+        tracked_before.append(json.loads(placed.read_text()).get(pg.id.hex(), [])
+                              if placed.exists() else [])
         return emulator(f"pg{index}", gpus=gpu_ids)
 
     views: list[EngineView] = []
     try:
         views = rw_ray.launch_in_placement_group(fleet, pg, make_spec, wait_s=WAIT_S)
         assert [c[0] for c in calls] == [0, 1]                     # bundle order, here
+        assert tracked_before == [[], [views[0].name]]
         assert {c[1] for c in calls} == {ray_fleet.gpu}            # the node with the GPUs
         assert sorted(g for c in calls for g in c[2]) == [0, 1]    # one GPU each
         for (_, node_id, gpu_ids, _), engine in zip(calls, views, strict=True):
@@ -326,6 +334,21 @@ def test_a_group_that_cannot_be_placed_is_a_timeout_within_its_bound(
         assert time.monotonic() - started < 30
     finally:
         remove_placement_group(pg)
+
+
+def test_a_group_removed_while_it_waits_to_be_placed_is_our_error(ray_fleet: RayFleet
+                                                                  ) -> None:
+    """Removed while launching from it waits for its placement: one of the contract's errors,
+    naming the group, not Ray's TaskPlacementGroupRemoved; nothing launched."""
+    pg = placement_group([{"GPU": 64}])
+    remover = threading.Timer(1.0, remove_placement_group, [pg])
+    remover.start()
+    try:
+        with pytest.raises(RolloutWatchdogError, match="was removed"):
+            rw_ray.launch_in_placement_group(ray_fleet.fleet, pg, lambda *a: None,
+                                             placement_s=60.0)
+    finally:
+        remover.join()
 
 
 def test_the_watchdog_actor_killed_is_not_the_engines_lifeline(ray_fleet: RayFleet) -> None:

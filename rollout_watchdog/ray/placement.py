@@ -16,6 +16,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout_watchdog.common.atomic_file import write_atomically
+from rollout_watchdog.common.errors import RolloutWatchdogError
 from rollout_watchdog.common.spec import EngineSpec
 from rollout_watchdog.ray.runtime import COORDINATOR, node_ip
 from rollout_watchdog.refit_bridge.client import FleetClient
@@ -40,8 +41,13 @@ def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
     bundle, taking the bundle's GPUs, asks Ray (as miles' InfoActor does). TimeoutError when
     the group is not placed within `timeout_s`, or the tasks do not run within `lookup_s`
     (another actor holds part of a bundle's GPUs); ValueError for GPU ids that are not
-    numbers (UUIDs, MIG devices)."""
-    ray.get(pg.ready(), timeout=timeout_s)
+    numbers (UUIDs, MIG devices); RolloutWatchdogError when the group is removed meanwhile."""
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.RayError as exc:
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise
+        raise _removed(pg, exc) from exc
     bundles: Sequence[dict[str, Any]] = pg.bundle_specs
     tasks = [_bundle_info.options(
         num_gpus=bundle.get("GPU", 0),
@@ -50,6 +56,8 @@ def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
         for index, bundle in enumerate(bundles)]
     try:
         found = ray.get(tasks, timeout=lookup_s)
+    except ray.exceptions.TaskPlacementGroupRemoved as exc:
+        raise _removed(pg, exc) from exc
     except ray.exceptions.GetTimeoutError:
         for task in tasks:
             ray.cancel(task, force=True)
@@ -69,6 +77,11 @@ def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
     return out
 
 
+def _removed(pg: PlacementGroup, exc: Exception) -> RolloutWatchdogError:
+    return RolloutWatchdogError(f"placement group {pg.id.hex()} was removed before its "
+                                f"bundles could be asked (nothing was launched): {exc}")
+
+
 def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec: MakeSpec,
                               wait_s: float | None = None,
                               lookup_s: float = LOOKUP_TIMEOUT_S,
@@ -78,13 +91,15 @@ def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec:
     `placement_s`, else TimeoutError); the engines' views. With `wait_s`,
     once every engine is healthy (TimeoutError otherwise). A refusal raises CommandRefused;
     the engines of the bundles before it stay launched. The engines belong to their node
-    daemons, not to Ray: they hold the bundle's GPUs without a Ray actor of their own."""
+    daemons, not to Ray: they hold the bundle's GPUs without a Ray actor of their own. Each
+    is tracked with the group as soon as its launch is answered, before the next bundle's
+    `make_spec`: a driver SIGKILLed mid-way leaves none that outlives the group."""
     views: list[EngineView] = []
-    try:
-        for index, (node_id, gpus, host) in enumerate(bundle_locations(pg, placement_s, lookup_s)):
-            views.append(fleet.launch(node_id, make_spec(index, node_id, gpus, host)))
-    finally:
-        _track(fleet, pg.id.hex(), [v.name for v in views])
+    locations = bundle_locations(pg, placement_s, lookup_s)
+    track = _tracker(fleet, pg.id.hex())
+    for index, (node_id, gpus, host) in enumerate(locations):
+        views.append(fleet.launch(node_id, make_spec(index, node_id, gpus, host)))
+        track(views[-1].name)
     if wait_s is None:
         return views
     names = {(v.node_id, v.id) for v in views}
@@ -94,23 +109,37 @@ def launch_in_placement_group(fleet: FleetClient, pg: PlacementGroup, make_spec:
     return [current[(v.node_id, v.id)] for v in views]
 
 
-def _track(fleet: FleetClient, group: str, names: list[str]) -> None:
-    """Tell the coordinator actor of `fleet` (found by its endpoint, in any namespace) that
-    these engines hold the bundles of placement group `group`."""
-    if not names:
-        return
+def _tracker(fleet: FleetClient, group: str) -> Callable[[str], None]:
+    """track(name): tell the coordinator actor of `fleet` (found by its endpoint, in any
+    namespace, once) that this engine holds a bundle of placement group `group`."""
+    coordinator = _coordinator_of(fleet)
+
+    def track(name: str) -> None:
+        if coordinator is None:
+            log.warning("no coordinator actor serves %s: engine %s stays when placement group "
+                        "%s is removed", fleet.address, name, group)
+            return
+        try:
+            ray.get(coordinator.track.remote(group, [name]), timeout=30)
+        except ray.exceptions.RayError as exc:
+            log.warning("the coordinator actor did not take engine %s of placement group %s "
+                        "(it stays when the group is removed): %s", name, group, exc)
+
+    return track
+
+
+def _coordinator_of(fleet: FleetClient) -> Any:
+    """The coordinator actor whose endpoint `fleet` dials, or None."""
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"] != COORDINATOR:
             continue
         try:
             coordinator = ray.get_actor(actor["name"], namespace=actor["namespace"])
             if ray.get(coordinator.info.remote(), timeout=30)["endpoint"] == fleet.address:
-                ray.get(coordinator.track.remote(group, names), timeout=30)
-                return
+                return coordinator
         except (ValueError, ray.exceptions.RayError) as exc:
             log.warning("cannot ask the coordinator actor in %r: %s", actor["namespace"], exc)
-    log.warning("no coordinator actor serves %s: engines %s stay when placement group %s is "
-                "removed", fleet.address, ", ".join(names), group)
+    return None
 
 
 class PlacedEngines:
