@@ -712,3 +712,61 @@ def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
     # the other fleet goes on
     assert {n.node_id for n in ray_fleet.fleet.nodes() if n.reachable} >= {
         ray_fleet.head, ray_fleet.cpu, ray_fleet.gpu}
+
+
+def test_shutdown_stops_the_engines_of_a_daemon_that_hung(ray_fleet: RayFleet) -> None:
+    """A daemon SIGSTOPped: shutdown() SIGKILLed it after timeout_s and its engine ran on,
+    unwatched. Now one more daemon adopts the engine, to stop it."""
+    namespace = "rw-hung-daemon"
+    options = {"state_dir": str(ray_fleet.tmp / "hung"), "node_config": NODE_CONFIG,
+               "log_dir": str(ray_fleet.tmp / "hung-logs"), "timeout_s": WAIT_S}
+    fleet = rw_ray.start(namespace, **options)
+    engine = fleet.launch(ray_fleet.cpu, emulator("hung-daemon"), wait_s=WAIT_S)
+    fleet.close()
+    daemon = ray.get(ray.get_actor(f"node-{ray_fleet.cpu}", namespace=namespace).info.remote())
+    key = proc_key(engine.pid or 0)
+    assert key is not None
+    os.kill(daemon["daemon_pid"], signal.SIGSTOP)
+    try:
+        rw_ray.shutdown(namespace, timeout_s=3.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(daemon["daemon_pid"], signal.SIGCONT)
+    assert not is_alive(key), "the engine of the hung daemon outlived shutdown()"
+
+
+def test_shutdown_with_its_coordinator_stopped_leaves_no_watchdog_made_again(
+        ray_fleet: RayFleet) -> None:
+    """The coordinator actor's worker SIGSTOPped during shutdown() and continued once the
+    watchdogs were stopped: its watch's next round made them (and their daemons) again after
+    shutdown() returned. Now shutdown() kills a coordinator actor that does not answer first."""
+    namespace = "rw-stopped-coordinator"
+    options = {"state_dir": str(ray_fleet.tmp / "stopped-coord"), "node_config": NODE_CONFIG,
+               "log_dir": str(ray_fleet.tmp / "stopped-coord-logs"), "timeout_s": WAIT_S,
+               "watch_s": 0.5}
+    rw_ray.start(namespace, **options).close()
+    coordinator = ray.get_actor("coordinator", namespace=namespace)
+    pid = ray.get(coordinator.__ray_call__.remote(lambda actor: os.getpid()), timeout=WAIT_S)
+    os.kill(pid, signal.SIGSTOP)
+    shutting = threading.Thread(target=rw_ray.shutdown, args=(namespace, 3.0))
+    shutting.start()
+    try:   # continued once the watchdogs are gone, while shutdown() goes on
+        wait_until(lambda: not [n for n in _named_in(namespace) if n.startswith("node-")],
+                   WAIT_S, what="the watchdogs stopped")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        shutting.join(WAIT_S * 4)
+    assert not shutting.is_alive()
+    wait_until(lambda: not _named_in(namespace), WAIT_S, what="no actor left in the namespace")
+    deadline = time.monotonic() + 3.0   # six of its watch rounds: none makes a watchdog
+    while time.monotonic() < deadline:
+        assert not _named_in(namespace), _named_in(namespace)
+        time.sleep(0.1)
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(ray_fleet.tmp / "stopped-coord") in " ".join(p.info["cmdline"] or [])]
+
+
+def _named_in(namespace: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == namespace]

@@ -14,7 +14,6 @@ daemon, and replaces one that died (the new one adopts the engines from the stat
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -22,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,15 @@ from rollout_watchdog.common.ports import free_port
 from rollout_watchdog.common.protocol import NODE_ERRORS
 from rollout_watchdog.common.validate import check_engine_id
 from rollout_watchdog.ray import daemon_process
-from rollout_watchdog.ray.layout import NodeLayout, node_config, tcp_endpoint, to_toml
+from rollout_watchdog.ray.layout import (
+    NodeLayout,
+    flocked,
+    node_config,
+    tail,
+    tcp_endpoint,
+    to_toml,
+    write_atomic,
+)
 from rollout_watchdog.ray.placement import PlacedEngines
 from rollout_watchdog.ray.runtime import COORDINATOR, alive_nodes, node_ip, ray_dirs, remote
 from rollout_watchdog.refit_bridge.client import FleetClient
@@ -87,36 +93,12 @@ def _roots(settings: dict[str, Any]) -> tuple[Path, Path]:
     return state, Path(settings["log_dir"]) if settings["log_dir"] else logs
 
 
-@contextlib.contextmanager
-def _flocked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.chmod(mode)
-    tmp.replace(path)
-
-
 def client_of(info: dict[str, Any]) -> FleetClient:
     """A client of the fleet, from a coordinator actor's `info()`."""
     if info["keys"] is None:
         return FleetClient(info["endpoint"])
     public, secret, server = (k.encode() for k in info["keys"])
     return KeyedFleetClient(info["endpoint"], ClientKeys(public, secret, server))
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as exc:
-        return f"(unreadable: {exc})"
 
 
 class CoordinatorActor:
@@ -143,7 +125,7 @@ class CoordinatorActor:
                 raise
             log.warning("%s: serving on a fresh port", exc)
             self.coordinator = self._serving_on(free_port(self.host))
-        _write_atomic(port_file, self.coordinator.endpoint.rsplit(":", 1)[1])
+        write_atomic(port_file, self.coordinator.endpoint.rsplit(":", 1)[1])
         # This actor's endpoint, and since when: a node watchdog keeps the newest it was told
         self.since = time.time()
         self._pointed: set[str] = set()   # node watchdogs told of this endpoint
@@ -170,7 +152,7 @@ class CoordinatorActor:
                 keygen(keys, name)
         authorized = keys / "authorized"
         authorized.mkdir(mode=0o700, exist_ok=True)
-        _write_atomic(authorized / f"{CLIENT_KEY}.key", (keys / f"{CLIENT_KEY}.key").read_text())
+        write_atomic(authorized / f"{CLIENT_KEY}.key", (keys / f"{CLIENT_KEY}.key").read_text())
         return keys
 
     def info(self) -> dict[str, Any]:
@@ -192,7 +174,7 @@ class CoordinatorActor:
             raise ValueError(f"node id: {problem}")
         received = self.dir / f"{node_id}.key.received"
         with self._authorizing:
-            _write_atomic(received, public_key)
+            write_atomic(received, public_key)
             load_public(received)   # ValueError if not a key: authorized/ stays readable
             received.replace(self.keys / "authorized" / f"{node_id}.key")
             self.coordinator.reload_keys()
@@ -358,7 +340,7 @@ class NodeWatchdog:
             self.settings["coordinator"], self.settings["coordinator_since"] = endpoint, since
             daemon = self.daemon
             try:   # for this actor made again by Ray (its creation names an older endpoint)
-                _write_atomic(self.layout.node_dir / "coordinator.json",
+                write_atomic(self.layout.node_dir / "coordinator.json",
                               json.dumps({"endpoint": endpoint, "since": since}), 0o600)
             except OSError as exc:   # (a full disk): the daemon is re-pointed all the same
                 log.error("cannot save where the coordinator is (%s): if Ray makes this actor "
@@ -395,14 +377,14 @@ class NodeWatchdog:
             log.warning("the coordinator actor does not answer (%s): the node keeps the keys "
                         "it registered before", exc)
         else:
-            _write_atomic(server_key, server)
+            write_atomic(server_key, server)
         return str(secret), str(server_key)
 
     def ensure_daemon(self) -> None:
         """Keep the node's running daemon, else start one; never two (the spawn lock, and
         the daemon's own lock on its state dir)."""
         layout, timeout = self.layout, self.settings["timeout_s"]
-        with self._lock, _flocked(layout.spawn_lock):
+        with self._lock, flocked(layout.spawn_lock):
             if (running := self._running(timeout)) is not None:
                 self.daemon, self.kept = running, self.daemon is None
                 config = tomllib.loads(layout.config_path.read_text())
@@ -417,7 +399,7 @@ class NodeWatchdog:
                                  lifeline_pid=self.raylet, key=key,
                                  coordinator_key=coordinator_key,
                                  extra=self.settings["node_config"])
-            _write_atomic(layout.config_path, to_toml(config), 0o600)
+            write_atomic(layout.config_path, to_toml(config), 0o600)
             started = daemon_process.spawn_detached(
                 daemon_process.daemon_argv(layout.config_path),
                 daemon_process.daemon_environment(
@@ -427,7 +409,7 @@ class NodeWatchdog:
             while not daemon_process.ping(layout.control, self.node_id, 1.0):
                 if not is_alive(started) or time.monotonic() > deadline:
                     raise RuntimeError(f"the node daemon did not come up ({layout.daemon_log}"
-                                       f" ends with):\n{_tail(layout.daemon_log)}")
+                                       f" ends with):\n{tail(layout.daemon_log)}")
                 time.sleep(0.1)
             log.info("node daemon %d started on node %s", started.pid, self.node_id)
             self.daemon = started
@@ -475,9 +457,20 @@ class NodeWatchdog:
     def stop(self, timeout_s: float) -> bool:
         """Watch no more, take the launched engines out of the daemon's books (no later
         daemon brings them back), and stop the daemon (it stops its engines first); whether it
-        ended in time."""
+        ended in time. One SIGKILLed after `timeout_s` (hung, stopped) leaves its engines
+        running: a new daemon adopts them and is stopped in turn."""
         self._stop.set()
         self._watcher.join(timeout=self.settings["daemon_check_s"] + timeout_s)
+        for _ in range(2):   # (the second: the engines of a daemon killed after timeout_s)
+            self._forget_launched(timeout_s)
+            with self._lock:
+                daemon, self.daemon = self.daemon, None
+            if daemon is None or daemon_process.stop(daemon, timeout_s):
+                return True
+            self.daemon = daemon   # dead now: the next round's daemon adopts its engines
+        return False
+
+    def _forget_launched(self, timeout_s: float) -> None:
         for _ in range(2):   # (a daemon found dying, SIGKILLed a moment ago: replaced once)
             if self.daemon is not None and not is_alive(self.daemon):
                 try:   # its engines run on, unwatched: a daemon adopts them, to stop them
@@ -491,6 +484,3 @@ class NodeWatchdog:
                                               min(FORGET_TIMEOUT_S, timeout_s)) \
                     or not daemon_process.wait_gone(daemon, DYING_S):
                 break   # (it answered, or it lives on without answering: its stop stops all)
-        with self._lock:
-            daemon, self.daemon = self.daemon, None
-        return daemon is None or daemon_process.stop(daemon, timeout_s)

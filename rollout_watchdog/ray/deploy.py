@@ -157,16 +157,18 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
     if coordinator is not None:
         try:
             ray.get(coordinator.stop_watching.remote(), timeout=timeout_s)   # no new watchdogs
-        except RayError as exc:
-            log.warning("the coordinator actor does not answer (%s): stopping the node "
-                        "watchdogs all the same", exc)
+        except RayError as exc:   # ended first: once it answered again, its watch's next
+            log.warning("the coordinator actor does not answer (%s): killed, and the node "
+                        "watchdogs stopped all the same", exc)   # round would make them again
+            ray.kill(coordinator, no_restart=True)
+            coordinator = None
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["namespace"] == namespace and a["name"].startswith(NODE_PREFIX))
     nodes = [(name, actor) for name in names if (actor := _named(name, namespace)) is not None]
     stops = [actor.stop.remote(timeout_s) for _, actor in nodes]   # every node at once
-    deadline = time.monotonic() + 2 * timeout_s + 30   # (a watchdog's own stop: its watch's
+    deadline = time.monotonic() + 3 * timeout_s + 30   # (a watchdog's own stop: its watch's
     # last round, a replacement daemon if the last died, the launched engines forgotten, the
-    # daemon's stop)
+    # daemon's stop, and one more daemon's if it had to be killed)
     for (name, actor), stopped in zip(nodes, stops, strict=True):
         try:
             if not ray.get(stopped, timeout=max(0.1, deadline - time.monotonic())):

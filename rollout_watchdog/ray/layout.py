@@ -2,17 +2,21 @@
 functions of the node id and the directories `start` was given (no ray import, testable alone).
 
 Every Ray node gets its own directory, control socket and ports, even when several Ray nodes
-share one host (a test `Cluster`): everything is keyed by the Ray node id.
+share one host (a test `Cluster`): everything is keyed by the Ray node id. At the end, the
+small file helpers the watchdog actors use on that directory (a lock, an atomic write, a log's
+tail).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,3 +146,30 @@ def _value(value: Any) -> str:
 
 def tcp_endpoint(host: str, port: int) -> str:
     return f"tcp://{bracket_host(host)}:{port}"
+
+
+@contextlib.contextmanager
+def flocked(path: Path) -> Iterator[None]:
+    """Held while the block runs: an exclusive lock on `path` (made if missing)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Replace `path` with `text`, readers seeing the old file or the new, whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    tmp.replace(path)
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` of a log, for an error message."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
