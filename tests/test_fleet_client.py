@@ -88,6 +88,21 @@ def test_bad_targets_are_refused_before_sending(standin: StandIn) -> None:
     assert standin.commands == []
 
 
+def test_a_nan_is_refused_for_what_it_is_and_never_waited_on(standin: StandIn) -> None:
+    """A NaN argument cannot be encoded: BAD_ARGS (it said TOO_BIG); wait_until with a NaN
+    timeout raises (it polled forever). A command too big for one message is still TOO_BIG."""
+    client = FleetClient(standin.endpoint, timeout_s=2.0)
+    with pytest.raises(CommandRefused) as refused:
+        client.pause(all=True, deadline_s=float("nan"))
+    assert refused.value.code == protocol.BAD_ARGS
+    with pytest.raises(CommandRefused) as refused:
+        client.call("status", {"padding": "x" * protocol.MAX_MESSAGE_BYTES})
+    assert refused.value.code == protocol.TOO_BIG
+    assert standin.commands == []
+    with pytest.raises(ValueError, match="timeout_s"):
+        client.wait_until(lambda view: False, float("nan"))
+
+
 def test_an_error_reply_is_command_refused_with_its_reason(standin: StandIn) -> None:
     standin.answer = lambda c: protocol.Reply(c.request_id, "error", "n2 did not answer", {
         "nodes": {"n1": {"status": "ok", "reason": None, "result": {}}}, "missing": ["n2"]})

@@ -22,6 +22,10 @@ class ProtocolError(ValueError):
     """A message that is not valid under this protocol; the text says what is wrong."""
 
 
+class MessageTooBig(ProtocolError):
+    """A message that would be valid but exceeds the size limit of one frame."""
+
+
 def _parse_float(text: str) -> float:
     number = float(text)
     if not math.isfinite(number):

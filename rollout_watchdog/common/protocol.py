@@ -137,7 +137,7 @@ from rollout_watchdog.common.control_messages import (
     ResumePoint,
     Subscribe,
 )
-from rollout_watchdog.common.json_frame import ProtocolError, dumps, parse
+from rollout_watchdog.common.json_frame import MessageTooBig, ProtocolError, dumps, parse
 from rollout_watchdog.common.message_base import (
     MAJOR,
     MINOR,
@@ -159,7 +159,7 @@ from rollout_watchdog.common.run_fields import expanded, own_fields, plain_run, 
 __all__ = ["BAD_ARGS", "CODES", "INTERNAL", "LEASE_LOST", "LOCK_HELD", "MAX_CODE_CHARS",
            "NODE_ERRORS", "NODE_UNREACHABLE", "NOT_SAVED", "STATUSES", "TOO_BIG",
            "UNKNOWN_COMMAND", "UNKNOWN_NODE", "Command", "Reply", "ResumePoint", "Subscribe",
-           "ProtocolError", "MAJOR", "MINOR", "VERSION"]
+           "MessageTooBig", "ProtocolError", "MAJOR", "MINOR", "VERSION"]
 
 MAX_MESSAGE_BYTES = 1 << 20
 # The most an "events" frame holds as this package sends it: per-frame costs are well spread
@@ -451,9 +451,14 @@ def encode(msg: Message, finite: bool = False) -> bytes:
     except (TypeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"{msg.KIND}: cannot encode: {exc}") from None
     if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{msg.KIND}: {len(data)} bytes exceeds the limit of "
+        raise MessageTooBig(f"{msg.KIND}: {len(data)} bytes exceeds the limit of "
                             f"{MAX_MESSAGE_BYTES} bytes")
     return data
+
+
+def unsendable_code(exc: ProtocolError) -> str:
+    """The code of a refusal to send what `encode` refused: too big, or not encodable."""
+    return TOO_BIG if isinstance(exc, MessageTooBig) else BAD_ARGS
 
 
 def from_json(obj: object) -> Message:

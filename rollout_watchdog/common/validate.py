@@ -94,3 +94,10 @@ def shorten(text: str, limit: int) -> str:
     """`text` cut to `limit` characters, saying how many were cut (a text for people: a
     reason, a detail; never data)."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} characters cut)"
+
+
+def non_negative(name: str, value: float) -> float:
+    """`value`, if it is a number >= 0 (not NaN); ValueError naming `name` otherwise."""
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return value

@@ -34,6 +34,7 @@ from rollout_watchdog.common.errors import CommandRefused, CoordinatorUnavailabl
 from rollout_watchdog.common.keys import ClientKeys
 from rollout_watchdog.common.lograte import DropCount
 from rollout_watchdog.common.spec import EngineSpec
+from rollout_watchdog.common.validate import non_negative
 from rollout_watchdog.refit_bridge.stream import SILENCE_S, EventStream
 from rollout_watchdog.refit_bridge.views import (
     EngineView,
@@ -173,14 +174,13 @@ class FleetClient:
                 ) -> protocol.Reply:
         """Send `command`, return its reply (an error reply included); CoordinatorUnavailable
         when none comes within `wait_s` (default: the client's timeout) or the connection
-        fails (never a raw ZeroMQ error); CommandRefused (code
-        TOO_BIG) for a command too big for one message."""
+        fails (never a raw ZeroMQ error); CommandRefused, code TOO_BIG (BAD_ARGS: a NaN, say)."""
         wait = self.timeout_s if wait_s is None else wait_s
         try:
             data = protocol.encode(command)
         except protocol.ProtocolError as exc:   # (20,000 members named in one refit_commit)
             raise CommandRefused(f"the {command.cmd} command cannot be sent: {exc}",
-                                 code=protocol.TOO_BIG) from None
+                                 code=protocol.unsendable_code(exc)) from None
         deadline = time.monotonic() + wait
         try:
             conn = self._connection()
@@ -336,7 +336,7 @@ class FleetClient:
                    interval_s: float = POLL_INTERVAL_S) -> list[EngineView]:
         """Poll the fleet view until `predicate` holds (returns that view); TimeoutError when
         it does not within `timeout_s` (a coordinator away meanwhile is waited for too)."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + non_negative("timeout_s", timeout_s)   # (NaN: forever)
         last: list[EngineView] | None = None
         problem = ""
         while True:
