@@ -654,23 +654,27 @@ def test_a_watchdog_actor_restarted_after_the_coordinator_moved_dials_where_it_i
         rw_ray.shutdown(namespace)
 
 
-def test_shutdown_stops_the_engines_of_a_daemon_that_died(ray_fleet: RayFleet) -> None:
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["died", "hung"])
+def test_shutdown_stops_the_engines_of_a_daemon_that_died_or_hung(
+        ray_fleet: RayFleet, how: signal.Signals) -> None:
     """A daemon SIGKILLed and not replaced yet (its watchdog looks every daemon_check_s):
-    shutdown() found it dead and did nothing, and its engine ran on, unwatched. Now a daemon
-    adopts the engines, to stop them."""
-    namespace = "rw-dead-daemon"
-    options = {"state_dir": str(ray_fleet.tmp / "dead"), "node_config": NODE_CONFIG,
-               "log_dir": str(ray_fleet.tmp / "dead-logs"), "timeout_s": WAIT_S,
-               "daemon_check_s": 600.0}
-    fleet = rw_ray.start(namespace, **options)
+    shutdown() found it dead and did nothing, and its engine ran on, unwatched. A daemon
+    SIGSTOPped: shutdown() SIGKILLed it after timeout_s, and the same. Now a daemon adopts the
+    engines, to stop them."""
+    namespace = f"rw-{how.name.lower()}-daemon"
+    fleet = rw_ray.start(namespace, **_options(ray_fleet, namespace, daemon_check_s=600.0))
     engine = fleet.launch(ray_fleet.cpu, emulator("orphaned"), wait_s=WAIT_S)
     fleet.close()
     daemon = ray.get(ray.get_actor(f"node-{ray_fleet.cpu}", namespace=namespace).info.remote())
     key = proc_key(engine.pid or 0)
     assert key is not None
-    os.kill(daemon["daemon_pid"], signal.SIGKILL)
-    rw_ray.shutdown(namespace)
-    assert not is_alive(key), "the engine of the dead daemon outlived shutdown()"
+    os.kill(daemon["daemon_pid"], how)
+    try:
+        rw_ray.shutdown(namespace, timeout_s=3.0 if how == signal.SIGSTOP else WAIT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(daemon["daemon_pid"], signal.SIGCONT)
+    assert not is_alive(key), "the engine of the daemon outlived shutdown()"
 
 
 def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
@@ -714,37 +718,13 @@ def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
         ray_fleet.head, ray_fleet.cpu, ray_fleet.gpu}
 
 
-def test_shutdown_stops_the_engines_of_a_daemon_that_hung(ray_fleet: RayFleet) -> None:
-    """A daemon SIGSTOPped: shutdown() SIGKILLed it after timeout_s and its engine ran on,
-    unwatched. Now one more daemon adopts the engine, to stop it."""
-    namespace = "rw-hung-daemon"
-    options = {"state_dir": str(ray_fleet.tmp / "hung"), "node_config": NODE_CONFIG,
-               "log_dir": str(ray_fleet.tmp / "hung-logs"), "timeout_s": WAIT_S}
-    fleet = rw_ray.start(namespace, **options)
-    engine = fleet.launch(ray_fleet.cpu, emulator("hung-daemon"), wait_s=WAIT_S)
-    fleet.close()
-    daemon = ray.get(ray.get_actor(f"node-{ray_fleet.cpu}", namespace=namespace).info.remote())
-    key = proc_key(engine.pid or 0)
-    assert key is not None
-    os.kill(daemon["daemon_pid"], signal.SIGSTOP)
-    try:
-        rw_ray.shutdown(namespace, timeout_s=3.0)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(daemon["daemon_pid"], signal.SIGCONT)
-    assert not is_alive(key), "the engine of the hung daemon outlived shutdown()"
-
-
 def test_shutdown_with_its_coordinator_stopped_leaves_no_watchdog_made_again(
         ray_fleet: RayFleet) -> None:
     """The coordinator actor's worker SIGSTOPped during shutdown() and continued once the
     watchdogs were stopped: its watch's next round made them (and their daemons) again after
     shutdown() returned. Now shutdown() kills a coordinator actor that does not answer first."""
     namespace = "rw-stopped-coordinator"
-    options = {"state_dir": str(ray_fleet.tmp / "stopped-coord"), "node_config": NODE_CONFIG,
-               "log_dir": str(ray_fleet.tmp / "stopped-coord-logs"), "timeout_s": WAIT_S,
-               "watch_s": 0.5}
-    rw_ray.start(namespace, **options).close()
+    rw_ray.start(namespace, **_options(ray_fleet, "stopped-coord", watch_s=0.5)).close()
     coordinator = ray.get_actor("coordinator", namespace=namespace)
     pid = ray.get(coordinator.__ray_call__.remote(lambda actor: os.getpid()), timeout=WAIT_S)
     os.kill(pid, signal.SIGSTOP)
@@ -770,3 +750,9 @@ def test_shutdown_with_its_coordinator_stopped_leaves_no_watchdog_made_again(
 def _named_in(namespace: str) -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == namespace]
+
+
+def _options(ray_fleet: RayFleet, name: str, **more: Any) -> dict[str, Any]:
+    """start()'s options for a fleet of its own in `ray_fleet`'s cluster, under `name`."""
+    return {"state_dir": str(ray_fleet.tmp / name), "node_config": NODE_CONFIG,
+            "log_dir": str(ray_fleet.tmp / f"{name}-logs"), "timeout_s": WAIT_S, **more}

@@ -4,6 +4,7 @@ mid-refit, and the bound on a version string. Real processes throughout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -259,6 +260,18 @@ def test_a_trainer_gone_mid_refit_gets_no_engine_restarted(
 # ---------------------------------------------------------------------- late and dying commits
 
 
+@contextlib.contextmanager
+def one_node_of_two(make_node: Callable[..., Node], holder_timeout_s: float
+                    ) -> Iterator[tuple[Coordinator, FleetClient, list[str]]]:
+    """An embedded coordinator, one node of two healthy engines: (it, a client, their URLs)."""
+    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
+                     holder_timeout_s=holder_timeout_s) as coordinator:
+        fleet = FleetClient(coordinator.endpoint)
+        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+        fleet.wait_until(all_healthy(2), 90)
+        yield coordinator, fleet, [str(e.url) for e in fleet.engines()]
+
+
 def trainer_process(endpoint: str, version: str, seed: int, *flags: str
                     ) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(TRAINER), endpoint, version, str(seed),
@@ -280,12 +293,7 @@ def test_a_holder_stopped_past_its_lease_leaves_the_next_holders_members_alone(
     paused and their update sessions open. A goes on: it gets LeaseLost, and B's members are
     still paused (A neither ended their sessions nor continued their generation: the hostile
     run saw B's engines generate with half-updated weights, and B's refit fail)."""
-    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
-                     holder_timeout_s=2.0) as coordinator:
-        fleet = FleetClient(coordinator.endpoint)
-        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
-        fleet.wait_until(all_healthy(2), 90)
-        urls = [str(e.url) for e in fleet.engines()]
+    with one_node_of_two(make_node, holder_timeout_s=2.0) as (coordinator, fleet, urls):
         a = trainer_process(coordinator.endpoint, "vA", 1, "--gate-commit")
         b = None
         try:
@@ -320,12 +328,7 @@ def test_a_trainer_dead_before_its_commit_leaves_no_engine_generating_its_weight
     commit is recorded: the hostile run saw the router serve the uncommitted version for the
     5 s until the lease ended). When the lease ends the coordinator puts them back, stale;
     the next refit serves again."""
-    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
-                     holder_timeout_s=5.0) as coordinator:
-        fleet = FleetClient(coordinator.endpoint)
-        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
-        fleet.wait_until(all_healthy(2), 90)
-        urls = [str(e.url) for e in fleet.engines()]
+    with one_node_of_two(make_node, holder_timeout_s=5.0) as (coordinator, fleet, urls):
         trainer = trainer_process(coordinator.endpoint, "v1", 1, "--die-before",
                                   "refit_commit")
         assert trainer.wait(60) == -signal.SIGKILL
@@ -345,12 +348,7 @@ def test_a_trainer_dead_right_after_its_commit_leaves_no_engine_paused(
     """The trainer SIGKILLs itself once its commit is recorded, before it continues the
     members' generation and releases the lock: when its lease ends the coordinator continues
     their generation (they hold the committed version) and they serve it, not stale."""
-    with Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0,
-                     holder_timeout_s=3.0) as coordinator:
-        fleet = FleetClient(coordinator.endpoint)
-        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
-        fleet.wait_until(all_healthy(2), 90)
-        urls = [str(e.url) for e in fleet.engines()]
+    with one_node_of_two(make_node, holder_timeout_s=3.0) as (coordinator, fleet, urls):
         trainer = trainer_process(coordinator.endpoint, "v1", 1, "--die-after",
                                   "refit_commit")
         assert trainer.wait(60) == -signal.SIGKILL
