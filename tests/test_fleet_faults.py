@@ -297,6 +297,29 @@ def test_a_link_down_for_seconds_loses_no_state_change(fleet: Fleet, how: str) -
     assert all(a != b for a, b in zip(kinds, kinds[1:], strict=False)), kinds
 
 
+def test_the_coordinator_stopped_past_the_node_timeout_judges_no_node_silent(
+        fleet: Fleet) -> None:
+    """The coordinator SIGSTOPped for twice the node timeout, then continued: its nodes spoke
+    all along (their messages queued), so none is unreachable, and no holder of anything is
+    judged silent. Its sweep used to run before libzmq's I/O thread had delivered what queued:
+    spurious node_unreachable / node_reachable pairs (3 runs of 5 in the hostile run), and once
+    a refit holder released for "silence"."""
+    fleet.settled()
+    mark = len(fleet.follower.snapshot())
+    boot = fleet.coordinator.call("ping").result["coordinator"]
+    os.kill(fleet.coordinator.proc.pid, signal.SIGSTOP)
+    try:
+        threading.Event().wait(2 * NODE_TIMEOUT_S)   # the fault's length: the nodes speak on
+    finally:
+        os.kill(fleet.coordinator.proc.pid, signal.SIGCONT)
+    fleet.coordinator.call("ping")   # (it answers again: its loop runs)
+    threading.Event().wait(NODE_TIMEOUT_S)   # the window in which a node judged silent shows
+    kinds = [(n, k) for n, k, _ in own_events(fleet, mark, boot)
+             if k in ("node_unreachable", "node_reachable")]
+    assert kinds == [], kinds
+    assert all(v["node"]["reachable"] for v in fleet.view().values())
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rollout_watchdog", *args],
                           capture_output=True, text=True, timeout=30)

@@ -47,6 +47,12 @@ SWEEP_S = 0.1               # how often silent nodes and subscribers are looked 
 MESSAGES_PER_TURN = 5_000   # then the relay sends as many (SENDS_PER_TURN): subscribers keep pace
 BEHIND_POLL_S = 0.005       # the relay has more to send: a short look at the sockets first
 MONITOR_EVENTS_PER_TURN = 3_000   # monitor events read a turn (3 a connection): a flood waits
+# A turn that came this much later than the poll asked (the process stopped, swapped out, a
+# paused VM) was the loop's own silence, not its peers': the sweep waits STALL_GRACE_S more,
+# for the messages queued meanwhile (libzmq's I/O thread stopped too: not all are readable at
+# once) to be taken before any peer is judged silent.
+STALL_S = 1.0
+STALL_GRACE_S = 1.0
 # Plain ints for the flags of the sends and receives of every message: pyzmq's flag enums, and
 # its multipart helpers built on them, cost microseconds a call (thousands a fleet-wide pause)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
@@ -79,6 +85,7 @@ class Hub:
         self.node_events = NodeEvents(view, policy, self.acks, self._relay, self.own_events,
                                       self._bad)
         self._next_heartbeat = self._next_sweep = 0.0
+        self._sweep_deferred = False   # by a stall of the loop, until the sweep has run
         self._auth: NamedKeyAuthenticator | None = None
 
     # ------------------------------------------------------------------ open and close
@@ -128,10 +135,13 @@ class Hub:
         if woken is not None:
             poller.register(woken, zmq.POLLIN)
         behind = False   # the relay had more to send than a turn sends
+        woke = time.monotonic()
         while True:
             # wait: for a message, a command down the pipe, or the next deadline
             timeout = BEHIND_POLL_S if behind else self._timeout(time.monotonic())
             ready = dict(poller.poll(int(timeout * 1000)))
+            woke, last = time.monotonic(), woke
+            self._stalled(woke, woke - last > timeout + STALL_S)   # (in the wait, or the turn)
             # obey the pipe: stop (before anything else), reload the keys
             if pipe.end in ready and not self._obey(pipe.receive()):
                 return
@@ -142,9 +152,20 @@ class Hub:
             if self.monitor in ready:   # handshakes that failed: counted, logged
                 self.handshakes.take(self.monitor, MONITOR_EVENTS_PER_TURN)
             # what is due: expired gatherings, the sweep, heartbeats
-            self._tick(time.monotonic(), time.time())
+            now = time.monotonic()
+            self._stalled(now, now - woke > STALL_S)   # (this very turn)
+            self._tick(now, time.time())
             # relay: events to subscribers, as far as their queues take them
             behind = self.relay.pump(self._send_or_wait, time.monotonic())
+
+    def _stalled(self, now: float, stalled: bool) -> None:
+        """After the loop's own silence, the sweep waits for the messages queued meanwhile
+        (once until it ran: a loop that is slow every turn still sweeps)."""
+        if stalled and not self._sweep_deferred:
+            self._sweep_deferred = True
+            self._next_sweep = max(self._next_sweep, now + STALL_GRACE_S)
+            log.warning("coordinator: its loop did not run for a while (stopped, swapped out?): "
+                        "peers are judged silent again in %g s", STALL_GRACE_S)
 
     def _timeout(self, now: float) -> float:
         """Until the soonest deadline: nothing else needs a turn (the pipe wakes the poll for
@@ -302,7 +323,7 @@ class Hub:
         for gathering in self.fanout.expire(now):
             self._answer(gathering)
         if now >= self._next_sweep:  # the per-node checks, O(nodes): a few times a second
-            self._next_sweep = now + self.sweep_s
+            self._next_sweep, self._sweep_deferred = now + self.sweep_s, False
             gone = self.view.tick(now, wall)
             self.own_events(gone)
             for event in gone:
