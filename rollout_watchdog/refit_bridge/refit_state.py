@@ -43,7 +43,7 @@ class Phase(enum.Enum):
     UPDATING = 3     # generation paused on the members; an update is under way (or failed)
     UPDATED = 4      # an update went out whole: every member was sent the version
     COMMITTING = 5   # the commit is under way: the lease is no longer renewed
-    COMMITTED = 6    # recorded at the coordinator (which released the lock)
+    COMMITTED = 6    # recorded at the coordinator (generation continued, then released)
     ABORTED = 7      # ended without a commit
 
     @property
