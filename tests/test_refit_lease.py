@@ -22,9 +22,10 @@ from fleet_harness import CoordinatorConnection, CoordinatorProcess, start_coord
 from refit_harness import TRAINER, all_healthy, by_name, generate, start_fleet, weights
 from test_daemon_logic import healthy, make_daemon
 
-from rollout_watchdog import EngineLost, FleetClient, LeaseLost
+from rollout_watchdog import CoordinatorUnavailable, EngineLost, FleetClient, LeaseLost
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
+from rollout_watchdog.refit_bridge.lock_holder import LockHolder
 
 # ---------------------------------------------------------------------- fencing tokens
 
@@ -357,3 +358,26 @@ def test_a_trainer_dead_right_after_its_commit_leaves_no_engine_paused(
         fleet.wait_until(lambda view: {(e.weight_version, e.serving, e.paused)
                                        for e in view} == {("v1", True, False)}, 30)
         assert fleet.call("ping")[1]["refit"]["holder"] is None
+
+
+def test_a_commit_without_an_answer_leaves_no_member_paused(
+        make_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit is sent while generation is paused; when it gets no answer
+    (CoordinatorUnavailable), the abort continues the members (a review of the new order
+    found them left paused until the next refit: the phase no longer said so)."""
+    call = LockHolder.call
+
+    def unanswered(holder: LockHolder, cmd: str, *rest: Any, **kwargs: Any) -> dict[str, Any]:
+        if cmd == "refit_commit":
+            raise CoordinatorUnavailable("no answer to refit_commit (injected)")
+        return call(holder, cmd, *rest, **kwargs)
+
+    with one_node_of_two(make_node, holder_timeout_s=5.0) as (_, fleet, urls):
+        before = {e.name: (e.incarnation, e.restarts) for e in fleet.engines()}
+        monkeypatch.setattr(LockHolder, "call", unanswered)
+        with pytest.raises(CoordinatorUnavailable), \
+                fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
+            refit.update_weights(weights(1))
+        for url in urls:   # at once, not after its watchdog relaunched it for failed probes
+            assert generate(url, timeout=5.0)[0] == 200, f"{url} left paused"
+        assert {e.name: (e.incarnation, e.restarts) for e in fleet.engines()} == before

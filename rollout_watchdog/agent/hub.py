@@ -170,8 +170,9 @@ class Hub:
     def _timeout(self, now: float) -> float:
         """Until the soonest deadline: nothing else needs a turn (the pipe wakes the poll for
         stop and reload, the sockets for messages)."""
+        policy = self.policy.next_deadline()   # (met in the sweep: never before it)
         deadlines = [self._next_heartbeat, self._next_sweep, self.fanout.next_deadline(),
-                     self.policy.next_deadline()]
+                     None if policy is None else max(policy, self._next_sweep)]
         soonest = min(d for d in deadlines if d is not None)
         return max(0.0, soonest - now)
 

@@ -166,7 +166,7 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
                    if a["namespace"] == namespace and a["name"].startswith(NODE_PREFIX))
     nodes = [(name, actor) for name in names if (actor := _named(name, namespace)) is not None]
     stops = [actor.stop.remote(timeout_s) for _, actor in nodes]   # every node at once
-    deadline = time.monotonic() + 3 * timeout_s + 30   # (a watchdog's own stop: its watch's
+    deadline = time.monotonic() + 4 * timeout_s + 60   # (a watchdog's own stop: its watch's
     # last round, a replacement daemon if the last died, the launched engines forgotten, the
     # daemon's stop, and one more daemon's if it had to be killed)
     for (name, actor), stopped in zip(nodes, stops, strict=True):

@@ -110,6 +110,7 @@ class Refit:
         self._compact = False   # commit with `members_except` (a coordinator of 1.3)
         self._group: WeightUpdateGroup | None = None
         self._watch: RefitWatch | None = None
+        self._paused_at_commit = False   # the members' generation was paused when it began
 
     @property
     def token(self) -> Any:
@@ -276,7 +277,9 @@ class Refit:
         if not ok:   # never a commit with no member: the fleet's version would be no engine's
             raise self._lost(wrong, "every member: nothing committed")
         self._check()   # a death or the deadline during the checks: no commit
-        self._state.advance(Phase.COMMITTING)   # the guard's renewals stop: the commit renews
+        self._paused_at_commit = before.generation_paused   # (an abort continues them)
+        self._state.advance(Phase.COMMITTING)   # the guard renews on, until the release
+        not_saved: CommandRefused | None = None
         try:   # (a 1.3 coordinator: the compact form)
             self._lock.call("refit_commit", {"version": self.version, **(
                 {"members_except": [list(_member(engine)) for engine, _ in wrong]}
@@ -284,12 +287,13 @@ class Refit:
         except CommandRefused as exc:
             if exc.code != protocol.NOT_SAVED:
                 raise
-            self._committed(before, urls)   # it took effect; a restart would not know it
-            raise
+            not_saved = exc   # it took effect; a restarted coordinator would not know it
         self._committed(before, urls)
         if wrong and group is not None:   # not reused with a member in an unknown state
             GROUPS.discard(self.client.address, group)
             group.destroy(skip=[in_group[u] for u in unanswered if u in in_group])
+        if not_saved is not None:
+            raise not_saved
         if wrong:
             raise self._lost(wrong, "the others committed")
 
@@ -363,21 +367,25 @@ class Refit:
         """Tear the group down, end the members' sessions and continue their generation (those
         that answer), tell the coordinator (members stale, wedged ones restarted)."""
         before = self._state.advance(Phase.ABORTED)
+        paused = before.generation_paused or (before is Phase.COMMITTING
+                                              and self._paused_at_commit)
         group = self._state.detach()
         self._group = None
         if self._state.snapshot().lease_lost:   # the members may be the next holder's now:
             self._abort_group(group, "the lease was lost")   # only this side is torn down
             if group is not None:                # (the coordinator put them back when the
-                group.destroy(skip=group.members)   # lease ended)
+                group.destroy(skip=group.members)   # lease ended; one restarted since did
+            if paused and self._lock_free():        # not: nobody holds the lock, so they are
+                self._continue_generation({str(e.url) for e in self.engines})   # continued)
             return
         wedged: list[Member] = []
         to_continue: set[str] = set()
-        if group is not None or before.generation_paused:
+        if group is not None or paused:
             self._abort_group(group, "the refit failed")
             to_continue, wedged = self._responsive(group)
         if group is not None:
             group.destroy(skip=[m for m in group.members if m.url not in to_continue])
-        if before.generation_paused:
+        if paused:
             self._continue_generation(to_continue)
         if self.token is None:
             return
@@ -387,6 +395,14 @@ class Refit:
         except RolloutWatchdogError as exc:
             log.error("refit %r: the coordinator did not record the abort (its lease will "
                       "end and do it): %s", self.version, exc)
+
+    def _lock_free(self) -> bool:
+        """Whether nobody holds the refit lock now (False when the coordinator cannot say)."""
+        try:
+            _, result = self.client.call("ping", timeout_s=self._call_timeout())
+            return isinstance(result, dict) and (result.get("refit") or {}).get("holder") is None
+        except RolloutWatchdogError:
+            return False
 
     def _responsive(self, group: WeightUpdateGroup | None) -> tuple[set[str], list[Member]]:
         """Once the group (if any) is torn down: the URLs of the members to continue, and the

@@ -118,7 +118,7 @@ class RefitWatch:
                 self._abort_group(self.state.expire(),
                                   f"the refit's deadline of {self.timeout_s:g} s passed")
             if self._renewing.is_set() and now >= next_renew \
-                    and self.state.phase.value < Phase.COMMITTING.value:
+                    and self.state.phase is not Phase.ABORTED:   # (to the release)
                 next_renew = now + RENEW_EVERY_S
                 self._renew()
             due = self._due(next_renew, expired)
@@ -138,7 +138,7 @@ class RefitWatch:
         """When the next timer is due: the lease's renewal while this thread renews it, the
         refit's deadline until it passed (None: neither; a command down the pipe wakes it)."""
         timers = [] if expired else [self.deadline]
-        if self._renewing.is_set() and self.state.phase.value < Phase.COMMITTING.value:
+        if self._renewing.is_set() and self.state.phase is not Phase.ABORTED:
             timers.append(next_renew)
         return min(timers, default=None)
 
