@@ -44,9 +44,9 @@ def bundle_locations(pg: PlacementGroup, timeout_s: float = PLACEMENT_TIMEOUT_S,
     numbers (UUIDs, MIG devices); RolloutWatchdogError when the group is removed meanwhile."""
     try:
         ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise
     except ray.exceptions.RayError as exc:
-        if isinstance(exc, ray.exceptions.GetTimeoutError):
-            raise
         raise _removed(pg, exc) from exc
     bundles: Sequence[dict[str, Any]] = pg.bundle_specs
     tasks = [_bundle_info.options(

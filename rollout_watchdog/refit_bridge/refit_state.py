@@ -42,7 +42,7 @@ class Phase(enum.Enum):
     HELD = 2         # the lock and the members are known; nothing done to the members
     UPDATING = 3     # generation paused on the members; an update is under way (or failed)
     UPDATED = 4      # an update went out whole: every member was sent the version
-    COMMITTING = 5   # the commit is under way: the lease is no longer renewed
+    COMMITTING = 5   # the commit is under way (the guard renews the lease to the release)
     COMMITTED = 6    # recorded at the coordinator (generation continued, then released)
     ABORTED = 7      # ended without a commit
 

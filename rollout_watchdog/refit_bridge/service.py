@@ -414,25 +414,24 @@ class RefitService:
         core.refit_ended("committed" if lease.committed else "aborted" if lease.aborted
                          else "expired" if expired else "released", now - lease.taken)
         self.relaunched = []
+        urls: list[str] | None = None   # the members to put back before probes resume
         if lease.members:
             # Neither committed nor aborted: its weights are unknown, and its holder may have
-            # left their generation paused. Put them back in service before probes resume.
+            # left their generation paused.
             urls = membership.member_urls(core.view, lease.members)
             self.book.stale(lease.members)
             core.weights_changed()
-            self._save()
             log.warning("refit %r (refit #%d) ended uncommitted (%s): putting %d member(s) "
                         "back in service, stale", lease.version, lease.number, why, len(urls))
         elif expired and lease.continuing:
             # Committed, and its holder gone before it continued their generation: they
             # hold the fleet's version, paused.
             urls = membership.member_urls(core.view, lease.continuing)
-            self._save()
             log.warning("refit %r (refit #%d) ended committed but unreleased (%s): continuing "
                         "generation on %d member(s)", lease.version, lease.number, why,
                         len(urls))
-        else:
-            self._save()
+        self._save()
+        if urls is None:
             self._resume(core, lease, now, resumed)
             return
         self._putback = (PutBack(f"refit #{lease.number}", urls), lease)
