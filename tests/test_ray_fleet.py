@@ -677,6 +677,30 @@ def test_shutdown_stops_the_engines_of_a_daemon_that_died_or_hung(
     assert not is_alive(key), "the engine of the daemon outlived shutdown()"
 
 
+def test_shutdown_stops_the_daemon_and_engines_of_a_watchdog_actor_that_hangs(
+        ray_fleet: RayFleet) -> None:
+    """The watchdog actor's worker SIGSTOPped (its host swapping, say): shutdown() waited out
+    its stop's whole bound, killed the actor, and left its daemon and engine running. Now a
+    task on its node stops them, the launched engine forgotten first."""
+    namespace = "rw-hung-watchdog"
+    fleet = rw_ray.start(namespace, **_options(ray_fleet, "hung-watchdog"))
+    engine = fleet.launch(ray_fleet.cpu, emulator("under-a-hung-watchdog"), wait_s=WAIT_S)
+    fleet.close()
+    info = node_info(ray_fleet.cpu, namespace)
+    keys = [proc_key(engine.pid or 0), proc_key(info["daemon_pid"])]
+    assert None not in keys
+    os.kill(info["actor_pid"], signal.SIGSTOP)
+    try:
+        rw_ray.shutdown(namespace, timeout_s=3.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(info["actor_pid"], signal.SIGCONT)
+    assert [k for k in keys if k is not None and is_alive(k)] == []
+    books = [p.read_text() for p in (ray_fleet.tmp / "hung-watchdog").rglob("launched.json")]
+    assert books and not any("under-a-hung-watchdog" in b for b in books), books
+    assert not _named_in(namespace)
+
+
 def test_shutdown_leaves_no_process_behind(ray_fleet: RayFleet) -> None:
     """... of a fleet that three processes started at once: one coordinator, one daemon a
     node; even with its coordinator actor gone (killed here; its node dies, on a cluster):
@@ -722,12 +746,17 @@ def test_shutdown_with_its_coordinator_stopped_leaves_no_watchdog_made_again(
         ray_fleet: RayFleet) -> None:
     """The coordinator actor's worker SIGSTOPped during shutdown() and continued once the
     watchdogs were stopped: its watch's next round made them (and their daemons) again after
-    shutdown() returned. Now shutdown() kills a coordinator actor that does not answer first."""
+    shutdown() returned. Now shutdown() kills a coordinator actor that does not answer first.
+    Meanwhile `fleet()` and a joining `start()` raise a TimeoutError that names it, in their
+    bound (Ray's said "some object(s) not ready", and `fleet()` waited 120 s)."""
     namespace = "rw-stopped-coordinator"
     rw_ray.start(namespace, **_options(ray_fleet, "stopped-coord", watch_s=0.5)).close()
     coordinator = ray.get_actor("coordinator", namespace=namespace)
     pid = ray.get(coordinator.__ray_call__.remote(lambda actor: os.getpid()), timeout=WAIT_S)
     os.kill(pid, signal.SIGSTOP)
+    for call in (rw_ray.fleet, rw_ray.start):   # (a second start joins: it asks the actor)
+        with pytest.raises(TimeoutError, match=f"coordinator actor .* {namespace!r}"):
+            call(namespace, timeout_s=1.0)
     shutting = threading.Thread(target=rw_ray.shutdown, args=(namespace, 3.0))
     shutting.start()
     try:   # continued once the watchdogs are gone, while shutdown() goes on

@@ -20,7 +20,19 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
-from rollout_watchdog.watchdog.process import ProcKey, ProcStat, is_alive, proc_key, read_stat
+from rollout_watchdog.watchdog.process import (
+    ProcKey,
+    ProcStat,
+    is_alive,
+    proc_key,
+    process_table,
+    read_stat,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 log = logging.getLogger(__name__)
 # What Ray sets for a worker that holds no accelerator ("" for CUDA: vllm#3198). The daemon
@@ -109,6 +121,43 @@ def process_environ(pid: int) -> dict[str, str] | None:
 
 def daemon_argv(config_path: Path) -> list[str]:
     return [sys.executable, "-m", "rollout_watchdog", "run", "--config", str(config_path)]
+
+
+def daemons_of(namespace: str, node_id: str) -> dict[ProcKey, Path]:
+    """The daemons that watchdogs of Ray node `node_id` started in `namespace`, with their
+    configs: found by their command line (`daemon_argv` of .../<namespace>/node-<id>/node.toml),
+    for when the watchdog that knows its daemon does not answer."""
+    tail = ("-m", "rollout_watchdog", "run", "--config")
+    suffix = f"/{namespace}/node-{node_id}/node.toml"
+    found = {}
+    for pid in process_table():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")[:-1]
+        except OSError:
+            continue
+        if len(argv) == 6 and tuple(argv[1:5]) == tail and argv[5].endswith(suffix) \
+                and (key := proc_key(pid)) is not None:
+            found[key] = Path(argv[5])
+    return found
+
+
+def stop_daemons_of(namespace: str, node_id: str, timeout_s: float) -> list[int]:
+    """Take the launched engines out of the books of each daemon of `daemons_of`, and stop it
+    (`stop`); the pids of those that did not stop in time (killed: their engines may be left).
+    For `shutdown` on the node of a watchdog actor that hangs."""
+    late = []
+    for key, config_path in daemons_of(namespace, node_id).items():
+        try:
+            control = str(tomllib.loads(config_path.read_text())["control"])
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("node daemon %d: no control socket in %s (%s): stopped without its "
+                        "launched engines forgotten", key.pid, config_path, exc)
+        else:
+            forget_launched(control, timeout_s)
+        if not stop(key, timeout_s):
+            late.append(key.pid)
+    return late
 
 
 def spawn_detached(argv: Sequence[str], env: Mapping[str, str], log_path: Path,

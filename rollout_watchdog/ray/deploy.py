@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnschedulableError, RayActorError, RayError
+from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_watchdog.common.errors import RolloutWatchdogError
+from rollout_watchdog.ray import daemon_process
 from rollout_watchdog.ray.actors import NODE_PREFIX, CoordinatorActor, client_of
 from rollout_watchdog.ray.layout import check_extra
 from rollout_watchdog.ray.runtime import COORDINATOR, alive_nodes, remote
@@ -75,10 +76,11 @@ def start(namespace: str = NAMESPACE, router_url: str | None = None,
     ).remote(settings)
     deadline = time.monotonic() + timeout_s
     try:
-        names = ray.get(coordinator.ensure_nodes.remote(), timeout=timeout_s)
+        names = _answer(coordinator.ensure_nodes, namespace, timeout_s)
     except RayActorError as exc:   # its constructor failed (its port taken, say)
         raise RuntimeError(f"the coordinator actor did not start: {exc}") from exc
-    client = client_of(ray.get(coordinator.info.remote(), timeout=timeout_s))
+    client = client_of(_answer(coordinator.info, namespace,
+                               max(1.0, deadline - time.monotonic())))
     up = _watchdogs_up(namespace, names, max(1.0, deadline - time.monotonic()))
     wait_reachable(client, up, max(1.0, deadline - time.monotonic()))
     return client
@@ -138,21 +140,35 @@ def wait_reachable(client: FleetClient, node_ids: list[str], timeout_s: float) -
         time.sleep(_POLL_S)
 
 
-def fleet(namespace: str = NAMESPACE) -> FleetClient:
+def fleet(namespace: str = NAMESPACE, timeout_s: float = START_TIMEOUT_S) -> FleetClient:
     """The client of the fleet running in `namespace`, from any driver, task or actor of the
-    cluster; RolloutWatchdogError when none runs there."""
+    cluster; RolloutWatchdogError when none runs there, TimeoutError when its coordinator
+    actor does not answer within `timeout_s` (starting still, or its node hangs)."""
     coordinator = _named(COORDINATOR, namespace)
     if coordinator is None:
         raise RolloutWatchdogError(f"no rollout-watchdog fleet runs in Ray namespace "
                                    f"{namespace!r}: call rollout_watchdog.ray.start()")
-    return client_of(ray.get(coordinator.info.remote(), timeout=START_TIMEOUT_S))
+    return client_of(_answer(coordinator.info, namespace, timeout_s))
+
+
+def _answer(method: Any, namespace: str, timeout_s: float) -> Any:
+    """The coordinator actor's answer to `method()`; TimeoutError naming it after
+    `timeout_s` (Ray's own says only "Get timed out: some object(s) not ready")."""
+    try:
+        return ray.get(method.remote(), timeout=timeout_s)
+    except GetTimeoutError as exc:
+        raise TimeoutError(f"the coordinator actor ({COORDINATOR!r} in Ray namespace "
+                           f"{namespace!r}) did not answer within {timeout_s:g} s (its "
+                           "worker or node hangs, say; `ray list actors` shows its state)"
+                           ) from exc
 
 
 def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> None:
     """Stop every node daemon (each takes its launched engines out of its books, then stops
     its engines and exits: every node at once) and the coordinator, and end their actors.
     Nothing runs in `namespace` after, even when the coordinator's actor is gone or does not
-    answer (its node died, say)."""
+    answer (its node died, say). A watchdog actor that does not answer within `timeout_s`
+    (its worker hangs) is killed, and a task on its node stops its daemon."""
     coordinator = _named(COORDINATOR, namespace)
     if coordinator is not None:
         try:
@@ -165,10 +181,12 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["namespace"] == namespace and a["name"].startswith(NODE_PREFIX))
     nodes = [(name, actor) for name in names if (actor := _named(name, namespace)) is not None]
-    stops = [actor.stop.remote(timeout_s) for _, actor in nodes]   # every node at once
     deadline = time.monotonic() + 4 * timeout_s + 60   # (a watchdog's own stop: its watch's
     # last round, a replacement daemon if the last died, the launched engines forgotten, the
     # daemon's stop, and one more daemon's if it had to be killed)
+    nodes, hung = _answering(nodes, timeout_s)
+    stops = [actor.stop.remote(timeout_s) for _, actor in nodes]   # every node at once
+    stops_hung = [_stop_hung(namespace, name, actor, timeout_s) for name, actor in hung]
     for (name, actor), stopped in zip(nodes, stops, strict=True):
         try:
             if not ray.get(stopped, timeout=max(0.1, deadline - time.monotonic())):
@@ -176,6 +194,15 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
         except RayError as exc:   # its node is gone, and its daemon with it (the lifeline)
             log.warning("%s: %s", name, exc)
         ray.kill(actor, no_restart=True)
+    for (name, _), stopped in zip(hung, stops_hung, strict=True):
+        if stopped is None:
+            continue
+        try:
+            if late := ray.get(stopped, timeout=max(0.1, deadline - time.monotonic())):
+                log.error("%s: daemon(s) %s did not stop within %g s: killed (their engines "
+                          "may be left)", name, late, timeout_s)
+        except RayError as exc:
+            log.error("%s: its daemon may be left running: %s", name, exc)
     if coordinator is None:
         return
     try:
@@ -184,6 +211,33 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
         log.warning("the coordinator actor did not stop: %s", exc)
     finally:
         ray.kill(coordinator, no_restart=True)
+
+
+def _answering(nodes: list[tuple[str, Any]], timeout_s: float
+               ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """(the watchdog actors that answer within `timeout_s`, those that do not): one that
+    hangs (its worker stopped) would hold shutdown() for the whole of its stop's bound."""
+    calls = [actor.info.remote() for _, actor in nodes]
+    answered = set(ray.wait(calls, num_returns=len(calls), timeout=timeout_s)[0]) \
+        if calls else set()
+    return ([node for node, call in zip(nodes, calls, strict=True) if call in answered],
+            [node for node, call in zip(nodes, calls, strict=True) if call not in answered])
+
+
+def _stop_hung(namespace: str, name: str, actor: Any, timeout_s: float) -> Any:
+    """Kill a watchdog actor that does not answer, and stop its node's daemon from a task on
+    that node (`daemon_process.stop_daemons_of`); the task's ref, None if its node is gone
+    (and its daemon with it: the lifeline)."""
+    log.warning("%s does not answer within %g s: killed, and its node's daemon stopped by a "
+                "task there", name, timeout_s)
+    ray.kill(actor, no_restart=True)
+    node_id = name[len(NODE_PREFIX):]
+    if node_id not in {node["NodeID"] for node in alive_nodes()}:
+        return None
+    return ray.remote(daemon_process.stop_daemons_of).options(
+        num_cpus=0, max_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(namespace, node_id, timeout_s)
 
 
 def _named(name: str, namespace: str) -> Any:
