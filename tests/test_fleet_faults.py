@@ -489,3 +489,40 @@ def test_fuzzed_frames_under_a_nodes_routing_id_leave_its_view_right(fleet: Flee
     got = assert_relayed(fleet, "n1", since)
     assert [e.kind for e in got if e.kind in ("paused", "resumed")] == ["paused", "resumed"]
     assert identities(fleet.settled()) == identities(before)
+
+
+def test_a_call_for_a_node_not_back_after_a_restart_without_state_waits_for_it(
+        tmp_path: Path) -> None:
+    """A coordinator without a state dir, SIGKILLed and started again, refused a client's
+    retried call for a node that had not said hello yet as "unknown node", though the node
+    came back a moment later. Now the call waits for the node (within a node timeout of the
+    start, and half its own time), and `ping` counts it held back."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    options = ["--node-timeout", "60"]   # (the hold's bound: never the test's)
+    relay = TcpRelay(target=("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+    coordinators = [start_coordinator_process(endpoint, options)]
+    node = start_node_process("n1", relay.endpoint, tmp_path, engines=1)
+    client = FleetClient(endpoint, timeout_s=60.0)
+    try:
+        wait_for(lambda: [n.reachable for n in client.nodes()] == [True], SETTLE_S, "n1 up")
+        relay.pause()   # n1 cannot say hello to the coordinator that comes next
+        coordinators[0].kill()
+        coordinators.append(start_coordinator_process(endpoint, options))
+        coordinators[1].wait_ready(10)
+        asked: list[Any] = []
+        thread = threading.Thread(target=lambda: asked.append(client.nodes("n1")))
+        thread.start()
+        wait_for(lambda: coordinators[1].call("ping").result["held_back"] == 1, EVENT_S,
+                 "the call held back")
+        assert thread.is_alive() and not asked
+        relay.cut()      # the connection to the dead coordinator reset: n1 redials at once
+        relay.resume()
+        thread.join(EVENT_S)
+        assert [n.node_id for n in asked[0]] == ["n1"] and asked[0][0].reachable
+        assert coordinators[1].call("ping").result["held_back"] == 0
+    finally:
+        client.close()
+        node.cleanup()
+        for coordinator in coordinators:
+            coordinator.cleanup()
+        relay.close()

@@ -498,5 +498,12 @@ def test_a_restarted_coordinator_holds_what_needs_the_whole_fleet_until_its_node
     assert not waits("pause", at=105.0)                # a node timeout on: n2 may be gone
     view.hello(protocol.Hello("n2", "b2", [], 0), "n2", 101.0, 0.0)
     assert not waits("pause") and not waits("refit_acquire")
-    fresh = FleetView(node_timeout_s=5.0)              # no journal: nothing to wait for
-    assert not waits_for_the_view(fresh, 100.0, 100.1, protocol.Command("r", "pause", {}))
+    fresh = FleetView(node_timeout_s=5.0)   # no journal: only a node not heard from waits
+    fresh.hello(protocol.Hello("n1", "b1", [], 0), "n1", 100.0, 0.0)
+    for cmd, node, held in [("pause", None, False), ("refit_acquire", None, False),
+                            ("pause", "n1", False), ("status", "n1", False),
+                            ("remove", "n2", True), ("status", "n2", True)]:
+        assert waits_for_the_view(fresh, 100.0, 100.1, protocol.Command(
+            "r", cmd, {}, node)) is held, (cmd, node)
+    assert not waits_for_the_view(fresh, 100.0, 105.0, protocol.Command("r", "remove", {},
+                                                                         "n2"))

@@ -59,9 +59,13 @@ def waits_for_the_view(view: FleetView, started: float, now: float,
     (`FleetView.warm`). Held: a command for every node (it would reach only those heard
     from: a fleet-wide pause that pauses half the fleet), one for a node not heard from yet
     (it would be refused as unknown, though it may have run before the restart), and a refit's
-    acquire (its members, and its pause, are the whole fleet's)."""
+    acquire (its members, and its pause, are the whole fleet's). With no journal (no state
+    dir), which nodes come back is unknown: only a command for a node not heard from is held
+    (a client's retry across the restart would be refused, its node back a moment later)."""
     if view.warm(started, now):   # (asked of every command: the set below only before)
         return False
+    if not view.expected:
+        return cmd.node is not None and cmd.node not in view.nodes
     missing = view.expected - view.nodes.keys()
     if not missing:
         return False
@@ -222,6 +226,11 @@ class Coordinator:
             self._held[cmd.request_id] = (client, cmd, now)
         else:
             self._dispatch(client, cmd, now)
+
+    @property
+    def held_back(self) -> int:
+        """The commands held back now (`waits_for_the_view`), for `ping`."""
+        return len(self._held)
 
     def _holds(self, cmd: protocol.Command, now: float) -> bool:
         """Whether `cmd` is held back (`waits_for_the_view`), or queued behind one that is: a

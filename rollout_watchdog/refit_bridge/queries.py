@@ -29,6 +29,9 @@ class Hub(Protocol):
     bad_messages: Counter[str]
     handshakes_failed: Counter[str]
 
+    @property
+    def held_back(self) -> int: ...
+
 
 Handler = Callable[[Hub, protocol.Command, dict[str, Any]], dict[str, Any]]
 COMMANDS: Registry[Handler] = Registry("the coordinator")
@@ -68,7 +71,8 @@ def ping(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any
 
     args: {}. result: {"coordinator": BOOT, "nodes", "reachable", "subscribers",
     "bad_messages": {REASON: N}, "handshakes_failed": {KIND: N} (connections dropped before
-    they spoke: timeout, closed, auth, protocol), "relay_skipped", "relay_behind", "refit":
+    they spoke: timeout, closed, auth, protocol), "relay_skipped", "relay_behind",
+    "held_back" (commands held back until the nodes they need are back after a start), "refit":
     {"current_version", "holder": {"holder", "version", "expires_in_s"} | null} (never the
     holder's token), "router": RouterSync.status() | null}: its "listed", "desired" and
     "pending" are null when they hold more than STATUS_URLS (2,000) URLs together
@@ -84,6 +88,7 @@ def ping(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, Any
         "relay_skipped": relay.skipped_behind,
         "relay_behind": max((relay.end - sub.cursor for sub in relay.subscribers.values()),
                             default=0),
+        "held_back": hub.held_back,
         "refit": hub.refit.status(time.monotonic()),
         "router": None if hub.router is None else hub.router.status()}
 
