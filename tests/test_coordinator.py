@@ -723,3 +723,27 @@ def test_held_commands_go_in_order_once_the_view_is_whole_or_half_their_time_is_
     assert done[-1] == "resume"
     coord.sweep(now + 5.0)                        # half its 4 s gone: handled as things are
     assert done[-1] == "p2"
+
+
+def test_without_a_journal_only_commands_for_a_node_not_heard_from_wait() -> None:
+    """No state dir: which nodes come back is unknown. A command for a node not heard from
+    since the start waits for it (one retried across a restart was refused as "unknown node");
+    one for another node is not held up behind it, one that may reach it is."""
+    coord = Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=30.0)   # driven here
+    now = coord._started_at = 1000.0
+    coord.view.hello(protocol.Hello("n1", "b1", [], 0), "n1", now, 0.0)
+    done: list[str] = []
+    coord._dispatch = lambda client, cmd, at: done.append(cmd.request_id)   # type: ignore
+    for request, cmd, node in [("p2", "pause", "n2"), ("r1", "restart", "n1"),
+                               ("all", "resume", None), ("s2", "status", "n2"),
+                               ("ping", "ping", None), ("acq", "refit_acquire", None)]:
+        coord.command(b"c", protocol.Command(request, cmd, {}, node, node and "e0", 20.0), now)
+    assert done == ["r1", "ping", "acq"]          # n2's wait for it; the fleet's behind them
+    coord.view.hello(protocol.Hello("n2", "b2", [], 0), "n2", now + 1.0, 0.0)
+    coord.sweep(now + 1.0)
+    assert done == ["r1", "ping", "acq", "p2", "all", "s2"]
+    coord.command(b"c", protocol.Command("p3", "pause", {}, "n3", "e0", 100.0), now + 2.0)
+    coord.sweep(now + 29.9)
+    assert done[-1] == "s2"
+    coord.sweep(now + 30.0)                       # a node timeout from the start: n3 unknown
+    assert done[-1] == "p3"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from rollout_watchdog.agent.fanout import (
@@ -74,6 +74,16 @@ def waits_for_the_view(view: FleetView, started: float, now: float,
     if cmd.cmd in refit.COMMANDS:
         return cmd.cmd == "refit_acquire"
     return cmd.node is None or cmd.node in missing
+
+
+def queued_behind(cmd: protocol.Command, held: Iterable[protocol.Command]) -> bool:
+    """Whether node command `cmd` waits behind the `held` ones: it must not overtake an
+    earlier one that may reach the same node (a resume its pause). One for another node goes
+    on (a command for a node not heard from holds up no other node's)."""
+    if cmd.cmd in queries.COMMANDS or cmd.cmd in refit.COMMANDS:
+        return False
+    return any(cmd.node is None or earlier.node is None or earlier.node == cmd.node
+               for earlier in held)
 
 
 class Coordinator:
@@ -233,13 +243,12 @@ class Coordinator:
         return len(self._held)
 
     def _holds(self, cmd: protocol.Command, now: float) -> bool:
-        """Whether `cmd` is held back (`waits_for_the_view`), or queued behind one that is: a
-        node command must not overtake an earlier one (a resume its pause)."""
+        """Whether `cmd` is held back (`waits_for_the_view`), or queued behind one that is
+        (`queued_behind`)."""
         if len(self._held) >= MAX_HELD:
             return False
-        return waits_for_the_view(self.view, self._started_at, now, cmd) or (
-            bool(self._held) and cmd.cmd not in queries.COMMANDS
-            and cmd.cmd not in refit.COMMANDS)
+        return waits_for_the_view(self.view, self._started_at, now, cmd) or queued_behind(
+            cmd, (held for _, held, _ in self._held.values()))
 
     def _release_held(self, now: float) -> None:
         """Handle the held commands, in the order they came, each once the view is whole
