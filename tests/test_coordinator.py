@@ -20,6 +20,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
 from rollout_watchdog.agent.acks import ACK_AFTER_EVENTS
+from rollout_watchdog.agent.hub import STALL_GRACE_S
 from rollout_watchdog.common import lines, protocol
 from rollout_watchdog.common.keys import keygen
 from rollout_watchdog.emulator.testing import emulator_info, free_port, inject_fault
@@ -696,6 +697,30 @@ def test_a_command_that_cannot_be_sent_goes_at_a_heartbeat_and_again_on_the_node
     assert hub.fanout.answered(protocol.Reply("r1/n1", "ok"), "n1") is not None
     hub._hello(hello, b"n1", None, now + 3, wall)
     assert commands() == ["r1/n1", "r1/n1"] and hub.fanout.pending == {}
+
+
+def test_after_the_loops_own_stall_a_node_is_judged_on_what_it_sent_meanwhile() -> None:
+    """The coordinator's loop stopped for 10 s (SIGSTOP, swap): its nodes spoke all along, and
+    their heartbeats queued. The first sweep after it ran before they were read, and judged
+    every node silent (the hostile run: spurious node_unreachable pairs, and once a refit
+    holder released for "silence"). Now the sweep waits STALL_GRACE_S after the stall, once:
+    a node still silent then is judged as before. Driven on the hub, with its clock."""
+    coord = Coordinator(bind="tcp://127.0.0.1:0", node_timeout_s=3.0)   # no thread, socket
+    hub = coord.hub
+    now, wall = time.monotonic(), time.time()
+    hub.view.hello(protocol.Hello("n1", "b1", [], 0), "n1", now, wall)
+    hub.view.hello(protocol.Hello("n2", "b2", [], 0), "n2", now, wall)
+    hub._tick(now, wall)
+    later = now + 10.0
+    hub._stalled(later, True)                  # the loop's first turn after the stop
+    hub._tick(later, wall + 10.0)
+    assert [r.reachable for r in hub.view.nodes.values()] == [True, True]
+    hub.view.heard("n1", later + 0.5, wall + 10.5)   # n1's queued heartbeat, read now
+    hub._stalled(later + 0.5, True)            # a slow turn: the grace is not given again
+    hub._tick(later + STALL_GRACE_S, wall + 11.0)
+    assert {n: r.reachable for n, r in hub.view.nodes.items()} == {"n1": True, "n2": False}
+    hub._tick(later + 3.6, wall + 13.6)        # n1 silent since: judged as any node
+    assert not hub.view.nodes["n1"].reachable
 
 
 def test_held_commands_go_in_order_once_the_view_is_whole_or_half_their_time_is_gone() -> None:
