@@ -20,6 +20,7 @@ from daemon_harness import EngineSpec, Node, wait_for
 from fleet_harness import start_coordinator_process
 
 from rollout_watchdog.agent.acks import ACK_AFTER_EVENTS
+from rollout_watchdog.agent.fanout import node_request_id
 from rollout_watchdog.agent.hub import STALL_GRACE_S
 from rollout_watchdog.common import lines, protocol
 from rollout_watchdog.common.keys import keygen
@@ -684,19 +685,20 @@ def test_a_command_that_cannot_be_sent_goes_at_a_heartbeat_and_again_on_the_node
         return [m.request_id for m in sent if isinstance(m, protocol.Command)]
 
     hub._send_node = send_node   # type: ignore[method-assign]
+    sent_r1 = node_request_id("r1", "n1")
     hub.gather(None, protocol.Command("r1", "pause", {}, "n1", "e0", 30.0), ["n1"], now)
     hub._tick(now, wall)                       # a heartbeat: still no connection
     assert commands() == [] and "r1" in hub.fanout.pending
     connected = True
     hub._tick(now + hub.heartbeat_s, wall)     # the next one sends it
-    assert commands() == ["r1/n1"]
+    assert commands() == [sent_r1]
     hub._tick(now + 2 * hub.heartbeat_s, wall)
-    assert commands() == ["r1/n1"]             # sent: not again at a heartbeat
+    assert commands() == [sent_r1]             # sent: not again at a heartbeat
     hub._hello(hello, b"n1", None, now + 2.5, wall)
-    assert commands() == ["r1/n1", "r1/n1"]    # unanswered: again on the HELLO
-    assert hub.fanout.answered(protocol.Reply("r1/n1", "ok"), "n1") is not None
+    assert commands() == [sent_r1, sent_r1]    # unanswered: again on the HELLO
+    assert hub.fanout.answered(protocol.Reply(sent_r1, "ok"), "n1") is not None
     hub._hello(hello, b"n1", None, now + 3, wall)
-    assert commands() == ["r1/n1", "r1/n1"] and hub.fanout.pending == {}
+    assert commands() == [sent_r1, sent_r1] and hub.fanout.pending == {}
 
 
 def test_after_the_loops_own_stall_a_node_is_judged_on_what_it_sent_meanwhile() -> None:

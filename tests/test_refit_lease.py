@@ -115,7 +115,7 @@ def test_an_old_state_file_still_loads_and_counts_on(
     try:
         assert ok(conn, "ping")["refit"]["current_version"] == "v7"
         taken = ok(conn, "refit_acquire", holder="a", version="v8")
-        assert taken["token"].endswith("-41")
+        assert taken["token"].split("-")[1] == "41"
         assert json.loads((state / "refit.json").read_text())["next_token"] == 42
     finally:
         conn.close()

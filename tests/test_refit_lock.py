@@ -25,7 +25,7 @@ from rollout_watchdog.refit_bridge.weights import RefitState, WeightBook
 def test_one_holder_at_a_time_and_a_late_holder_is_fenced() -> None:
     lock = RefitLock(next_token=7, holder_timeout_s=5.0)
     first = lock.acquire("trainer-a", "v1", lease_s=10.0, now=0.0)
-    assert first.number == 7 and first.token == f"{lock.epoch}-7"
+    assert first.number == 7 and first.token.startswith(f"{lock.epoch}-7-")
     assert lock.expire(now=30.0) is None          # its fleet-wide pause is not answered yet
     first.granted(0.0)
     with pytest.raises(LockHeld, match="held by trainer-a") as held:
@@ -171,6 +171,10 @@ def test_lock_commit_abort_and_wedged_restart_against_real_nodes(
                 or {}).get("cause") == "refit_wedged"
                 and e["incarnation"] > e1[2] and e["state"] == "healthy", 60,
                 "e1 restarted as refit_wedged")
+            late = client.call("refit_commit", args={   # (the hostile run's: it was taken)
+                **renew, "version": "v2", "members": members(second)})
+            assert late is not None and late.status == "error", late
+            assert "was aborted" in str(late.reason) and late.code == "BAD_ARGS"
             ok(client.call("refit_release", args={"holder": "trainer-b",
                                                   "token": second["token"]}))
             view = engines_of(client.fleet())

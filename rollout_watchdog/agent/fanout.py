@@ -1,16 +1,18 @@
 """Commands fanned out to nodes and their replies gathered under a deadline (pure logic).
 
-A client's command becomes one command per target node, whose request id is the client's with
-the node appended, so a node that hears it twice (a retry, a coordinator restart) runs it once
-(agent/link.py). The gathered reply is complete when every target answered or went unreachable,
-or when the deadline passes; then it names each node that answered an error or nothing. Until
-then a node's command is sent again on each of its HELLOs: one sent while its daemon restarted
-(to a connection already gone, or none yet) reaches the daemon that comes back. One that could
-not be sent (no connection yet, or the node's queue full) is tried again at each heartbeat too.
+A client's command becomes one command per target node, whose request id is a digest of the
+client's with the node appended, so a node that hears it twice (a retry, a coordinator
+restart) runs it once (agent/link.py). The gathered reply is complete when every target
+answered or went unreachable, or when the deadline passes; then it names each node that
+answered an error or nothing. Until then a node's command is sent again on each of its HELLOs:
+one sent while its daemon restarted (to a connection already gone, or none yet) reaches the
+daemon that comes back. One that could not be sent (no connection yet, or the node's queue
+full) is tried again at each heartbeat too.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,12 @@ REASONS_CHARS = 20_000          # the joined reason of such a reply
 
 
 def node_request_id(request_id: str, node_id: str) -> str:
-    return f"{request_id}/{node_id}"
+    """The request id of a client's command as sent to one node: a digest of the client's,
+    the same at every send (a node runs each once, across coordinator restarts too), from
+    which no node can tell the client's own (a node that sent that again, as a client, would
+    be answered in the client's place: a refit's fencing token)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()
+    return f"{digest}/{node_id}"
 
 
 def _waits(cmd: protocol.Command) -> bool:

@@ -6,7 +6,8 @@ silent for `holder_timeout_s` (its connection is gone: a live holder renews ever
 
 Each acquisition gets a fencing token that is never handed out again, also across coordinator
 restarts with no state dir or a state file moved away: the pair (the coordinator's epoch, a
-counter), the epoch drawn at random when the lock is made. The wire token is that pair as an
+counter), the epoch drawn at random when the lock is made. The wire token is that pair and a
+secret drawn for each lease (so that one who held an earlier token cannot tell the next) as an
 opaque string, known to its holder only (a refusal names the holder, never its token); a
 refit-scoped call must carry both the token and the holder's name, so a holder whose lease
 ended and who acts late is told so, never mistaken for the current holder.
@@ -40,7 +41,7 @@ class Fenced(Exception):
 
 @dataclass
 class Lease:
-    token: str           # "EPOCH-NUMBER": opaque to clients, shown to its holder only
+    token: str           # "EPOCH-NUMBER-SECRET": opaque to clients, shown to its holder only
     number: int          # the counter half: names the refit in logs and refusals
     holder: str
     version: str
@@ -86,7 +87,8 @@ class RefitLock:
                              f"got {lease_s:g}")
         if self.lease is not None:
             raise LockHeld(self.lease, now)
-        self.lease = Lease(f"{self.epoch}-{self.next_token}", self.next_token, holder, version,
+        token = f"{self.epoch}-{self.next_token}-{secrets.token_hex(8)}"
+        self.lease = Lease(token, self.next_token, holder, version,
                            lease_s, now + lease_s, now, [], taken=now)
         self.next_token += 1
         return self.lease

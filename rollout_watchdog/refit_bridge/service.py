@@ -305,6 +305,8 @@ class RefitService:
         every member of the last listing but these); `release`: and the lock is released."""
         core = call.core
         lease = self.lock.check(call.args["token"], call.args["holder"], call.now)
+        if lease.aborted:   # its members are stale, their weights unknown: never the fleet's
+            raise ValueError(f"refit #{lease.number} was aborted: nothing of it can be committed")
         version: str = call.args["version"]
         members: list[Member] | None = call.args["members"]
         left_out: list[Member] | None = call.args["members_except"]
