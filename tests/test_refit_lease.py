@@ -381,3 +381,50 @@ def test_a_commit_without_an_answer_leaves_no_member_paused(
         for url in urls:   # at once, not after its watchdog relaunched it for failed probes
             assert generate(url, timeout=5.0)[0] == 200, f"{url} left paused"
         assert {e.name: (e.incarnation, e.restarts) for e in fleet.engines()} == before
+
+
+# ---------------------------------------------------------------------- coordinator restarts
+
+
+@pytest.mark.parametrize("step", ["gated", "committed"])
+def test_a_coordinator_killed_with_its_trainer_mid_refit_puts_the_members_back(
+        make_node: Callable[..., Node], restartable: Callable[..., CoordinatorProcess],
+        tmp_path: Path, step: str) -> None:
+    """The coordinator (with a state dir) and the trainer SIGKILLed together (the driver's
+    host died) mid-refit: `gated`, updated and paused before its commit; `committed`, once
+    its commit is recorded, before it continued generation. The restarted coordinator knew
+    only that the members were stale: their generation stayed paused and their update
+    sessions open, the refit's probe pause was never lifted, and the next refit failed
+    (`UpdateRefused`: a session open). Now it ends that lease as its expiry would, once its
+    nodes are back: sessions ended, generation continued (`committed`: they serve the
+    version), the pause lifted; the next refit commits."""
+    state = str(tmp_path / "state")
+    coordinator = restartable("--node-timeout", "3", "--state-dir", state)
+    endpoint = coordinator.endpoint
+    fleet = FleetClient(endpoint)
+    try:
+        start_fleet(make_node, endpoint, nodes=1, engines=2)
+        fleet.wait_until(all_healthy(2), 90)
+        urls = [str(e.url) for e in fleet.engines()]
+        flags = ["--gate-commit"] if step == "gated" else ["--die-after", "refit_commit"]
+        trainer = trainer_process(endpoint, "v1", 1, *flags)
+        if step == "gated":
+            assert line_of(trainer)["updated"]
+        else:
+            assert trainer.wait(60) == -signal.SIGKILL
+        coordinator.kill()
+        trainer.kill()
+        trainer.wait(10)
+        assert {generate(url, timeout=1.0)[0] for url in urls} == {None}   # paused
+        restartable("--node-timeout", "3", "--state-dir", state)
+        for url in urls:
+            wait_for(partial(generating, url), 60, f"{url} generating")
+        expected = ("v1", True) if step == "committed" else (None, False)
+        fleet.wait_until(lambda view: {(e.weight_version, e.serving, e.paused)
+                                       for e in view} == {(*expected, False)}, 60)
+        assert fleet.call("ping")[1]["refit"]["holder"] is None
+        with fleet.refit("v2", backend="gloo", timeout_s=60) as refit:
+            refit.update_weights(weights(2))
+        assert {(e.weight_version, e.serving) for e in fleet.engines()} == {("v2", True)}
+    finally:
+        fleet.close()

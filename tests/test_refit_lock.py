@@ -17,7 +17,7 @@ from test_coordinator import Peer, all_healthy, engines_of, fleet_of
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
 from rollout_watchdog.refit_bridge.lock import Fenced, LockHeld, RefitLock
-from rollout_watchdog.refit_bridge.weights import RefitState, WeightBook
+from rollout_watchdog.refit_bridge.weights import RefitState, Unfinished, WeightBook
 
 # ---------------------------------------------------------------------- pure logic
 
@@ -86,9 +86,11 @@ def test_refit_state_survives_a_restart_and_a_broken_file_is_named(tmp_path: Pat
     book = WeightBook()
     book.commit("v1", [("n", "e0", 1), ("n", "e1", 3)])
     assert state.writer is not None
-    state.writer.write_now(state.encode(book, 12, in_flight=[("n", "e1", 3)]))
-    loaded, token, in_flight = state.load()
+    unfinished = Unfinished(11, "trainer-a", "v2", "refit-0a1b", False, [])
+    state.writer.write_now(state.encode(book, 12, [("n", "e1", 3)], unfinished))
+    loaded, token, in_flight, saved = state.load()
     assert token == 12 and loaded.current == "v1" and in_flight == [("n", "e1", 3)]
+    assert saved == unfinished   # the lease a restarted coordinator ends as its expiry would
     assert loaded.version_of("n", "e0", 1) == "v1"
     (tmp_path / "refit.json").write_text("{not json")
     with pytest.raises(ValueError, match="refit.json"):
@@ -96,6 +98,10 @@ def test_refit_state_survives_a_restart_and_a_broken_file_is_named(tmp_path: Pat
     (tmp_path / "refit.json").write_text(json.dumps(
         {"next_token": 3, "weights": {"current": "v1", "held": [["n", "e0", "one", "v1"]]}}))
     with pytest.raises(ValueError, match="refit.json.*incarnation"):
+        state.load()
+    (tmp_path / "refit.json").write_text(json.dumps(
+        {"next_token": 3, "unfinished": {"number": 2, "holder": "a", "version": "v1"}}))
+    with pytest.raises(ValueError, match="refit.json.*unfinished.*pause_owner"):
         state.load()
 
 
@@ -219,8 +225,11 @@ def test_an_expired_lease_frees_the_lock_and_its_members_stay_stale_across_a_res
             view = engines_of(client.fleet())
             assert {(e["weight_version"], e["serving"]) for e in view.values()} \
                 == {(None, False)}
-            again = ok(client.call("refit_acquire", args={"holder": "z", "version": "v3"}))
-            assert again["token"] != after.result["token"]
+            # (once the restarted coordinator put back the members of the lease it found)
+            again = wait_for(lambda: (r := client.call("refit_acquire", args={
+                "holder": "z", "version": "v3"})) is not None and r.status == "ok" and r,
+                20, "the lock free after the put-back")
+            assert again.result["token"] != after.result["token"]
         finally:
             client.close()
 

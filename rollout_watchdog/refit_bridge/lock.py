@@ -19,6 +19,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_watchdog.refit_bridge.weights import Unfinished
+
 MIN_LEASE_S = 1.0
 MAX_LEASE_S = 3600.0
 HOLDER_TIMEOUT_S = 5.0   # a holder renews every second (client.RENEW_EVERY_S)
@@ -66,6 +68,10 @@ class Lease:
     granting: bool = True
     taken: float = 0.0   # monotonic: when the lock was taken (the refit's duration starts)
 
+    def unfinished(self) -> Unfinished:
+        return Unfinished(self.number, self.holder, self.version, self.pause_owner,
+                          self.committed, list(self.continuing))
+
     def granted(self, now: float) -> None:
         self.granting = False
         self.heard = now
@@ -91,6 +97,17 @@ class RefitLock:
         self.lease = Lease(token, self.next_token, holder, version,
                            lease_s, now + lease_s, now, [], taken=now)
         self.next_token += 1
+        return self.lease
+
+    def restore(self, saved: Unfinished, members: list[tuple[str, str, int]], now: float
+                ) -> Lease:
+        """The lease that was held when the coordinator stopped, held again (its token died
+        with that coordinator: no holder can renew it, and `expire` never ends it) until the
+        service ends it once its nodes are back."""
+        self.lease = Lease(f"{self.epoch}-{saved.number}-{secrets.token_hex(8)}", saved.number,
+                           saved.holder, saved.version, 0.0, now, now, list(members),
+                           committed=saved.committed, continuing=list(saved.continuing),
+                           pause_owner=saved.pause_owner, granting=True, taken=now)
         return self.lease
 
     def check(self, token: object, holder: object, now: float) -> Lease:

@@ -76,13 +76,7 @@ from rollout_watchdog.common.commands import Arg, Registry, flag, number, rule, 
 from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.refit_bridge import member_pages, membership
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
-from rollout_watchdog.refit_bridge.lock import (
-    HOLDER_TIMEOUT_S,
-    Fenced,
-    Lease,
-    LockHeld,
-    RefitLock,
-)
+from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S, Fenced, Lease, LockHeld, RefitLock
 from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
 from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError
 from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
@@ -124,13 +118,16 @@ class RefitService:
                  route_after_first_refit: bool = False) -> None:
         self.state = RefitState(state_dir)
         self.saves = SaveGate(self.state, state_write_timeout_s)
-        self.book, next_token, in_flight = self.state.load()
+        self.book, next_token, in_flight, unfinished = self.state.load()
         self.book.disk_weights_serve = not route_after_first_refit
         if in_flight:
             log.warning("a refit was in flight when the coordinator stopped: %d engine(s) are "
                         "stale until the next refit commits", len(in_flight))
             self.book.stale(in_flight)
         self.lock = RefitLock(next_token, holder_timeout_s)
+        # The lease held when the coordinator stopped: ended as if expired once the view is whole
+        self._restored = None if unfinished is None else self.lock.restore(
+            unfinished, in_flight, time.monotonic())
         self.relaunched: list[tuple[str, str]] = []
         # A lease that ended uncommitted: its members' put-back, then its resume.
         self._putback: tuple[PutBack, Lease] | None = None
@@ -394,6 +391,9 @@ class RefitService:
             self._putback = None
             self._resume(core, lease, now)
         expired = self.lock.expire(now)
+        if self._restored is not None and core.view.warm(self._restored.taken, now):
+            expired, self.lock.lease = (self._restored, "the coordinator stopped during it"), None
+            self._restored = None
         if expired is None:
             return
         lease, why = expired
@@ -492,9 +492,9 @@ class RefitService:
         self.saves.submit(self._content())
 
     def _content(self) -> bytes:
-        lease = self.lock.lease
-        return self.state.encode(self.book, self.lock.next_token,
-                                 lease.members if lease is not None else [])
+        lease = self.lock.lease   # (a lease's `unfinished` lets a restart end it: `restore`)
+        return self.state.encode(self.book, self.lock.next_token, *(
+            ([], None) if lease is None else (lease.members, lease.unfinished())))
 
 
 __all__ = ["COMMANDS", "Core", "RefitService", "Member", "WeightBook"]

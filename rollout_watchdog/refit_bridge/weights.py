@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,12 +166,12 @@ class RefitState:
         self.path = Path(state_dir) / self.FILE if state_dir else None
         self.writer = DurableWriter(self.path) if self.path else None
 
-    def load(self) -> tuple[WeightBook, int, list[Member]]:
-        """(the book, the next token, the refit in flight); a missing file is a fresh start, a
-        broken one an error naming it (refit state must not silently reset: stale engines
-        would serve)."""
+    def load(self) -> tuple[WeightBook, int, list[Member], Unfinished | None]:
+        """(the book, the next token, the refit in flight, its lease's `Unfinished`); a missing
+        file is a fresh start, a broken one an error naming it (refit state must not silently
+        reset: stale engines would serve)."""
         if self.path is None or not self.path.exists():
-            return WeightBook(), 1, []
+            return WeightBook(), 1, [], None
         try:
             data = json.loads(self.path.read_text())
             if not isinstance(data, dict):
@@ -183,12 +183,46 @@ class RefitState:
                 in_flight = members_of(data.get("in_flight", []))
             except ValueError as exc:
                 raise ValueError(f"in_flight {exc}") from None
-            return WeightBook.from_json(data.get("weights") or {}), token, in_flight
+            unfinished = data.get("unfinished")
+            return (WeightBook.from_json(data.get("weights") or {}), token, in_flight,
+                    None if unfinished is None else Unfinished.from_json(unfinished))
         except (OSError, ValueError) as exc:
             raise ValueError(f"refit state {self.path} is unreadable ({exc}); move it away "
                              "to start afresh (every engine then needs a refit)") from exc
 
     @staticmethod
-    def encode(book: WeightBook, next_token: int, in_flight: list[Member]) -> bytes:
+    def encode(book: WeightBook, next_token: int, in_flight: list[Member],
+               unfinished: Unfinished | None = None) -> bytes:
         return json.dumps({"next_token": next_token, "weights": book.to_json(),
-                           "in_flight": [list(m) for m in in_flight]}).encode()
+                           "in_flight": [list(m) for m in in_flight],
+                           "unfinished": None if unfinished is None else asdict(unfinished)
+                           }).encode()
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """What a restarted coordinator needs of the lease that was held when it stopped, to end
+    it as its expiry would: its members (`in_flight`) put back in service, its committed
+    ones' generation continued, its deep-probe pause (`pause_owner`) lifted."""
+
+    number: int
+    holder: str
+    version: str
+    pause_owner: str
+    committed: bool
+    continuing: list[Member]
+
+    @classmethod
+    def from_json(cls, data: object) -> Unfinished:
+        """ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"unfinished: not an object: {str(data)[:40]}")
+        try:
+            made = cls(data["number"], data["holder"], data["version"], data["pause_owner"],
+                       data["committed"], members_of(data["continuing"]))
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"unfinished: {exc}") from None
+        if not (isinstance(made.number, int) and isinstance(made.committed, bool) and all(
+                isinstance(v, str) for v in (made.holder, made.version, made.pause_owner))):
+            raise ValueError(f"unfinished: a field of the wrong type in {str(data)[:120]}")
+        return made
