@@ -35,7 +35,7 @@ from fleet_harness import (
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from rollout_watchdog import FleetClient, FleetEvent
+from rollout_watchdog import CommandRefused, FleetClient, FleetEvent
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.lines import SEPARATOR
 from rollout_watchdog.emulator.testing import free_port
@@ -509,6 +509,9 @@ def test_a_call_for_a_node_not_back_after_a_restart_without_state_waits_for_it(
         coordinators[0].kill()
         coordinators.append(start_coordinator_process(endpoint, options))
         coordinators[1].wait_ready(10)
+        with pytest.raises(CommandRefused) as unknown:   # held for half its 1 s, not 2.5 s:
+            client.nodes("n9", timeout_s=1.0)            # refused in time, not unavailable
+        assert unknown.value.code == protocol.UNKNOWN_NODE
         asked: list[Any] = []
         thread = threading.Thread(target=lambda: asked.append(client.nodes("n1")))
         thread.start()

@@ -22,8 +22,8 @@ from rollout_watchdog.common.protocol import (
     decode,
     encode,
 )
-from rollout_watchdog.refit_bridge.coordinator import waits_for_the_view
 from rollout_watchdog.refit_bridge.fleet import FleetView, Refused
+from rollout_watchdog.refit_bridge.held import waits_for_the_view
 
 T0 = 1000.0          # monotonic clock of the tests
 WALL0 = 1_700_000_000.0
@@ -489,7 +489,7 @@ def test_a_restarted_coordinator_holds_what_needs_the_whole_fleet_until_its_node
     view.hello(protocol.Hello("n1", "b1", [], 0), "n1", 100.0, 0.0)
 
     def waits(cmd: str, node: str | None = None, at: float = 101.0) -> bool:
-        return waits_for_the_view(view, 100.0, at, protocol.Command("r", cmd, {}, node))
+        return waits_for_the_view(view, 100.0, at)(protocol.Command("r", cmd, {}, node))
 
     assert waits("pause") and waits("resume")          # every node: n2 not back yet
     assert not waits("pause", "n1") and waits("pause", "n2") and waits("remove", "n2")
@@ -503,7 +503,6 @@ def test_a_restarted_coordinator_holds_what_needs_the_whole_fleet_until_its_node
     for cmd, node, held in [("pause", None, False), ("refit_acquire", None, False),
                             ("pause", "n1", False), ("status", "n1", False),
                             ("remove", "n2", True), ("status", "n2", True)]:
-        assert waits_for_the_view(fresh, 100.0, 100.1, protocol.Command(
+        assert waits_for_the_view(fresh, 100.0, 100.1)(protocol.Command(
             "r", cmd, {}, node)) is held, (cmd, node)
-    assert not waits_for_the_view(fresh, 100.0, 105.0, protocol.Command("r", "remove", {},
-                                                                         "n2"))
+    assert not waits_for_the_view(fresh, 100.0, 105.0)(protocol.Command("r", "remove", {}, "n2"))

@@ -100,6 +100,8 @@ Kinds (direction; fields, "?" = optional, may be null or absent):
                                   `results_left_out`); refit_acquire then leaves the lock
                                   free. A reply is never cut down to fit and sent as "ok".
                  INTERNAL         a bug on the answering side
+                 BUSY             not run, and never will be: the coordinator could hold
+                                  it back no longer (held/queued after a restart)
                A reply from a peer before 1.2 has no code: the receiver falls back on the
                result's shape (refit.py says how), never on the reason's text.
     subscribe  client -> coordinator: resume? (null = from now on, else
@@ -120,6 +122,7 @@ from typing import Any, ClassVar, TypeAlias
 
 from rollout_watchdog.common.control_messages import (
     BAD_ARGS,
+    BUSY,
     CODES,
     INTERNAL,
     LEASE_LOST,
@@ -156,7 +159,7 @@ from rollout_watchdog.common.message_base import (
 from rollout_watchdog.common.run_fields import expanded, own_fields, plain_run, shared_fields
 
 # What the modules of the messages define, and the protocol's users take from here.
-__all__ = ["BAD_ARGS", "CODES", "INTERNAL", "LEASE_LOST", "LOCK_HELD", "MAX_CODE_CHARS",
+__all__ = ["BAD_ARGS", "BUSY", "CODES", "INTERNAL", "LEASE_LOST", "LOCK_HELD", "MAX_CODE_CHARS",
            "NODE_ERRORS", "NODE_UNREACHABLE", "NOT_SAVED", "STATUSES", "TOO_BIG",
            "UNKNOWN_COMMAND", "UNKNOWN_NODE", "Command", "Reply", "ResumePoint", "Subscribe",
            "MessageTooBig", "ProtocolError", "MAJOR", "MINOR", "VERSION"]

@@ -279,16 +279,16 @@ class FleetClient:
         return message
 
     def call(self, cmd: str, args: dict[str, Any] | None = None, *, node: str | None = None,
-             engine: str | None = None, timeout_s: float | None = None,
-             gather: bool = False) -> tuple[str, Any]:
-        """(request id, result) of one command; CommandRefused on an error reply. With
-        `gather` (a command the coordinator forwards to nodes), it is told to gather the
-        replies for a share of the timeout, so its answer arrives before we give up."""
+             engine: str | None = None, timeout_s: float | None = None) -> tuple[str, Any]:
+        """(request id, result) of one command; CommandRefused on an error reply. The command
+        carries a share of the timeout, so its answer arrives before we give up: the time
+        the coordinator gathers the replies of a command it forwards to nodes, and the bound
+        on holding any back after its restart."""
         wait = self.timeout_s if timeout_s is None else timeout_s
         if not wait > 0:
             raise ValueError(f"timeout_s must be > 0, got {wait!r}")
         command = protocol.Command(uuid.uuid4().hex, cmd, args or {}, node=node, engine=engine,
-                                   timeout_s=wait * GATHER_SHARE if gather else None)
+                                   timeout_s=wait * GATHER_SHARE)
         reply = self.request(command, wait)
         if reply.status != "ok":
             result = reply.result if isinstance(reply.result, dict) else {}
@@ -371,8 +371,7 @@ class FleetClient:
             raise ValueError("name an engine (NODE/ENGINE), or all of them (all=True, --all; "
                              "node=, --node narrows them to one node)")
         request_id, result = self.call(cmd, {**(args or {}), **({"all": True} if all else {})},
-                                       node=node, engine=engine, timeout_s=timeout_s,
-                                       gather=True)
+                                       node=node, engine=engine, timeout_s=timeout_s)
         return FleetResult.from_json(request_id, result)
 
     def pause(self, target: str | None = None, *, node: str | None = None, all: bool = False,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import TracebackType
 
 from rollout_watchdog.agent.fanout import (
@@ -39,6 +39,7 @@ from rollout_watchdog.refit_bridge import membership, queries
 from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, node_event
+from rollout_watchdog.refit_bridge.held import MAX_HELD, HeldCommands, waits_for_the_view
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 from rollout_watchdog.refit_bridge.metrics import CoordinatorMetrics
 from rollout_watchdog.refit_bridge.refit_call import Finish
@@ -48,42 +49,7 @@ from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 log = logging.getLogger(__name__)
 # Node commands that name one node: never fanned out to every node (an engine launched on all).
 ONE_NODE = ("launch",)
-MAX_HELD = 10_000   # commands held back after a restart (past it, handled at once, as before)
-HOLD_SHARE = 0.5    # of a command's own time (timeout_s), the most it is held back
-
-
-def waits_for_the_view(view: FleetView, started: float, now: float,
-                       cmd: protocol.Command) -> bool:
-    """Whether a restarted coordinator holds `cmd` back until its view is whole again: its
-    journal named nodes, not all of which said hello yet, within a node timeout of its start
-    (`FleetView.warm`). Held: a command for every node (it would reach only those heard
-    from: a fleet-wide pause that pauses half the fleet), one for a node not heard from yet
-    (it would be refused as unknown, though it may have run before the restart), and a refit's
-    acquire (its members, and its pause, are the whole fleet's). With no journal (no state
-    dir), which nodes come back is unknown: only a command for a node not heard from is held
-    (a client's retry across the restart would be refused, its node back a moment later)."""
-    if view.warm(started, now):   # (asked of every command: the set below only before)
-        return False
-    if not view.expected:
-        return cmd.node is not None and cmd.node not in view.nodes
-    missing = view.expected - view.nodes.keys()
-    if not missing:
-        return False
-    if cmd.cmd in queries.COMMANDS:
-        return cmd.node in missing
-    if cmd.cmd in refit.COMMANDS:
-        return cmd.cmd == "refit_acquire"
-    return cmd.node is None or cmd.node in missing
-
-
-def queued_behind(cmd: protocol.Command, held: Iterable[protocol.Command]) -> bool:
-    """Whether node command `cmd` waits behind the `held` ones: it must not overtake an
-    earlier one that may reach the same node (a resume its pause). One for another node goes
-    on (a command for a node not heard from holds up no other node's)."""
-    if cmd.cmd in queries.COMMANDS or cmd.cmd in refit.COMMANDS:
-        return False
-    return any(cmd.node is None or earlier.node is None or earlier.node == cmd.node
-               for earlier in held)
+HELD_BUDGET_S = 0.05   # of a sweep, the most spent running held commands (the rest: the next)
 
 
 class Coordinator:
@@ -112,7 +78,7 @@ class Coordinator:
         self._started_at = 0.0
         # Commands held back while a restarted coordinator's view is not whole yet
         # (waits_for_the_view): request id -> (client, command, when it came)
-        self._held: dict[str, tuple[bytes, protocol.Command, float]] = {}
+        self._held = HeldCommands()
         self._view_changed = True     # since the router was last told
         self.boot = f"{COORDINATOR_BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.hub = Hub(bind, keys, self.view, self, self.boot, state_dir, heartbeat_s,
@@ -229,42 +195,43 @@ class Coordinator:
         if isinstance(known, Gathering):   # a retry while in flight: answer the new socket
             known.client = client
             return
-        held = self._held.get(cmd.request_id)
-        if held is not None:   # a retry while held: answer the new socket
-            self._held[cmd.request_id] = (client, cmd, held[2])
-        elif self._holds(cmd, now):
-            self._held[cmd.request_id] = (client, cmd, now)
-        else:
+        if self._held.retried(client, cmd):
+            return
+        if not self._held.holds(cmd, waits_for_the_view(self.view, self._started_at, now)(cmd)):
             self._dispatch(client, cmd, now)
+        elif self._held.full():
+            self.reply(client, queries.error(cmd, f"not run: {MAX_HELD} commands are held back "
+                                             "already, for nodes not back since the restart",
+                                             protocol.BUSY))
+        else:
+            self._held.hold(client, cmd, now)
 
     @property
     def held_back(self) -> int:
-        """The commands held back now (`waits_for_the_view`), for `ping`."""
+        """The commands held back now (refit_bridge/held.py), for `ping`."""
         return len(self._held)
 
-    def _holds(self, cmd: protocol.Command, now: float) -> bool:
-        """Whether `cmd` is held back (`waits_for_the_view`), or queued behind one that is
-        (`queued_behind`)."""
-        if len(self._held) >= MAX_HELD:
-            return False
-        return waits_for_the_view(self.view, self._started_at, now, cmd) or queued_behind(
-            cmd, (held for _, held, _ in self._held.values()))
-
     def _release_held(self, now: float) -> None:
-        """Handle the held commands, in the order they came, each once the view is whole
-        enough for it or half its own time is gone, with what is left of that time."""
-        while self._held:
-            request_id, (client, cmd, since) = next(iter(self._held.items()))
-            limit = (cmd.timeout_s or DEFAULT_TIMEOUT_S) * HOLD_SHARE
-            if waits_for_the_view(self.view, self._started_at, now, cmd):
-                if now - since < limit:
-                    return
-                missing = sorted(self.view.expected - self.view.nodes.keys())
-                log.info("%s held %.1f s (half its time) for nodes not back since the restart "
-                         "(%s): handled with those back", cmd.cmd, now - since,
-                         ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
-            del self._held[request_id]
-            self._dispatch(client, shortened(cmd, now - since, timeout=True), now)
+        """Run the held commands that are due (with what is left of their time), and refuse
+        those queued too long behind others, within HELD_BUDGET_S of this sweep."""
+        if not len(self._held):
+            return
+        waits = waits_for_the_view(self.view, self._started_at, now)
+        budget = time.monotonic() + HELD_BUDGET_S
+        for held, run in self._held.due(now, waits):
+            client, cmd, since = held.client, held.cmd, held.since
+            if not run:
+                self.reply(client, queries.error(cmd, f"not run: held back {now - since:.1f} s "
+                                                 "(half its time) behind earlier commands for "
+                                                 "nodes not back since the restart",
+                                                 protocol.BUSY))
+            else:
+                if waits(cmd):
+                    log.info("%s held %.1f s (half its time) for nodes not back since the "
+                             "restart: handled with those back", cmd.cmd, now - since)
+                self._dispatch(client, shortened(cmd, now - since, timeout=True), now)
+            if time.monotonic() >= budget:
+                return
 
     def _dispatch(self, client: bytes, cmd: protocol.Command, now: float) -> None:
         if cmd.cmd in queries.COMMANDS:  # read-only: nothing to remember for a repeat

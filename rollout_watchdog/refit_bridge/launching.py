@@ -29,7 +29,7 @@ def launch_engine(client: FleetClient, node_id: str, spec: EngineSpec | Mapping[
         raise ValueError(f"wait_s must be > 0, got {wait_s!r}")
     table = spec.to_table() if isinstance(spec, EngineSpec) else dict(spec)
     request_id, result = client.call("launch", {"spec": table}, node=node_id,
-                                     timeout_s=timeout_s, gather=True)
+                                     timeout_s=timeout_s)
     answer = FleetResult.from_json(request_id, result).nodes.get(node_id)
     status = answer.result.get("status") if answer and isinstance(answer.result, dict) else None
     if not isinstance(status, dict):
