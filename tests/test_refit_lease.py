@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from daemon_harness import Node, run_command, wait_for
 from fleet_harness import CoordinatorConnection, CoordinatorProcess, start_coordinator_process
 from refit_harness import TRAINER, all_healthy, by_name, generate, start_fleet, weights
@@ -381,6 +382,20 @@ def test_a_commit_without_an_answer_leaves_no_member_paused(
         for url in urls:   # at once, not after its watchdog relaunched it for failed probes
             assert generate(url, timeout=5.0)[0] == 200, f"{url} left paused"
         assert {e.name: (e.incarnation, e.restarts) for e in fleet.engines()} == before
+
+
+def test_an_update_session_left_open_by_a_holder_that_lost_its_lease_is_ended(
+        make_node: Callable[..., Node]) -> None:
+    """A trainer that lost its lease mid-update (its coordinator restarted without a state
+    dir) left its members' update sessions open, and the next refit failed with UpdateRefused
+    ("a session already open"), which the documented loop does not retry (the hostile run).
+    Now a new group ends any session its members had open before it begins its own."""
+    with one_node_of_two(make_node, holder_timeout_s=3.0) as (_, fleet, urls):
+        for url in urls:
+            requests.post(f"{url}/begin_weight_update", json={}, timeout=10).raise_for_status()
+        with fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
+            refit.update_weights(weights(1))
+        assert {(e.weight_version, e.serving) for e in fleet.engines()} == {("v1", True)}
 
 
 # ---------------------------------------------------------------------- coordinator restarts

@@ -111,6 +111,7 @@ class WeightUpdateGroup:
         self._destroyed = False
         self._open_sessions: list[GroupMember] = []   # begun, not ended (closed by destroy)
         self._in_session: set[GroupMember] = set()   # members of the update session under way
+        self._sessions_used = False   # a first session ends any its members had open before
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -173,6 +174,10 @@ class WeightUpdateGroup:
         if not self._in_session:
             self._in_session = set(self.members)
             self._open_sessions = [m for m in self.members if self.session[m]]
+            if not self._sessions_used:   # one a holder that lost its lease left open (the
+                self._sessions_used = True   # lock is ours now): a 0.5.21+ server refuses to
+                self._ask_all("/end_weight_update", {m: {} for m in self._open_sessions},
+                              time.monotonic() + self.http_timeout_s)   # begin another
             self._quick_all(self._open_sessions, "/begin_weight_update")
         for bucket, last in itertools.chain([first], runs):
             self._send_bucket(bucket, weight_version if last else None, last, flattened)
