@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import ipaddress
 import logging
@@ -201,8 +202,10 @@ def shutdown(namespace: str = NAMESPACE, timeout_s: float = STOP_TIMEOUT_S) -> N
             if late := ray.get(stopped, timeout=max(0.1, deadline - time.monotonic())):
                 log.error("%s: daemon(s) %s did not stop within %g s: killed (their engines "
                           "may be left)", name, late, timeout_s)
-        except RayError as exc:
+        except RayError as exc:   # (cancelled: run late, it would stop a later fleet's)
             log.error("%s: its daemon may be left running: %s", name, exc)
+            with contextlib.suppress(RayError, ValueError, TypeError):
+                ray.cancel(stopped, force=True)
     if coordinator is None:
         return
     try:

@@ -157,6 +157,11 @@ class Coordinator:
                      bracket_host(self.metrics_host), self.metrics_port)
         self._started_at = time.monotonic()
 
+    @property
+    def started_at(self) -> float:
+        """When the loop began (monotonic): the view is whole a node timeout after it."""
+        return self._started_at
+
     def closed(self) -> None:
         if self.metrics is not None:
             self.metrics.stop_server()
@@ -178,8 +183,8 @@ class Coordinator:
         self._view_changed = True
 
     def sweep(self, now: float) -> None:
+        self.refit.tick(self, now)   # (first: a restored lease ends before held acquires run)
         self._release_held(now)
-        self.refit.tick(self, now)
         self._sync_router()
         if self.metrics is not None:
             self.metrics.sample(self, now)

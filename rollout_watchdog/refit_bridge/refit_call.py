@@ -1,6 +1,6 @@
 """What a refit command (service.py) is given and may raise: the coordinator's side it acts on
-(`Core`, passed in, never imported), one call with its checked arguments (`Call`), and its
-refusal (`RefitError`)."""
+(`Core`, passed in, never imported), one call with its checked arguments (`Call`), its
+refusal (`RefitError`), and a release's answer until its resume is in (`Releasing`)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ class Core(Protocol):
     """What the refit commands need of the coordinator (passed in, never imported)."""
 
     view: FleetView
+
+    @property
+    def started_at(self) -> float: ...   # monotonic: when its loop began
 
     def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
                now: float, finish: Finish | None = None) -> None: ...
@@ -48,3 +51,12 @@ class RefitError(Exception):
         super().__init__(reason)
         self.result = result
         self.code = code
+
+
+@dataclass
+class Releasing:
+    """A release's answer: sent once its resume is acknowledged, or at `deadline`."""
+
+    client: bytes       # a retry of the request moves the answer to its socket
+    deadline: float     # monotonic
+    send: Callable[[bytes], None]

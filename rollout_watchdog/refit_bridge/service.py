@@ -67,7 +67,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from rollout_watchdog.agent.fanout import Gathering
@@ -78,7 +77,7 @@ from rollout_watchdog.refit_bridge import member_pages, membership
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S, Fenced, Lease, LockHeld, RefitLock
 from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
-from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError
+from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError, Releasing
 from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
 from rollout_watchdog.refit_bridge.weights import (
     Member,
@@ -101,15 +100,6 @@ COMMANDS: Registry[Handler] = Registry("the coordinator")
 # The holder and its token are checked by the lock (a pair that is not the holder's: LEASE_LOST).
 FENCE = (Arg("holder", lambda v: v), Arg("token", lambda v: v))
 VERSION = Arg("version", rule(version_problem), required=True)
-
-
-@dataclass
-class Releasing:
-    """A release's answer: sent once its resume is acknowledged, or at `deadline`."""
-
-    client: bytes       # a retry of the request moves the answer to its socket
-    deadline: float     # monotonic
-    send: Callable[[bytes], None]
 
 
 class RefitService:
@@ -389,9 +379,10 @@ class RefitService:
         if self._putback is not None and self._putback[0].done():
             lease = self._putback[1]
             self._putback = None
+            self._save()   # (the state kept it until now: a restart would put them back again)
             self._resume(core, lease, now)
         expired = self.lock.expire(now)
-        if self._restored is not None and core.view.warm(self._restored.taken, now):
+        if self._restored is not None and core.view.warm(core.started_at, now):
             expired, self.lock.lease = (self._restored, "the coordinator stopped during it"), None
             self._restored = None
         if expired is None:
@@ -492,7 +483,7 @@ class RefitService:
         self.saves.submit(self._content())
 
     def _content(self) -> bytes:
-        lease = self.lock.lease   # (a lease's `unfinished` lets a restart end it: `restore`)
+        lease = self.lock.lease or (self._putback[1] if self._putback is not None else None)
         return self.state.encode(self.book, self.lock.next_token, *(
             ([], None) if lease is None else (lease.members, lease.unfinished())))
 
