@@ -163,6 +163,11 @@ def test_a_resume_by_an_owner_lifts_its_own_pause_only(tmp_path: Path) -> None:
     run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r2").poll()
     run_command(daemon, "resume", engine="e0", owner="r1")   # late: r1's pause is gone
     assert engine.paused is not None and engine.paused.owners == {"", "r2"}
+    run_command(daemon, "resume", engine="e0", keep="r2")    # untagged, while r2 refits
+    assert engine.paused is not None and engine.paused.owners == {"r2"}
+    run_command(daemon, "resume", engine="e0", keep="r9")    # (r9's refit paused nothing)
+    assert engine.paused is None
+    run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r2").poll()
     run_command(daemon, "resume", engine="e0")
     assert engine.paused is None
     run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r3").poll()
@@ -396,6 +401,29 @@ def test_an_update_session_left_open_by_a_holder_that_lost_its_lease_is_ended(
         with fleet.refit("v1", backend="gloo", timeout_s=60) as refit:
             refit.update_weights(weights(1))
         assert {(e.weight_version, e.serving) for e in fleet.engines()} == {("v1", True)}
+
+
+def test_prepare_for_generation_from_another_thread_leaves_a_refits_pause(
+        make_node: Callable[..., Node]) -> None:
+    """Another thread of the trainer calls prepare_for_generation() (an ownerless resume)
+    while a refit has its members' generation paused: it lifted the refit's probe pause too,
+    and the probes then failed the paused engines and killed them (the hostile run: EngineLost
+    on both members). Now the refit's own pause stays until its release."""
+    with one_node_of_two(make_node, holder_timeout_s=5.0) as (coordinator, fleet, urls):
+        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--gate-commit")
+        try:
+            assert line_of(trainer)["updated"]
+            fleet.prepare_for_generation()
+            assert all(e.paused for e in fleet.engines()), "the refit's pause was lifted"
+            assert trainer.stdin is not None
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            assert line_of(trainer).get("ok"), "the refit did not commit"
+        finally:
+            trainer.kill()
+            trainer.wait(10)
+        fleet.wait_until(lambda view: {(e.weight_version, e.serving, e.paused)
+                                       for e in view} == {("v1", True, False)}, 30)
 
 
 # ---------------------------------------------------------------------- coordinator restarts

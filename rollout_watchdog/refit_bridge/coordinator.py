@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 
 from rollout_watchdog.agent.fanout import (
@@ -259,6 +260,9 @@ class Coordinator:
             self.reply(client, queries.error(cmd, f"{cmd.cmd} goes to one node: name it "
                                              "('node')", protocol.BAD_ARGS))
             return
+        kept = self.refit.pause_owner
+        if cmd.cmd == "resume" and cmd.args.get("owner") is None and kept is not None:
+            cmd = replace(cmd, args={**cmd.args, "keep": kept})   # a refit's pause stays
         targets = [cmd.node] if cmd.node is not None else self.view.reachable()
         self.gather(client, _with_wait(cmd), targets, now)
 

@@ -392,6 +392,12 @@ class RefitService:
                     why)
         self._ended(core, lease, now, why, expired=True)
 
+    @property
+    def pause_owner(self) -> str | None:
+        """The owner tag of the refit pause that must stay: a lease's, held or being put back."""
+        lease = self.lock.lease or (self._putback[1] if self._putback is not None else None)
+        return None if lease is None else lease.pause_owner
+
     def next_deadline(self) -> float | None:
         unsaved = self.saves.next_deadline()
         putback = None if self._putback is None else time.monotonic() + PUTBACK_POLL_S

@@ -224,14 +224,17 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     return Deferred(ready, clock.monotonic() + wait_s, late)
 
 
-@command("resume", ENGINE, ALL, OWNER)
+@command("resume", ENGINE, ALL, OWNER, Arg("keep", text(100)))
 def resume(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     """Resume deep probes of ENGINE (or all).
 
     args: {"engine": ID} or {"all": true}, optional "owner": lift that owner's pause only (an
-    engine another owner paused too stays paused). result: {"resumed": [ID, ...]}
+    engine another owner paused too stays paused); without "owner", optional "keep": lift
+    every owner's pause but that one's (the coordinator adds the refit's own while a refit
+    holds the lock: a prepare_for_generation then must not lift it). result: {"resumed":
+    [ID, ...]}
     """
-    owner = args["owner"]
+    owner, keep = args["owner"], args["keep"]
     resumed = []
     for engine_id in engine_ids(node, args):
         engine = node.engines[engine_id]
@@ -239,6 +242,9 @@ def resume(node: Node, args: dict[str, Any]) -> dict[str, Any]:
             engine.paused.owners -= {owner}
             if engine.paused.owners:
                 continue
+        elif engine.paused is not None and keep is not None and keep in engine.paused.owners:
+            engine.paused.owners = frozenset({keep})
+            continue
         if engine.paused is not None:
             engine.paused = None
             engine.next_probe = node.clock.monotonic()
