@@ -621,7 +621,7 @@ class Core:
                now: float, finish: Any = None) -> None:
         self.gathered.append(cmd)
         if finish is not None:
-            done = SimpleNamespace(client=client, reply=lambda: ok(cmd, {"nodes": {},
+            done = SimpleNamespace(client=client, answers={}, reply=lambda: ok(cmd, {"nodes": {},
                                                                        "missing": []}))
             finish(done)   # (it answers by itself once its listing is saved: at once here)
 
@@ -632,6 +632,9 @@ class Core:
         pass
 
     def refit_ended(self, outcome: str, duration_s: float) -> None:
+        pass
+
+    def resume_owed(self, owner: str, nodes: list[str]) -> None:
         pass
 
 

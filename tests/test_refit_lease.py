@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 from daemon_harness import Node, run_command, wait_for
@@ -424,6 +425,33 @@ def test_prepare_for_generation_from_another_thread_leaves_a_refits_pause(
             trainer.wait(10)
         fleet.wait_until(lambda view: {(e.weight_version, e.serving, e.paused)
                                        for e in view} == {("v1", True, False)}, 30)
+
+
+def test_a_node_unreachable_at_the_release_gets_the_refits_resume_when_it_is_back(
+        make_node: Callable[..., Node]) -> None:
+    """The node daemon SIGSTOPped past the node timeout while the refit commits and releases:
+    the release's resume reached only reachable nodes, so once continued the node kept the
+    refit's probe pause until its deadline (timeout_s + 60 s; the hostile run). Now the
+    resume is sent again as soon as the node is reachable."""
+    with one_node_of_two(make_node, holder_timeout_s=5.0) as (coordinator, fleet, urls):
+        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--gate-commit")
+        parent = psutil.Process(fleet.engines()[0].pid or 0).parent()
+        assert parent is not None and "run" in parent.cmdline(), "not the node daemon"
+        pid = parent.pid
+        try:
+            assert line_of(trainer)["updated"]
+            os.kill(pid, signal.SIGSTOP)
+            wait_for(lambda: not fleet.nodes()[0].reachable, 30, "the node unreachable")
+            assert trainer.stdin is not None
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            assert line_of(trainer).get("ok"), "the refit did not commit"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            trainer.kill()
+            trainer.wait(10)
+        fleet.wait_until(lambda view: {(e.weight_version, e.paused) for e in view}
+                         == {("v1", False)}, 30)
 
 
 # ---------------------------------------------------------------------- coordinator restarts

@@ -100,7 +100,7 @@ class Core:
     def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
                now: float, finish: Any = None) -> None:
         if finish is not None:   # (it answers by itself once its listing is saved)
-            finish(SimpleNamespace(client=client, reply=lambda: protocol.Reply(
+            finish(SimpleNamespace(client=client, answers={}, reply=lambda: protocol.Reply(
                 cmd.request_id, "ok", None, {"nodes": {}, "missing": []})))
 
     def reply(self, client: bytes, reply: protocol.Reply) -> None:
@@ -112,6 +112,9 @@ class Core:
         pass
 
     def refit_ended(self, outcome: str, duration_s: float) -> None:
+        pass
+
+    def resume_owed(self, owner: str, nodes: list[str]) -> None:
         pass
 
     def call(self, service: RefitService, cmd: str, args: dict[str, Any]) -> protocol.Reply:

@@ -50,6 +50,8 @@ from rollout_watchdog.refit_bridge.views import COORDINATOR_BOOT_PREFIX
 log = logging.getLogger(__name__)
 # Node commands that name one node: never fanned out to every node (an engine launched on all).
 ONE_NODE = ("launch",)
+OWED_RESUME_S = 86_400.0   # a node away longer lifted a refit's pause by itself (its longest)
+OWED_PER_NODE = 64         # the newest refits' resumes owed to one node
 HELD_BUDGET_S = 0.05   # of a sweep, the most spent running held commands (the rest: the next)
 
 
@@ -80,6 +82,7 @@ class Coordinator:
         # Commands held back while a restarted coordinator's view is not whole yet
         # (waits_for_the_view): request id -> (client, command, when it came)
         self._held = HeldCommands()
+        self._owed: dict[str, dict[str, float]] = {}   # node: refit pause owner: until when
         self._view_changed = True     # since the router was last told
         self.boot = f"{COORDINATOR_BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.hub = Hub(bind, keys, self.view, self, self.boot, state_dir, heartbeat_s,
@@ -186,6 +189,7 @@ class Coordinator:
     def sweep(self, now: float) -> None:
         self.refit.tick(self, now)   # (first: a restored lease ends before held acquires run)
         self._release_held(now)
+        self._pay_owed_resumes(now)
         self._sync_router()
         if self.metrics is not None:
             self.metrics.sample(self, now)
@@ -278,6 +282,27 @@ class Coordinator:
     def weights_changed(self) -> None:
         self._view_changed = True
         self._sync_router()
+
+    def resume_owed(self, owner: str, nodes: list[str]) -> None:
+        """A refit's resume did not reach these nodes (unreachable, or no answer in time): it
+        is sent again once each is reachable (else its pause held until its deadline, and a
+        later refit's pause extended it)."""
+        until = time.monotonic() + OWED_RESUME_S
+        for node in nodes:
+            owed = self._owed.setdefault(node, {})
+            owed[owner] = until
+            if len(owed) > OWED_PER_NODE:   # (a node gone for good: refit after refit)
+                del owed[next(iter(owed))]
+
+    def _pay_owed_resumes(self, now: float) -> None:
+        for node in [n for n in self._owed if n in self.view.nodes and
+                     self.view.nodes[n].reachable]:
+            for owner, until in self._owed.pop(node).items():
+                if now < until:
+                    resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume",
+                                              {"all": True, "owner": owner}, None, None,
+                                              refit.RELEASE_TIMEOUT_S)
+                    self.gather(None, resume, [node], now)
 
     def refit_ended(self, outcome: str, duration_s: float) -> None:
         if self.metrics is not None:

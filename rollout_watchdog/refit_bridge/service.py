@@ -447,6 +447,8 @@ class RefitService:
                                   RELEASE_TIMEOUT_S)
 
         def finish(gathering: Gathering) -> protocol.Reply | None:
+            core.resume_owed(lease.pause_owner, [n for n in core.view.nodes if gathering.answers
+                                                 .get(n, {}).get("status") != "ok"])
             if resumed is not None:
                 resumed()
             return gathering.reply()
