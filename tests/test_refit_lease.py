@@ -160,12 +160,12 @@ def test_a_resume_by_an_owner_lifts_its_own_pause_only(tmp_path: Path) -> None:
     run_command(daemon, "pause", engine="e0", deadline_s=600.0, wait_s=0.0).poll()
     run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r1").poll()
     run_command(daemon, "resume", engine="e0", owner="r1")
-    assert engine.paused is not None and engine.paused.owners == {""}
+    assert engine.paused is not None and set(engine.paused.owners) == {""}
     run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r2").poll()
     run_command(daemon, "resume", engine="e0", owner="r1")   # late: r1's pause is gone
-    assert engine.paused is not None and engine.paused.owners == {"", "r2"}
+    assert engine.paused is not None and set(engine.paused.owners) == {"", "r2"}
     run_command(daemon, "resume", engine="e0", keep="r2")    # untagged, while r2 refits
-    assert engine.paused is not None and engine.paused.owners == {"r2"}
+    assert engine.paused is not None and set(engine.paused.owners) == {"r2"}
     run_command(daemon, "resume", engine="e0", keep="r9")    # (r9's refit paused nothing)
     assert engine.paused is None
     run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r2").poll()
@@ -173,9 +173,27 @@ def test_a_resume_by_an_owner_lifts_its_own_pause_only(tmp_path: Path) -> None:
     assert engine.paused is None
     run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r3").poll()
     assert engine.paused is not None
-    engine.paused.owners = frozenset()   # as adoption.py rebuilds it
+    engine.paused.owners = {}   # as adoption.py rebuilds it
     run_command(daemon, "resume", engine="e0", owner="r3")
     assert engine.paused is None
+
+
+def test_an_orphaned_refit_pause_lapses_at_its_own_deadline_not_a_later_refits(
+        tmp_path: Path) -> None:
+    """A refit whose holder died (no coordinator left to resume it) paused for 60 s; every
+    later refit's pause (600 s) extended the whole pause, and its resume lifted its own part
+    only, so the orphan's part lasted as long as refits kept coming (the hostile run). Now
+    each owner's part keeps its own deadline: once r2 resumes, the pause ends with r1's."""
+    daemon = make_daemon(tmp_path)
+    engine = healthy(daemon)
+    run_command(daemon, "pause", engine="e0", deadline_s=60.0, wait_s=0.0, owner="r1").poll()
+    assert engine.paused is not None
+    orphan = engine.paused.expires
+    run_command(daemon, "pause", engine="e0", deadline_s=600.0, wait_s=0.0, owner="r2").poll()
+    assert engine.paused.expires > orphan + 500   # extended while r2 refits
+    run_command(daemon, "resume", engine="e0", owner="r2")
+    assert engine.paused is not None and set(engine.paused.owners) == {"r1"}
+    assert engine.paused.expires == orphan
 
 
 SOAK_REFITS = int(os.environ.get("RW_SOAK_REFITS", "50"))

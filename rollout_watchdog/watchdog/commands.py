@@ -180,7 +180,8 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     pause never shortens one already in place (the later deadline holds: a refit's pause must
     not cut short `finish_generation`'s, whose engine may have no KV cache yet; a later one is
     a "pause_extended" event); the engine stays paused until every owner resumed it (or a
-    resume without an owner, or the deadline).
+    resume without an owner, or the deadline); each owner's part ends at its own deadline
+    (once a later owner resumed, the pause ends with the longest part left).
     result: {"paused": [ID, ...], "deadline": EPOCH_SECONDS}
     """
     deadline_s: float = args["deadline_s"]   # (at most MAX_PAUSE_S: probing must come back)
@@ -193,16 +194,16 @@ def pause(node: Node, args: dict[str, Any]) -> Deferred:
     for engine_id in ids:
         engine = node.engines[engine_id]
         before = engine.paused
-        owners = frozenset({owner}) | (before.owners if before is not None else frozenset())
-        if before is None or before.expires < expires:
-            engine.paused = Pause(deadline, expires, owners)
+        extended = before is not None and before.expires < expires
+        if before is None:
+            engine.paused = Pause(deadline, expires, {owner: (deadline, expires)})
         else:
-            before.owners = owners
+            before.add(owner, deadline, expires)
         engine.progress_tokens = None  # paused generation is not a stall
         if before is None:
             node.emit(engine, "paused", detail=f"deep probes paused for {deadline_s:g} s",
                       deadline=deadline)
-        elif engine.paused is not before:
+        elif extended:
             node.emit(engine, "pause_extended", detail=f"deep probes paused for {deadline_s:g} "
                       "s from now", deadline=deadline)
     node.dirty = True
@@ -238,12 +239,11 @@ def resume(node: Node, args: dict[str, Any]) -> dict[str, Any]:
     resumed = []
     for engine_id in engine_ids(node, args):
         engine = node.engines[engine_id]
-        if engine.paused is not None and owner is not None:
-            engine.paused.owners -= {owner}
-            if engine.paused.owners:
+        if engine.paused is not None and owner is not None and engine.paused.owners:
+            if engine.paused.keep_only(set(engine.paused.owners) - {owner}):
                 continue
         elif engine.paused is not None and keep is not None and keep in engine.paused.owners:
-            engine.paused.owners = frozenset({keep})
+            engine.paused.keep_only({keep})
             continue
         if engine.paused is not None:
             engine.paused = None

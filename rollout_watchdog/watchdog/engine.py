@@ -47,9 +47,27 @@ class Pause:
 
     deadline: float                 # wall clock
     expires: float                  # monotonic
-    # Who paused (`owner` of each pause command, "" untagged); a resume naming an owner lifts
-    # that owner's part only. Empty (a pause adopted after a restart): any resume lifts it.
-    owners: frozenset[str] = frozenset()
+    # Who paused (`owner` of each pause command, "" untagged), each until when: (deadline,
+    # expires). A resume naming an owner lifts that owner's part only, and the pause then lasts
+    # as long as the longest part left: an orphan's part (a refit whose holder died) lapses at
+    # its own deadline, not at a later refit's. Empty (adopted after a restart): any resume
+    # lifts it.
+    owners: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def add(self, owner: str, deadline: float, expires: float) -> None:
+        """`owner` pauses until `expires` (never shortening its own part, or the pause)."""
+        if owner not in self.owners or self.owners[owner][1] < expires:
+            self.owners[owner] = (deadline, expires)
+        if self.expires < expires:
+            self.deadline, self.expires = deadline, expires
+
+    def keep_only(self, owners: set[str]) -> bool:
+        """Lift every part but those of `owners`; whether any is left (the pause then ends
+        with the longest part left)."""
+        self.owners = {o: part for o, part in self.owners.items() if o in owners}
+        if self.owners:
+            self.deadline, self.expires = max(self.owners.values(), key=lambda p: p[1])
+        return bool(self.owners)
 
 
 @dataclass
