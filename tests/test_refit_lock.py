@@ -14,9 +14,12 @@ import pytest
 from daemon_harness import EngineSpec, Node, wait_for
 from test_coordinator import Peer, all_healthy, engines_of, fleet_of
 
+from rollout_watchdog.common import protocol
 from rollout_watchdog.emulator.testing import free_port
 from rollout_watchdog.refit_bridge.coordinator import Coordinator
+from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.lock import Fenced, LockHeld, RefitLock
+from rollout_watchdog.refit_bridge.membership import RESTORED_WAIT_S, restored_due
 from rollout_watchdog.refit_bridge.weights import RefitState, Unfinished, WeightBook
 
 # ---------------------------------------------------------------------- pure logic
@@ -103,6 +106,20 @@ def test_refit_state_survives_a_restart_and_a_broken_file_is_named(tmp_path: Pat
         {"next_token": 3, "unfinished": {"number": 2, "holder": "a", "version": "v1"}}))
     with pytest.raises(ValueError, match="refit.json.*unfinished.*pause_owner"):
         state.load()
+
+
+def test_a_restored_lease_waits_for_its_members_nodes_not_only_a_node_timeout() -> None:
+    """A lease found on disk ended a node timeout after the start: on a loaded host its node
+    said hello later, no member URL was known, and its members stayed paused (a suite run).
+    Now it waits for its members' nodes, up to RESTORED_WAIT_S."""
+    view = FleetView(node_timeout_s=3.0)
+    view.expected |= {"n1", "n2"}
+    members = [("n1", "e0", 1)]
+    assert not restored_due(view, members, 100.0, 104.0)   # past a node timeout, n1 away
+    view.hello(protocol.Hello("n1", "b1", [], 0), "n1", 104.0, 0.0)
+    assert restored_due(view, members, 100.0, 104.0)       # (n2 holds no member)
+    assert restored_due(FleetView(node_timeout_s=3.0), members, 100.0, 100.0 + RESTORED_WAIT_S)
+    assert restored_due(view, [], 100.0, 104.0)            # no member: the view's own wait
 
 
 # ---------------------------------------------------------------------- the coordinator

@@ -58,6 +58,20 @@ def router_members(view: FleetView, book: WeightBook) -> dict[str, str | None]:
     return members
 
 
+RESTORED_WAIT_S = 60.0   # the longest a restarted coordinator waits for a lease's nodes
+
+
+def restored_due(view: FleetView, members: list[Member], started: float, now: float) -> bool:
+    """Whether a lease found on disk at the start can be ended (its members put back, their
+    URLs known from their nodes' hellos): every node of `members` is back, or RESTORED_WAIT_S
+    passed (a node away longer lifts the refit's pause at its deadline, or when it is back:
+    the coordinator's owed resumes). A lease with no member waits for the view as a whole."""
+    nodes = {node for node, _, _ in members}
+    if not nodes:
+        return view.warm(started, now)
+    return nodes <= view.nodes.keys() or now - started >= RESTORED_WAIT_S
+
+
 def member_urls(view: FleetView, members: list[Member]) -> list[str]:
     """The URLs of those incarnations still in the view (a replaced one is not paused)."""
     urls = []

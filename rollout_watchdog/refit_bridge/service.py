@@ -115,9 +115,8 @@ class RefitService:
                         "stale until the next refit commits", len(in_flight))
             self.book.stale(in_flight)
         self.lock = RefitLock(next_token, holder_timeout_s)
-        # The lease held when the coordinator stopped: ended as if expired once the view is whole
-        self._restored = None if unfinished is None else self.lock.restore(
-            unfinished, in_flight, time.monotonic())
+        self._restored = None if unfinished is None else self.lock.restore(   # the lease held
+            unfinished, in_flight, time.monotonic())   # when it stopped: ended as if expired
         self.relaunched: list[tuple[str, str]] = []
         # A lease that ended uncommitted: its members' put-back, then its resume.
         self._putback: tuple[PutBack, Lease] | None = None
@@ -382,7 +381,9 @@ class RefitService:
             self._save()   # (the state kept it until now: a restart would put them back again)
             self._resume(core, lease, now)
         expired = self.lock.expire(now)
-        if self._restored is not None and core.view.warm(core.started_at, now):
+        if self._restored is not None and membership.restored_due(
+                core.view, self._restored.members + self._restored.continuing,
+                core.started_at, now):
             expired, self.lock.lease = (self._restored, "the coordinator stopped during it"), None
             self._restored = None
         if expired is None:
