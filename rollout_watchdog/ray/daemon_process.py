@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from rollout_watchdog.cli.client import ControlClient, ControlError
+from rollout_watchdog.config import ConfigError, load_config
 from rollout_watchdog.watchdog.process import (
     ProcKey,
     ProcStat,
@@ -28,11 +29,6 @@ from rollout_watchdog.watchdog.process import (
     process_table,
     read_stat,
 )
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 log = logging.getLogger(__name__)
 # What Ray sets for a worker that holds no accelerator ("" for CUDA: vllm#3198). The daemon
@@ -149,8 +145,8 @@ def stop_daemons_of(namespace: str, node_id: str, timeout_s: float) -> list[int]
     late = []
     for key, config_path in daemons_of(namespace, node_id).items():
         try:
-            control = str(tomllib.loads(config_path.read_text())["control"])
-        except (OSError, ValueError, KeyError) as exc:
+            control = load_config(config_path, check_commands=False).control
+        except ConfigError as exc:
             log.warning("node daemon %d: no control socket in %s (%s): stopped without its "
                         "launched engines forgotten", key.pid, config_path, exc)
         else:

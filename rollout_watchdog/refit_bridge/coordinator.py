@@ -224,7 +224,7 @@ class Coordinator:
     def _release_held(self, now: float) -> None:
         """Run the held commands that are due (with what is left of their time), and refuse
         those queued too long behind others, within HELD_BUDGET_S of this sweep."""
-        if not len(self._held):
+        if not self._held:
             return
         waits = waits_for_the_view(self.view, self._started_at, now)
         budget = time.monotonic() + HELD_BUDGET_S
@@ -264,9 +264,9 @@ class Coordinator:
             self.reply(client, queries.error(cmd, f"{cmd.cmd} goes to one node: name it "
                                              "('node')", protocol.BAD_ARGS))
             return
-        kept = self.refit.pause_owner
-        if cmd.cmd == "resume" and cmd.args.get("owner") is None and kept is not None:
-            cmd = replace(cmd, args={**cmd.args, "keep": kept})   # a refit's pause stays
+        live = self.refit.live_lease   # a refit's pause stays until its end
+        if cmd.cmd == "resume" and cmd.args.get("owner") is None and live is not None:
+            cmd = replace(cmd, args={**cmd.args, "keep": live.pause_owner})
         targets = [cmd.node] if cmd.node is not None else self.view.reachable()
         self.gather(client, _with_wait(cmd), targets, now)
 

@@ -394,10 +394,9 @@ class RefitService:
         self._ended(core, lease, now, why, expired=True)
 
     @property
-    def pause_owner(self) -> str | None:
-        """The owner tag of the refit pause that must stay: a lease's, held or being put back."""
-        lease = self.lock.lease or (self._putback[1] if self._putback is not None else None)
-        return None if lease is None else lease.pause_owner
+    def live_lease(self) -> Lease | None:
+        """The lease whose end is not over: held, or its members being put back."""
+        return self.lock.lease or (self._putback[1] if self._putback is not None else None)
 
     def next_deadline(self) -> float | None:
         unsaved = self.saves.next_deadline()
@@ -492,7 +491,7 @@ class RefitService:
         self.saves.submit(self._content())
 
     def _content(self) -> bytes:
-        lease = self.lock.lease or (self._putback[1] if self._putback is not None else None)
+        lease = self.live_lease
         return self.state.encode(self.book, self.lock.next_token, *(
             ([], None) if lease is None else (lease.members, lease.unfinished())))
 
