@@ -517,3 +517,47 @@ def test_a_coordinator_killed_with_its_trainer_mid_refit_puts_the_members_back(
         assert {(e.weight_version, e.serving) for e in fleet.engines()} == {("v2", True)}
     finally:
         fleet.close()
+
+
+def test_a_coordinator_killed_during_a_put_back_puts_the_members_back_after_its_restart(
+        make_node: Callable[..., Node], restartable: Callable[..., CoordinatorProcess],
+        tmp_path: Path) -> None:
+    """The trainer SIGKILLed mid-refit, its lease ended (holder silent), and the coordinator
+    (with a state dir) SIGKILLed while it put the members back: one member's put-back hung
+    (its server SIGSTOPped). The state written at the lease's end did not name the lease
+    being put back, so the restarted coordinator left that member paused until its watchdog
+    killed it. Now the state keeps that lease until its put-back ended: the restarted
+    coordinator puts the member back, and no engine is restarted."""
+    state = str(tmp_path / "state")
+    args = ("--node-timeout", "3", "--holder-timeout", "2", "--state-dir", state)
+    coordinator = restartable(*args)
+    fleet = FleetClient(coordinator.endpoint)
+    hung = None
+    try:
+        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+        fleet.wait_until(all_healthy(2), 90)
+        before = {e.name: e.incarnation for e in fleet.engines()}
+        urls = [str(e.url) for e in fleet.engines()]
+        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--gate-commit")
+        assert line_of(trainer)["updated"]
+        hung = fleet.engines()[0].pid
+        assert hung is not None
+        os.kill(hung, signal.SIGSTOP)
+        trainer.kill()
+        trainer.wait(10)
+        wait_for(lambda: (fleet.call("ping")[1]["refit"]["holder"] or {}).get("holder")
+                 == "coordinator", 30, "the coordinator putting the members back")
+        coordinator.kill()
+        os.kill(hung, signal.SIGCONT)
+        hung = None
+        assert generate(urls[0], timeout=1.0)[0] is None   # still paused
+        restartable(*args)
+        for url in urls:
+            wait_for(partial(generating, url), 60, f"{url} generating")
+        fleet.wait_until(lambda view: {(e.weight_version, e.serving, e.paused)
+                                       for e in view} == {(None, False, False)}, 60)
+        assert {e.name: e.incarnation for e in fleet.engines()} == before
+    finally:
+        if hung is not None:
+            os.kill(hung, signal.SIGCONT)
+        fleet.close()

@@ -41,6 +41,7 @@ from rollout_watchdog.refit_bridge import service as refit
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.fleet import NODE_TIMEOUT_S, FleetView, node_event
 from rollout_watchdog.refit_bridge.held import MAX_HELD, HeldCommands, waits_for_the_view
+from rollout_watchdog.refit_bridge.lease_end import RELEASE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S
 from rollout_watchdog.refit_bridge.metrics import CoordinatorMetrics
 from rollout_watchdog.refit_bridge.refit_call import Finish
@@ -301,7 +302,7 @@ class Coordinator:
                 if now < until:
                     resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume",
                                               {"all": True, "owner": owner}, None, None,
-                                              refit.RELEASE_TIMEOUT_S)
+                                              RELEASE_TIMEOUT_S)
                     self.gather(None, resume, [node], now)
 
     def refit_ended(self, outcome: str, duration_s: float) -> None:

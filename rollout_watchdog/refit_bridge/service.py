@@ -46,9 +46,9 @@ malformed one is refused naming it (code BAD_ARGS).
   resumed; a commit with `release` likewise.
 
 A lease that ends with members neither committed nor aborted (it ran out, its holder went
-silent, or released without either) first puts them back in service off the loop
-(putback.py: `end_weight_update`, `continue_generation`, each bounded), marks them stale, and
-only then lifts its pause: a dead trainer's paused generation must not fail their deep probes.
+silent, or released without either) marks them stale, puts them back in service off the loop
+(lease_end.py, putback.py: `end_weight_update`, `continue_generation`, each bounded), and only
+then lifts its pause: a dead trainer's paused generation must not fail their deep probes.
 A lease committed without `release` that then runs out or goes silent puts its members back
 the same way, without marking them stale (they hold the committed version): its holder died
 before it continued their generation. Until then the lock is refused as held by `coordinator`
@@ -75,8 +75,8 @@ from rollout_watchdog.common.commands import Arg, Registry, flag, number, rule, 
 from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.refit_bridge import member_pages, membership
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
+from rollout_watchdog.refit_bridge.lease_end import RELEASE_TIMEOUT_S, LeaseEnd
 from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S, Fenced, Lease, LockHeld, RefitLock
-from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
 from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError, Releasing
 from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
 from rollout_watchdog.refit_bridge.weights import (
@@ -89,11 +89,9 @@ from rollout_watchdog.refit_bridge.weights import (
 
 log = logging.getLogger(__name__)
 PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
-RELEASE_TIMEOUT_S = 5.0
 # A release answers once its resume is acknowledged, or after this: a node that does not answer
 # must not hold the holder's block (timeout_s bounds the refit, its teardown included).
 RESUME_ANSWER_S = 1.0
-PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
 # A handler answers with its result, or None when it answers by itself (refit_acquire).
 Handler = Callable[["RefitService", Call], "dict[str, Any] | None"]
 COMMANDS: Registry[Handler] = Registry("the coordinator")
@@ -118,8 +116,7 @@ class RefitService:
         self._restored = None if unfinished is None else self.lock.restore(   # the lease held
             unfinished, in_flight, time.monotonic())   # when it stopped: ended as if expired
         self.relaunched: list[tuple[str, str]] = []
-        # A lease that ended uncommitted: its members' put-back, then its resume.
-        self._putback: tuple[PutBack, Lease] | None = None
+        self.ending = LeaseEnd(self.book, self._save)
         # A release's request id: its answer, sent once its resume is in (or at its deadline).
         self._releasing: dict[str, Releasing] = {}
         if self.state.writer is not None:
@@ -176,13 +173,9 @@ class RefitService:
         holder, version = call.args["holder"], call.args["version"]
         lease_s, deadline_s = call.args["lease_s"], call.args["deadline_s"]
         paged: bool = call.args["paged"]
-        if self._putback is not None:
-            ended = self._putback[1]
-            raise RefitError(
-                f"the refit lock is held by the coordinator: it puts the members of refit "
-                f"#{ended.number} (by {ended.holder}, which neither committed nor aborted) back "
-                "in service", {"holder": "coordinator", "version": ended.version,
-                               "expires_in_s": 2 * PUTBACK_CALL_S}, protocol.LOCK_HELD)
+        refusal = self.ending.refusal()
+        if refusal is not None:
+            raise refusal
         try:
             lease = self.lock.acquire(holder, version, lease_s, now)
         except LockHeld as exc:
@@ -375,11 +368,7 @@ class RefitService:
         self.saved(now)
         for request_id in [r for r, wait in self._releasing.items() if now >= wait.deadline]:
             self._answer_release(request_id)
-        if self._putback is not None and self._putback[0].done():
-            lease = self._putback[1]
-            self._putback = None
-            self._save()   # (the state kept it until now: a restart would put them back again)
-            self._resume(core, lease, now)
+        self.ending.tick(core, now)
         expired = self.lock.expire(now)
         if self._restored is not None and membership.restored_due(
                 core.view, self._restored.members + self._restored.continuing,
@@ -396,63 +385,19 @@ class RefitService:
     @property
     def live_lease(self) -> Lease | None:
         """The lease whose end is not over: held, or its members being put back."""
-        return self.lock.lease or (self._putback[1] if self._putback is not None else None)
+        return self.lock.lease or self.ending.putting_back
 
     def next_deadline(self) -> float | None:
         unsaved = self.saves.next_deadline()
-        putback = None if self._putback is None else time.monotonic() + PUTBACK_POLL_S
+        putback = self.ending.next_deadline(time.monotonic())
         releasing = min((wait.deadline for wait in self._releasing.values()), default=None)
         return min((d for d in (unsaved, putback, releasing, self.lock.next_deadline())
                     if d is not None), default=None)
 
     def _ended(self, core: Core, lease: Lease, now: float, why: str, expired: bool,
                resumed: Callable[[], None] | None = None) -> None:
-        """The lease is over: its members' weights settled, then its pause lifted (`resumed`
-        runs once the nodes acknowledged that; at once when a put-back comes first, which
-        takes its time)."""
-        core.refit_ended("committed" if lease.committed else "aborted" if lease.aborted
-                         else "expired" if expired else "released", now - lease.taken)
         self.relaunched = []
-        urls: list[str] | None = None   # the members to put back before probes resume
-        if lease.members:
-            # Neither committed nor aborted: its weights are unknown, and its holder may have
-            # left their generation paused.
-            urls = membership.member_urls(core.view, lease.members)
-            self.book.stale(lease.members)
-            core.weights_changed()
-            log.warning("refit %r (refit #%d) ended uncommitted (%s): putting %d member(s) "
-                        "back in service, stale", lease.version, lease.number, why, len(urls))
-        elif expired and lease.continuing:
-            # Committed, and its holder gone before it continued their generation: they
-            # hold the fleet's version, paused.
-            urls = membership.member_urls(core.view, lease.continuing)
-            log.warning("refit %r (refit #%d) ended committed but unreleased (%s): continuing "
-                        "generation on %d member(s)", lease.version, lease.number, why,
-                        len(urls))
-        self._save()
-        if urls is None:
-            self._resume(core, lease, now, resumed)
-            return
-        self._putback = (PutBack(f"refit #{lease.number}", urls), lease)
-        if resumed is not None:
-            resumed()
-
-    def _resume(self, core: Core, lease: Lease, now: float,
-                resumed: Callable[[], None] | None = None) -> None:
-        """Lift the refit's own pause on every reachable node (its owner tag: a pause by
-        finish_generation, or by a later refit, stays); `resumed` runs once they all
-        acknowledged it, or the gathering's bound passed."""
-        resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume",
-                                  {"all": True, "owner": lease.pause_owner}, None, None,
-                                  RELEASE_TIMEOUT_S)
-
-        def finish(gathering: Gathering) -> protocol.Reply | None:
-            core.resume_owed(lease.pause_owner, [n for n in core.view.nodes if gathering.answers
-                                                 .get(n, {}).get("status") != "ok"])
-            if resumed is not None:
-                resumed()
-            return gathering.reply()
-        core.gather(None, resume, core.view.reachable(), now, finish)
+        self.ending.end(core, lease, now, why, expired, resumed)
 
     # ------------------------------------------------------------------ questions
 
@@ -474,9 +419,7 @@ class RefitService:
         holder = None if lease is None else {   # (never its token)
             "holder": lease.holder, "version": lease.version,
             "expires_in_s": max(0.0, lease.expires - now)}
-        if self._putback is not None:
-            holder = {"holder": "coordinator", "version": self._putback[1].version,
-                      "expires_in_s": 2 * PUTBACK_CALL_S}
+        holder = self.ending.holder() or holder
         return {"current_version": self.book.current, "holder": holder}
 
     def _relaunch_deferred(self, core: Core, now: float) -> list[tuple[str, str]]:

@@ -1,0 +1,128 @@
+"""How a refit's lease ends at the coordinator: its members' weights settled, then its deep-probe
+pause lifted on every node.
+
+A lease that ends with members neither committed nor aborted (it ran out, its holder went
+silent, or released without either) leaves them with unknown weights and maybe paused: they
+are marked stale and put back in service off the loop (putback.py) before its pause is lifted,
+as a dead trainer's paused generation must not fail their deep probes. A lease committed
+without a release that then ends has its members' generation continued the same way (they hold
+the committed version). Until a put-back ended, the lock is held by `coordinator`, and the
+state on disk keeps its lease (a restarted coordinator puts them back again).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from rollout_watchdog.agent.fanout import Gathering
+from rollout_watchdog.common import protocol
+from rollout_watchdog.refit_bridge import membership
+from rollout_watchdog.refit_bridge.lock import Lease
+from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
+from rollout_watchdog.refit_bridge.refit_call import Core, RefitError
+from rollout_watchdog.refit_bridge.weights import Member, WeightBook
+
+log = logging.getLogger(__name__)
+# A release's node commands; a node that does not answer the resume in time is owed it.
+RELEASE_TIMEOUT_S = 5.0
+PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
+
+
+class LeaseEnd:
+    """The ends of leases: at most one put-back at a time (the lock is held meanwhile)."""
+
+    def __init__(self, book: WeightBook, save: Callable[[], None]) -> None:
+        self.book = book
+        self._save = save   # the state changed (it names `putting_back`'s lease while there is one)
+        self._putback: tuple[PutBack, Lease] | None = None
+
+    @property
+    def putting_back(self) -> Lease | None:
+        """The lease whose members are being put back (the lock is not free until then)."""
+        return None if self._putback is None else self._putback[1]
+
+    def holder(self) -> dict[str, Any] | None:
+        """Who holds the lock while a put-back runs (`ping`'s and a refusal's holder)."""
+        lease = self.putting_back
+        return None if lease is None else {"holder": "coordinator", "version": lease.version,
+                                           "expires_in_s": 2 * PUTBACK_CALL_S}
+
+    def refusal(self) -> RefitError | None:
+        """An acquisition's refusal while a put-back runs (None: none runs)."""
+        lease = self.putting_back
+        if lease is None:
+            return None
+        return RefitError(f"the refit lock is held by the coordinator: it puts the members of "
+                          f"refit #{lease.number} (by {lease.holder}, which neither committed "
+                          "nor aborted) back in service", self.holder(), protocol.LOCK_HELD)
+
+    def end(self, core: Core, lease: Lease, now: float, why: str, expired: bool,
+            resumed: Callable[[], None] | None = None) -> None:
+        """`lease` is over: its members' weights settled, then its pause lifted (`resumed`
+        runs once the nodes acknowledged that; at once when a put-back comes first, which
+        takes its time)."""
+        core.refit_ended("committed" if lease.committed else "aborted" if lease.aborted
+                         else "expired" if expired else "released", now - lease.taken)
+        if lease.members:
+            # Neither committed nor aborted: its weights are unknown, and its holder may have
+            # left their generation paused.
+            log.warning("refit %r (refit #%d) ended uncommitted (%s): putting its member(s) "
+                        "back in service, stale", lease.version, lease.number, why)
+            self.put_back(core, lease, lease.members, stale=True)
+        elif expired and lease.continuing:
+            # Committed, and its holder gone before it continued their generation: they
+            # hold the fleet's version, paused.
+            log.warning("refit %r (refit #%d) ended committed but unreleased (%s): continuing "
+                        "generation on its member(s)", lease.version, lease.number, why)
+            self.put_back(core, lease, lease.continuing, stale=False)
+        else:
+            self._save()
+            self.resume(core, lease, now, resumed)
+            return
+        if resumed is not None:
+            resumed()
+
+    def put_back(self, core: Core, lease: Lease, members: list[Member], stale: bool) -> int:
+        """Put these members of `lease` back in service (`stale`: marked so first), then lift
+        its pause; how many are still in the view (a replaced incarnation is not paused)."""
+        urls = membership.member_urls(core.view, members)
+        if stale:
+            self.book.stale(members)
+            core.weights_changed()
+        self._putback = (PutBack(f"refit #{lease.number}", urls), lease)
+        self._save()   # (with the put-back's lease: a restart puts them back again)
+        return len(urls)
+
+    def tick(self, core: Core, now: float) -> None:
+        """Once a put-back ended: the state forgets its lease, and its pause is lifted."""
+        if self._putback is not None and self._putback[0].done():
+            lease = self._putback[1]
+            self._putback = None
+            self._save()
+            self.resume(core, lease, now)
+
+    def next_deadline(self, now: float) -> float | None:
+        return None if self._putback is None else now + PUTBACK_POLL_S
+
+    def resume(self, core: Core, lease: Lease, now: float,
+               resumed: Callable[[], None] | None = None) -> None:
+        """Lift the refit's own pause on every reachable node (its owner tag: a pause by
+        finish_generation, or by a later refit, stays); `resumed` runs once they all
+        acknowledged it, or the gathering's bound passed. A node that did not is owed it."""
+        resume = protocol.Command(f"refit-resume-{uuid.uuid4().hex}", "resume",
+                                  {"all": True, "owner": lease.pause_owner}, None, None,
+                                  RELEASE_TIMEOUT_S)
+
+        def finish(gathering: Gathering) -> protocol.Reply | None:
+            core.resume_owed(lease.pause_owner, [n for n in core.view.nodes if gathering.answers
+                                                 .get(n, {}).get("status") != "ok"])
+            if resumed is not None:
+                resumed()
+            return gathering.reply()
+        core.gather(None, resume, core.view.reachable(), now, finish)
+
+
+__all__ = ["LeaseEnd", "PUTBACK_POLL_S", "RELEASE_TIMEOUT_S"]
