@@ -4,7 +4,8 @@ run_trainer`); as a script, in a process of its own, for a trainer a test kills 
 script prints one JSON line: the outcome (unless it is killed first).
 
     python tests/refit_trainer.py EP VERSION SEED [--hold | --stall | --gate-commit |
-        --die-before CMD | --die-after CMD] [--lease-s S] [--timeout-s S]
+        --die-before CMD | --die-after CMD] [--hold-after CMD,...] [--lease-s S]
+        [--timeout-s S]
 
 `--hold` takes the lock, prints {"token": N} and then waits to be killed (a trainer that dies
 holding the lock). `--stall` goes further: its update has paused the members' generation and
@@ -12,7 +13,9 @@ opened their update sessions when it prints {"token": N, "paused": true} and wai
 killed or stopped (a trainer that dies or stalls mid-refit). `--gate-commit` prints
 {"updated": true} once its update went out whole and commits once a line comes on its stdin
 (a trainer stopped just before its commit); `--die-before refit_commit` SIGKILLs itself just
-before it sends that lock call, `--die-after` once it has its answer."""
+before it sends that lock call, `--die-after` once it has its answer. `--hold-after`, with
+`--gate-commit`: past the gate, once a call to the coordinator of one of those commands
+ended, prints {"held_after": CMD} and goes on once a line comes on its stdin."""
 
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ def main() -> int:
     parser.add_argument("--gate-commit", action="store_true")
     parser.add_argument("--die-before", metavar="CMD")
     parser.add_argument("--die-after", metavar="CMD")
+    parser.add_argument("--hold-after", metavar="CMD,...", default="")
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
     args = parser.parse_args()
@@ -83,9 +87,25 @@ def main() -> int:
     def stall(refit: Refit) -> None:   # one tensor a bucket: the first is broadcast first
         refit.update_weights(stalled(refit.token, args.seed), bucket_bytes=1)
 
+    gated = []
+
     def gate(refit: Refit) -> None:
         print(json.dumps({"updated": True}), flush=True)
         sys.stdin.readline()
+        gated.append(True)
+
+    if args.hold_after:
+        client_call = FleetClient.call
+
+        def holding(client: FleetClient, cmd: str, *rest: Any, **kwargs: Any) -> tuple[str, Any]:
+            try:
+                return client_call(client, cmd, *rest, **kwargs)
+            finally:
+                if gated and cmd in args.hold_after.split(","):
+                    print(json.dumps({"held_after": cmd}), flush=True)
+                    sys.stdin.readline()
+
+        FleetClient.call = holding  # type: ignore[method-assign]
 
     if args.die_before or args.die_after:
         call = LockHolder.call

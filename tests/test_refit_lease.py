@@ -385,6 +385,54 @@ def test_a_trainer_dead_right_after_its_commit_leaves_no_engine_paused(
         assert fleet.call("ping")[1]["refit"]["holder"] is None
 
 
+def test_a_holder_whose_coordinator_restarted_never_continues_the_next_holders_members(
+        make_node: Callable[..., Node], restartable: Callable[..., CoordinatorProcess]) -> None:
+    """Trainer A's coordinator restarted without a state dir just before A's commit. A's
+    abort (its lease lost) asked whether anyone held the lock (`ping`), then continued its
+    members itself: trainer B, which took the lock between the two, had its paused members
+    continued mid-update (the hostile run). Now A asks the coordinator to put them back
+    (`refit_putback`), which checks and begins it in one step: B takes the lock once it
+    ended, and B's members stay paused whatever A does next."""
+    coordinator = restartable("--node-timeout", "3")
+    fleet = FleetClient(coordinator.endpoint)
+    a = b = None
+    try:
+        start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+        fleet.wait_until(all_healthy(2), 90)
+        urls = [str(e.url) for e in fleet.engines()]
+        a = trainer_process(coordinator.endpoint, "vA", 1, "--gate-commit",
+                            "--hold-after", "ping,refit_putback")
+        assert line_of(a)["updated"]
+        coordinator.kill()
+        restartable("--node-timeout", "3")
+        fleet.wait_until(all_healthy(2), 60)   # (the node is back)
+        go(a)
+        assert line_of(a)["held_after"] in {"ping", "refit_putback"}   # A has asked
+        b = trainer_process(coordinator.endpoint, "vB", 2, "--stall")
+        assert line_of(b)["paused"]
+        go(a)
+        outcome = line_of(a)
+        assert outcome["error"] == "LeaseLost", outcome
+        assert a.wait(30) == 1
+        assert {generate(url, timeout=1.0)[0] for url in urls} == {None}, \
+            "the stale holder continued the next holder's members"
+        holder = fleet.call("ping")[1]["refit"]["holder"]
+        assert holder is not None and holder["version"] == "vB", holder
+    finally:
+        for trainer in (a, b):
+            if trainer is not None:
+                trainer.kill()
+                trainer.wait(10)
+        fleet.close()
+
+
+def go(trainer: subprocess.Popen[str]) -> None:
+    """Let a trainer waiting on its stdin (--gate-commit, --hold-after) go on."""
+    assert trainer.stdin is not None
+    trainer.stdin.write("go\n")
+    trainer.stdin.flush()
+
+
 def test_a_commit_without_an_answer_leaves_no_member_paused(
         make_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch) -> None:
     """The commit is sent while generation is paused; when it gets no answer

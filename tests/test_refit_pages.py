@@ -245,6 +245,57 @@ def test_a_lock_being_put_back_by_the_coordinator_is_refused_as_held() -> None:
     assert refused.result["holder"] == "coordinator"
 
 
+def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_have(
+        tmp_path: Path) -> None:
+    """`refit_putback`: a holder whose lease was lost to a coordinator restart asks for its
+    members to be put back. A coordinator that started without refit state, after that lease,
+    and granted none since puts them back (stale), holding the lock meanwhile; one that knows
+    the lease's end (its own token, its state file, a lease granted since) says who did; one
+    whose lock is held refuses it as held: that holder continues them (the hostile run's
+    stale holder continued them itself after asking `ping`, under the next holder)."""
+    engine = {"node_id": "n1", "id": "e0", "incarnation": 1, "tp_size": 1,
+              "url": "http://127.0.0.1:1", "process": "p"}   # (refuses: put back at once)
+    core, service = Core([engine]), RefitService(None)
+    lost = {"holder": "a", "token": "0123456789abcdef-7-00ff", "version": "vA",
+            "members": [["n1", "e0", 1], ["n1", "e9", 1]]}
+    asked = core.call(service, "refit_putback", lost)
+    assert (asked.status, asked.result) == ("ok", {"put_back": 1})   # (e9: not in the view)
+    assert service.book.held[("n1", "e0")].version is None   # stale
+    held = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"})
+    assert (held.code, held.result["holder"]) == (protocol.LOCK_HELD, "coordinator")
+    put_back_ended(service, core)
+
+    token = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"}).result["token"]
+    mine = core.call(service, "refit_putback", {**lost, "holder": "b", "token": token})
+    assert (mine.code, "refit_abort" in str(mine.reason)) == (protocol.BAD_ARGS, True)
+    refused = core.call(service, "refit_putback", lost)
+    assert (refused.code, refused.result["holder"]) == (protocol.LOCK_HELD, "b")
+    assert core.call(service, "refit_release", {"holder": "b", "token": token}).status == "ok"
+    put_back_ended(service, core)   # (b neither committed nor aborted)
+    since = core.call(service, "refit_putback", lost).result
+    assert since["put_back"] == 0 and "refit #1 took the lock since" in since["because"]
+    here = core.call(service, "refit_putback", {**lost, "holder": "b", "token": token}).result
+    assert here["put_back"] == 0 and "ended at this coordinator" in here["because"]
+    bad = core.call(service, "refit_putback", {**lost, "members": [["n1", "e0"]]})
+    assert bad.code == protocol.BAD_ARGS and "'members'" in str(bad.reason)
+
+    state = str(tmp_path / "state")
+    RefitService(state).close()   # (a state file: this coordinator knew every earlier lease)
+    restarted = RefitService(state)
+    known = Core([engine]).call(restarted, "refit_putback", lost).result
+    assert known["put_back"] == 0 and "state knew that refit" in known["because"]
+    restarted.close()
+
+
+def put_back_ended(service: RefitService, core: Core) -> None:
+    """The coordinator's loop turns until its put-back ended and the lock is free."""
+    deadline = time.monotonic() + 10
+    while service.live_lease is not None:
+        assert time.monotonic() < deadline, "the put-back did not end within 10 s"
+        service.tick(core, time.monotonic())
+        time.sleep(0.01)
+
+
 def test_a_command_too_big_for_one_message_is_refused_before_it_is_sent() -> None:
     """A refit naming 20,000 long-named members to a coordinator before 1.3: a contract
     error with code TOO_BIG, never a raw ValueError out of the refit."""

@@ -78,10 +78,17 @@ class Lease:
         self.expires = now + self.lease_s
 
 
+def number_of(token: object) -> int:
+    """The counter half of a token (0 when it has none: the token is opaque to clients)."""
+    parts = token.split("-") if isinstance(token, str) else []
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdecimal() else 0
+
+
 class RefitLock:
     def __init__(self, next_token: int = 1, holder_timeout_s: float = HOLDER_TIMEOUT_S,
                  epoch: str | None = None) -> None:
         self.next_token = next_token   # the counter; persisted with a state dir (for the logs)
+        self.first_token = next_token  # (the counter at the start: what was granted since)
         self.epoch = epoch or secrets.token_hex(8)   # fresh at every start: tokens never repeat
         self.holder_timeout_s = holder_timeout_s
         self.lease: Lease | None = None
@@ -109,6 +116,17 @@ class RefitLock:
                            committed=saved.committed, continuing=list(saved.continuing),
                            pause_owner=saved.pause_owner, granting=True, taken=now)
         return self.lease
+
+    def ended_lease(self, token: object) -> str | None:
+        """Why this lock knows how the lease of `token` (not the current one) ended, or was
+        taken over since (None: its token is of an earlier start, and nothing was granted
+        since this one)."""
+        if isinstance(token, str) and token.startswith(f"{self.epoch}-"):
+            return "its lease ended at this coordinator, which put its members back"
+        if self.next_token > self.first_token:
+            return (f"refit #{self.next_token - 1} took the lock since this coordinator "
+                    "started: its holder put them back")
+        return None
 
     def check(self, token: object, holder: object, now: float) -> Lease:
         """The current lease if `token` and `holder` are its own (the holder is heard);

@@ -373,10 +373,10 @@ class Refit:
         self._group = None
         if self._state.snapshot().lease_lost:   # the members may be the next holder's now:
             self._abort_group(group, "the lease was lost")   # only this side is torn down
-            if group is not None:                # (the coordinator put them back when the
-                group.destroy(skip=group.members)   # lease ended; one restarted since did
-            if paused and self._lock_free():        # not: nobody holds the lock, so they are
-                self._continue_generation({str(e.url) for e in self.engines})   # continued)
+            if group is not None:
+                group.destroy(skip=group.members)
+            if paused:   # (the lease's end put them back, unless the coordinator restarted
+                self._put_back()   # since: then it does, asked to)
             return
         wedged: list[Member] = []
         to_continue: set[str] = set()
@@ -396,13 +396,24 @@ class Refit:
             log.error("refit %r: the coordinator did not record the abort (its lease will "
                       "end and do it): %s", self.version, exc)
 
-    def _lock_free(self) -> bool:
-        """Whether nobody holds the refit lock now (False when the coordinator cannot say)."""
+    def _put_back(self) -> None:
+        """Ask the coordinator to put back the members this refit left paused, its lease lost.
+        It does so only if nobody can have (service.py, refit_putback), checked and begun in
+        one step: continuing them here after asking whether the lock is free would continue a
+        next holder's paused members, had one taken the lock in between."""
         try:
-            _, result = self.client.call("ping", timeout_s=self._call_timeout())
-            return isinstance(result, dict) and (result.get("refit") or {}).get("holder") is None
-        except RolloutWatchdogError:
-            return False
+            _, result = self.client.call("refit_putback", {
+                "holder": self._lock.holder, "token": self._lock.token, "version": self.version,
+                "members": [list(_member(e)) for e in self.engines]},
+                timeout_s=self._call_timeout())
+        except RolloutWatchdogError as exc:
+            log.warning("refit %r: its lease lost, the coordinator did not put its members "
+                        "back (the next refit, or their watchdogs, do): %s", self.version, exc)
+            return
+        put_back = result.get("put_back") if isinstance(result, dict) else None
+        log.info("refit %r: its lease lost, the coordinator puts %s member(s) back in service%s",
+                 self.version, put_back, f" ({result.get('because')})" if not put_back
+                 and isinstance(result, dict) and result.get("because") else "")
 
     def _responsive(self, group: WeightUpdateGroup | None) -> tuple[set[str], list[Member]]:
         """Once the group (if any) is torn down: the URLs of the members to continue, and the

@@ -38,6 +38,14 @@ malformed one is refused naming it (code BAD_ARGS).
 - `refit_abort {holder, token, members?, wedged, reason}`: the refit failed; every member
   (without `members`: every member of the last listing) is stale until a later commit; each
   `wedged` member is restarted by its watchdog with cause `refit_wedged`.
+- `refit_putback {holder, token, version, members}` (after 1.6): the holder of a lease lost
+  (to a coordinator restart) asks that these `[node, engine, incarnation]`, which it left
+  paused, be put back in service: done as a lease's end does (below: stale, then put back)
+  only if nobody can have done it: this coordinator started without refit state, after that
+  lease (its token is of an earlier start), and granted no lease since. Answers `{put_back}`,
+  how many members it puts back (incarnations still in the view), or 0 with `because`; held
+  by another: LOCK_HELD, as for an acquisition (the holder now continues them). Checked and
+  begun in one step on the loop, so it never continues a next holder's paused members.
 - `refit_release {holder, token}`: end the refit; the refit's own pause is lifted on every
   reachable node (`resume` with its owner tag: a node paused by `finish_generation` too stays
   paused until `prepare_for_generation`, as a colocated engine may not have its KV cache back).
@@ -76,7 +84,14 @@ from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.refit_bridge import member_pages, membership
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
 from rollout_watchdog.refit_bridge.lease_end import RELEASE_TIMEOUT_S, LeaseEnd
-from rollout_watchdog.refit_bridge.lock import HOLDER_TIMEOUT_S, Fenced, Lease, LockHeld, RefitLock
+from rollout_watchdog.refit_bridge.lock import (
+    HOLDER_TIMEOUT_S,
+    Fenced,
+    Lease,
+    LockHeld,
+    RefitLock,
+    number_of,
+)
 from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError, Releasing
 from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
 from rollout_watchdog.refit_bridge.weights import (
@@ -179,10 +194,7 @@ class RefitService:
         try:
             lease = self.lock.acquire(holder, version, lease_s, now)
         except LockHeld as exc:
-            held = exc.lease   # (never its token: that is its holder's alone)
-            raise RefitError(str(exc), {"holder": held.holder, "version": held.version,
-                                        "expires_in_s": exc.expires_in_s},
-                             protocol.LOCK_HELD) from None
+            raise _held(exc) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self._listing(core)]
         self._save()
 
@@ -338,6 +350,37 @@ class RefitService:
                 core.gather(None, restart, [node], now)
         return {"stale": len(members), "restarted": [[n, e] for n, e, _ in wedged]}
 
+    @COMMANDS.command("refit_putback", Arg("holder", text(), required=True),
+                      Arg("token", lambda v: v, required=True), VERSION,
+                      Arg("members", members_of, required=True))
+    def _put_back(self, call: Call) -> dict[str, Any]:
+        """A holder whose lease was lost asks that its members be put back in service: done
+        (stale, sessions ended, generation continued) only if nobody can have done it, that is
+        if this coordinator started with no refit state, after that lease, and granted none
+        since; otherwise `put_back` is 0 and `because` says who did. Checked and begun in one
+        step: the lock is held by `coordinator` until it ended, so no next holder's paused
+        members are continued under it."""
+        token, holder, now = call.args["token"], call.args["holder"], call.now
+        held = self.lock.lease
+        if held is not None and (token, holder) == (held.token, held.holder):
+            raise ValueError("this holder holds the lock: it aborts its refit (refit_abort)")
+        refusal = self.ending.refusal()
+        if refusal is not None:
+            raise refusal
+        if held is not None:
+            raise _held(LockHeld(held, now))
+        because = (self.lock.ended_lease(token) if self.state.afresh else
+                   "this coordinator's state knew that refit: its end put them back")
+        if because is not None:
+            return {"put_back": 0, "because": because}
+        members: list[Member] = call.args["members"]
+        lease = Lease("", number_of(token), holder, call.args["version"], 0.0, now, now, [],
+                      taken=now)
+        log.warning("%s, whose lease was lost to a coordinator restart, asks that %d member(s) "
+                    "of refit %r be put back in service: they are stale", holder, len(members),
+                    lease.version)
+        return {"put_back": self.ending.put_back(call.core, lease, members, stale=True)}
+
     @COMMANDS.command("refit_release", *FENCE)
     def _release(self, call: Call) -> None:
         """End the refit: its own pause is lifted."""
@@ -437,6 +480,12 @@ class RefitService:
         lease = self.live_lease
         return self.state.encode(self.book, self.lock.next_token, *(
             ([], None) if lease is None else (lease.members, lease.unfinished())))
+
+
+def _held(exc: LockHeld) -> RefitError:
+    """The refusal of a call while another holds the lock: naming it, never its token."""
+    return RefitError(str(exc), {"holder": exc.lease.holder, "version": exc.lease.version,
+                                 "expires_in_s": exc.expires_in_s}, protocol.LOCK_HELD)
 
 
 __all__ = ["COMMANDS", "Core", "RefitService", "Member", "WeightBook"]

@@ -165,6 +165,7 @@ class RefitState:
     def __init__(self, state_dir: str | None) -> None:
         self.path = Path(state_dir) / self.FILE if state_dir else None
         self.writer = DurableWriter(self.path) if self.path else None
+        self.afresh = True   # (until `load` found a file: this coordinator knows no earlier refit)
 
     def load(self) -> tuple[WeightBook, int, list[Member], Unfinished | None]:
         """(the book, the next token, the refit in flight, its lease's `Unfinished`); a missing
@@ -172,6 +173,7 @@ class RefitState:
         reset: stale engines would serve)."""
         if self.path is None or not self.path.exists():
             return WeightBook(), 1, [], None
+        self.afresh = False
         try:
             data = json.loads(self.path.read_text())
             if not isinstance(data, dict):
