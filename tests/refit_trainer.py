@@ -4,7 +4,8 @@ run_trainer`); as a script, in a process of its own, for a trainer a test kills 
 script prints one JSON line: the outcome (unless it is killed first).
 
     python tests/refit_trainer.py EP VERSION SEED [--hold | --stall | --gate-commit |
-        --die-before CMD | --die-after CMD] [--hold-after CMD,...] [--lease-s S]
+        --die-before CMD | --die-after CMD | --stop-before CMD] [--hold-after CMD,...]
+        [--lease-s S]
         [--timeout-s S]
 
 `--hold` takes the lock, prints {"token": N} and then waits to be killed (a trainer that dies
@@ -13,7 +14,8 @@ opened their update sessions when it prints {"token": N, "paused": true} and wai
 killed or stopped (a trainer that dies or stalls mid-refit). `--gate-commit` prints
 {"updated": true} once its update went out whole and commits once a line comes on its stdin
 (a trainer stopped just before its commit); `--die-before refit_commit` SIGKILLs itself just
-before it sends that lock call, `--die-after` once it has its answer. `--hold-after`, with
+before it sends that lock call, `--die-after` once it has its answer; `--stop-before` SIGSTOPs
+itself there (a trainer stopped between its checks and its commit). `--hold-after`, with
 `--gate-commit`: past the gate, once a call to the coordinator of one of those commands
 ended, prints {"held_after": CMD} and goes on once a line comes on its stdin."""
 
@@ -74,6 +76,7 @@ def main() -> int:
     parser.add_argument("--gate-commit", action="store_true")
     parser.add_argument("--die-before", metavar="CMD")
     parser.add_argument("--die-after", metavar="CMD")
+    parser.add_argument("--stop-before", metavar="CMD")
     parser.add_argument("--hold-after", metavar="CMD,...", default="")
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
@@ -107,12 +110,14 @@ def main() -> int:
 
         FleetClient.call = holding  # type: ignore[method-assign]
 
-    if args.die_before or args.die_after:
+    if args.die_before or args.die_after or args.stop_before:
         call = LockHolder.call
 
         def dying(holder: LockHolder, cmd: str, *rest: Any, **kwargs: Any) -> dict[str, Any]:
             if cmd == args.die_before:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if cmd == args.stop_before:
+                os.kill(os.getpid(), signal.SIGSTOP)
             answer = call(holder, cmd, *rest, **kwargs)
             if cmd == args.die_after:
                 os.kill(os.getpid(), signal.SIGKILL)

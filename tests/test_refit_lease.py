@@ -426,6 +426,37 @@ def test_a_holder_whose_coordinator_restarted_never_continues_the_next_holders_m
         fleet.close()
 
 
+def test_a_member_relaunched_between_its_read_back_and_the_commit_is_lost_not_committed(
+        make_node: Callable[..., Node]) -> None:
+    """The trainer read every member's version back, then stopped (SIGSTOP) just before its
+    commit; meanwhile one member was SIGKILLed and relaunched with the weights from disk. On
+    going on, its commit was accepted whole and `refit()` reported that member committed (the
+    hostile run; the view was right: the new incarnation was not serving). Now the commit
+    answers it `gone`, and `refit()` raises EngineLost naming it: the others committed."""
+    with one_node_of_two(make_node, holder_timeout_s=30.0) as (coordinator, fleet, urls):
+        trainer = trainer_process(coordinator.endpoint, "v1", 1, "--stop-before",
+                                  "refit_commit")
+        try:
+            wait_for(lambda: psutil.Process(trainer.pid).status() == psutil.STATUS_STOPPED, 60,
+                     "the trainer stopped before its commit")
+            victim = by_name(fleet)["node0/e0"]
+            engine = psutil.Process(victim.pid or 0)
+            for process in [*engine.children(recursive=True), engine]:
+                process.kill()
+            fleet.wait_until(lambda view: any(e.name == "node0/e0" and e.incarnation == 2
+                                              for e in view), 60)
+            os.kill(trainer.pid, signal.SIGCONT)
+            outcome = line_of(trainer)
+        finally:
+            os.kill(trainer.pid, signal.SIGCONT)
+            trainer.kill()
+            trainer.wait(10)
+        assert outcome.get("error") == "EngineLost", outcome
+        assert outcome["lost"] == [["node0", "e0", 1]], outcome
+        fleet.wait_until(lambda view: {(e.name, e.weight_version, e.serving) for e in view} ==
+                         {("node0/e0", None, False), ("node0/e1", "v1", True)}, 30)
+
+
 def go(trainer: subprocess.Popen[str]) -> None:
     """Let a trainer waiting on its stdin (--gate-commit, --hold-after) go on."""
     assert trainer.stdin is not None

@@ -334,6 +334,30 @@ def test_an_engine_lost_during_the_acquisitions_pause_is_never_committed() -> No
     assert service.book.version_of("n1", "e2", 1, "p2") == "v1"
 
 
+def test_a_member_relaunched_before_the_commit_is_answered_gone_and_not_recorded() -> None:
+    """Members the view shows stopped or relaunched at the commit (after their holder read
+    their versions back) are not recorded and are answered `gone`; with none left, nothing
+    is committed (never a fleet version that no engine holds)."""
+    rows = [{"node_id": "n1", "id": f"e{i}", "incarnation": 1, "tp_size": 1,
+             "url": f"http://127.0.0.1:{i + 1}", "process": f"p{i}"} for i in range(2)]
+    core, service = Core(rows), RefitService(None)
+    core.view.process_of = lambda node, engine, incarnation: f"p{engine[1:]}"
+    token = core.call(service, "refit_acquire", {"holder": "t", "version": "v1"}
+                      ).result["token"]
+    core.view.nodes["n1"].engines["e0"]["incarnation"] = 2   # relaunched
+    core.view.nodes["n1"].engines["e1"]["state"] = "backoff"   # dead, not relaunched yet
+    everyone = {"holder": "t", "token": token, "version": "v1"}
+    refused = core.call(service, "refit_commit", {**everyone, "members_except": []})
+    assert (refused.code, refused.result) == (protocol.BAD_ARGS,
+                                              {"gone": [["n1", "e0", 1], ["n1", "e1", 1]]})
+    assert service.book.current is None
+    core.view.nodes["n1"].engines["e1"]["state"] = "healthy"
+    committed = core.call(service, "refit_commit", {**everyone, "members_except": []})
+    assert committed.result == {"version": "v1", "members": 1, "gone": [["n1", "e0", 1]]}
+    assert service.book.version_of("n1", "e0", 1, "p0") is None
+    assert service.book.version_of("n1", "e1", 1, "p1") == "v1"
+
+
 def saved_turns(service: RefitService, until: Callable[[], bool]) -> None:
     """The coordinator's loop turns for its refit state: woken by the writer, `saved`."""
     deadline = time.monotonic() + 10

@@ -59,6 +59,7 @@ def router_members(view: FleetView, book: WeightBook) -> dict[str, str | None]:
 
 
 RESTORED_WAIT_S = 60.0   # the longest a restarted coordinator waits for a lease's nodes
+RUNNING_STATES = {str(state) for state in EngineState if state.running}
 
 
 def restored_due(view: FleetView, members: list[Member], started: float, now: float) -> bool:
@@ -81,6 +82,19 @@ def member_urls(view: FleetView, members: list[Member]) -> list[str]:
         if seen is not None and seen.get("incarnation") == incarnation and seen.get("url"):
             urls.append(str(seen["url"]))
     return urls
+
+
+def gone(view: FleetView, members: list[Member]) -> list[Member]:
+    """Those of `members` whose incarnation is no longer running as far as the view knows:
+    stopped, dead, relaunched (another incarnation) or removed. Their update is lost."""
+    out = []
+    for node, engine, incarnation in members:
+        record = view.nodes.get(node)
+        seen = record.engines.get(engine) if record is not None else None
+        if (seen is None or seen.get("incarnation") != incarnation
+                or seen.get("state") not in RUNNING_STATES):
+            out.append((node, engine, incarnation))
+    return out
 
 
 def deferred_waiting(view: FleetView) -> list[tuple[str, str]]:

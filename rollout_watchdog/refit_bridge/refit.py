@@ -62,7 +62,7 @@ from rollout_watchdog.refit_bridge.refit_state import (
 from rollout_watchdog.refit_bridge.refit_watch import RENEW_EVERY_S, RefitWatch
 from rollout_watchdog.refit_bridge.rendezvous import free_port, master_address_for
 from rollout_watchdog.refit_bridge.views import EngineView
-from rollout_watchdog.refit_bridge.weights import check_version
+from rollout_watchdog.refit_bridge.weights import check_version, members_of
 
 if TYPE_CHECKING:
     import torch
@@ -281,13 +281,18 @@ class Refit:
         self._state.advance(Phase.COMMITTING)   # the guard renews on, until the release
         not_saved: CommandRefused | None = None
         try:   # (a 1.3 coordinator: the compact form)
-            self._lock.call("refit_commit", {"version": self.version, **(
+            answer = self._lock.call("refit_commit", {"version": self.version, **(
                 {"members_except": [list(_member(engine)) for engine, _ in wrong]}
                 if self._compact else {"members": [list(_member(e)) for e in ok]})})
         except CommandRefused as exc:
+            if _gone_of(exc.result):   # every member stopped or relaunched meanwhile
+                raise self._lost(wrong + _gone(ok, exc.result), "nothing committed") from None
             if exc.code != protocol.NOT_SAVED:
                 raise
-            not_saved = exc   # it took effect; a restarted coordinator would not know it
+            not_saved, answer = exc, {}   # it took effect; a restarted coordinator would not
+        gone = _gone(ok, answer)          # know it
+        wrong += gone
+        unanswered |= {str(e.url) for e, _ in gone}   # (a new process has no side to destroy)
         self._committed(before, urls)
         if wrong and group is not None:   # not reused with a member in an unknown state
             GROUPS.discard(self.client.address, group)
@@ -477,6 +482,22 @@ class Refit:
 
 def _member(engine: EngineView) -> Member:
     return (engine.node_id, engine.id, engine.incarnation)
+
+
+def _gone_of(result: object) -> set[Member]:
+    """The members a commit's answer (or refusal) names `gone`: stopped or relaunched after
+    their read-back, as the coordinator's view showed at the commit (not recorded)."""
+    rows = result.get("gone") if isinstance(result, dict) else None
+    try:
+        return set(members_of(rows)) if rows is not None else set()
+    except ValueError:
+        return set()
+
+
+def _gone(ok: list[EngineView], result: object) -> list[tuple[EngineView, str]]:
+    gone = _gone_of(result)
+    return [(e, "stopped or relaunched before the commit (the coordinator did not record it)")
+            for e in ok if _member(e) in gone]
 
 
 def _process(engine: EngineView) -> str | None:

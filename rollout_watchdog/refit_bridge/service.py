@@ -32,9 +32,12 @@ malformed one is refused naming it (code BAD_ARGS).
 - `refit_renew {holder, token}`: extend the lease by its `lease_s`; `{expires_in_s}`.
 - `refit_commit {holder, token, version, members, release}`: these `[node, engine,
   incarnation]` hold `version` now, which becomes the fleet's current version; the router gets
-  them. With `release: true`, the lock is released too, as `refit_release` does (one round trip
-  fewer). 1.3: `members_except` instead of `members` names those of the last listing that do
-  not (20,000 members with long host names are more than one message).
+  them. Answers `{version, members}`, and `gone` (after 1.6), those it did not record: the
+  view shows them stopped or relaunched since (their update is lost; none left: an error,
+  nothing committed, with `{gone}`). With `release: true`, the lock is released too, as
+  `refit_release` does (one round trip fewer). 1.3: `members_except` instead of `members`
+  names those of the last listing that do not (20,000 members with long host names are more
+  than one message).
 - `refit_abort {holder, token, members?, wedged, reason}`: the refit failed; every member
   (without `members`: every member of the last listing) is stale until a later commit; each
   `wedged` member is restarted by its watchdog with cause `refit_wedged`.
@@ -54,13 +57,9 @@ malformed one is refused naming it (code BAD_ARGS).
   resumed; a commit with `release` likewise.
 
 A lease that ends with members neither committed nor aborted (it ran out, its holder went
-silent, or released without either) marks them stale, puts them back in service off the loop
-(lease_end.py, putback.py: `end_weight_update`, `continue_generation`, each bounded), and only
-then lifts its pause: a dead trainer's paused generation must not fail their deep probes.
-A lease committed without `release` that then runs out or goes silent puts its members back
-the same way, without marking them stale (they hold the committed version): its holder died
-before it continued their generation. Until then the lock is refused as held by `coordinator`
-(so `ping`'s holder says too).
+silent, or released without either) has them marked stale and put back in service before its
+pause is lifted; one committed without `release` has their generation continued (lease_end.py
+says how). Until then the lock is refused as held by `coordinator` (so `ping`'s holder says).
 
 With a state dir, every reply waits until the state it reports is on disk (refit.json, written
 off the loop by durable.DurableWriter: the members of a refit in flight must be known stale
@@ -307,6 +306,13 @@ class RefitService:
         elif members is None:
             raise ValueError("'members' (or 'members_except') must be a list of [node, engine, "
                              "incarnation], got None")
+        gone = membership.gone(core.view, members)   # (since the holder checked them)
+        if gone:
+            members = [m for m in members if m not in set(gone)]
+            if not members:   # never a version that no engine holds
+                raise RefitError(f"nothing committed: every member of refit #{lease.number} "
+                                 "stopped or was relaunched since it was listed",
+                                 {"gone": [list(m) for m in gone]}, protocol.BAD_ARGS)
         self.book.commit(version, members, core.view.process_of)
         lease.committed = True
         lease.continuing = [] if call.args["release"] else lease.members or members
@@ -315,10 +321,12 @@ class RefitService:
         core.weights_changed()
         log.info("refit %r committed by %s on %d engine(s)", version, lease.holder,
                  len(members))
+        result = {"version": version, "members": len(members),
+                  **({"gone": [list(m) for m in gone]} if gone else {})}
         if call.args["release"]:
-            self._let_go(call, {"version": version, "members": len(members)})
+            self._let_go(call, result)
             return None
-        return {"version": version, "members": len(members)}
+        return result
 
     @COMMANDS.command("refit_abort", *FENCE, Arg("members", members_of),
                       Arg("wedged", members_of, []), Arg("reason", text(empty=True)))
