@@ -127,3 +127,26 @@ def test_old_servers_without_begin_end_and_a_refit_while_a_node_is_unreachable(
     assert (engines["node0/e0"].weight_version, engines["node0/e0"].serving) == ("v1", True)
     assert (engines["node1/e0"].weight_version, engines["node1/e0"].serving) == (None, False)
     assert generate(str(engines["node0/e0"].url))[2] == "v1"
+
+
+def test_two_engines_advertising_one_url_are_left_out_and_nothing_wedges(
+        make_node: Callable[..., Node], coordinator: Coordinator) -> None:
+    """A second node registers an engine under the URL (and process) of node0/e0: a lying
+    node, or two nodes configured with one loopback URL. Both were refit members, so the
+    trainer reached one server as two ranks: the refit wedged until its deadline and the real
+    engine was restarted as `refit_wedged` (the hostile run). Now engines sharing a URL are
+    neither refit members nor routed, and the refit goes on with the others."""
+    fleet = FleetClient(coordinator.endpoint)
+    start_fleet(make_node, coordinator.endpoint, nodes=1, engines=2)
+    fleet.wait_until(all_healthy(2), 90)
+    real = by_name(fleet)["node0/e0"]
+    liar = make_node([], node_id="node1", top={"coordinator": coordinator.endpoint}).start()
+    liar.client.call("register", {"engine": "x0", "url": str(real.url), "pid": real.pid})
+    fleet.wait_until(all_healthy(3), 60)
+    with fleet.refit("v1", backend="gloo", timeout_s=30) as refit:
+        assert [e.name for e in refit.engines] == ["node0/e1"]
+        refit.update_weights(weights(1))
+    engines = by_name(fleet)
+    assert {name: (e.incarnation, e.serving) for name, e in engines.items()} == {
+        "node0/e0": (1, False), "node0/e1": (1, True), "node1/x0": (1, False)}
+    assert engines["node0/e1"].weight_version == "v1"

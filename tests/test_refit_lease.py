@@ -329,16 +329,7 @@ def test_a_holder_stopped_past_its_lease_leaves_the_next_holders_members_alone(
             assert line_of(b)["paused"]   # (it waited while A's lease ran out)
             assert {generate(url, timeout=1.0)[0] for url in urls} == {None}
             os.kill(a.pid, signal.SIGCONT)
-            assert a.stdin is not None
-            a.stdin.write("go\n")
-            a.stdin.flush()
-            outcome = line_of(a)
-            assert outcome["error"] == "LeaseLost", outcome
-            assert a.wait(30) == 1
-            assert {generate(url, timeout=1.0)[0] for url in urls} == {None}, \
-                "the stale holder continued the next holder's members"
-            holder = fleet.call("ping")[1]["refit"]["holder"]
-            assert holder is not None and holder["version"] == "vB", holder
+            the_stale_holder_leaves_b_alone(a, fleet, urls)
         finally:
             for trainer in (a, b):
                 if trainer is not None and trainer.poll() is None:
@@ -410,14 +401,7 @@ def test_a_holder_whose_coordinator_restarted_never_continues_the_next_holders_m
         assert line_of(a)["held_after"] in {"ping", "refit_putback"}   # A has asked
         b = trainer_process(coordinator.endpoint, "vB", 2, "--stall")
         assert line_of(b)["paused"]
-        go(a)
-        outcome = line_of(a)
-        assert outcome["error"] == "LeaseLost", outcome
-        assert a.wait(30) == 1
-        assert {generate(url, timeout=1.0)[0] for url in urls} == {None}, \
-            "the stale holder continued the next holder's members"
-        holder = fleet.call("ping")[1]["refit"]["holder"]
-        assert holder is not None and holder["version"] == "vB", holder
+        the_stale_holder_leaves_b_alone(a, fleet, urls)
     finally:
         for trainer in (a, b):
             if trainer is not None:
@@ -455,6 +439,20 @@ def test_a_member_relaunched_between_its_read_back_and_the_commit_is_lost_not_co
         assert outcome["lost"] == [["node0", "e0", 1]], outcome
         fleet.wait_until(lambda view: {(e.name, e.weight_version, e.serving) for e in view} ==
                          {("node0/e0", None, False), ("node0/e1", "v1", True)}, 30)
+
+
+def the_stale_holder_leaves_b_alone(a: subprocess.Popen[str], fleet: FleetClient,
+                                    urls: list[str]) -> None:
+    """Trainer A, whose lease was lost, goes on while B holds the lock with its members
+    paused: A gets LeaseLost, B still holds the lock and its members are still paused."""
+    go(a)
+    outcome = line_of(a)
+    assert outcome["error"] == "LeaseLost", outcome
+    assert a.wait(30) == 1
+    assert {generate(url, timeout=1.0)[0] for url in urls} == {None}, \
+        "the stale holder continued the next holder's members"
+    holder = fleet.call("ping")[1]["refit"]["holder"]
+    assert holder is not None and holder["version"] == "vB", holder
 
 
 def go(trainer: subprocess.Popen[str]) -> None:

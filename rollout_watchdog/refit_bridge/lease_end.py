@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_watchdog.agent.fanout import Gathering
@@ -26,18 +27,55 @@ from rollout_watchdog.refit_bridge.refit_call import Core, RefitError
 from rollout_watchdog.refit_bridge.weights import Member, WeightBook
 
 log = logging.getLogger(__name__)
+# A release answers once its resume is acknowledged, or after this: a node that does not answer
+# must not hold the holder's block (timeout_s bounds the refit, its teardown included).
+RESUME_ANSWER_S = 1.0
 # A release's node commands; a node that does not answer the resume in time is owed it.
 RELEASE_TIMEOUT_S = 5.0
 PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
 
 
+@dataclass
+class Releasing:
+    """A release's answer: sent once its resume is acknowledged, or at `deadline`."""
+
+    client: bytes       # a retry of the request moves the answer to its socket
+    deadline: float     # monotonic
+    send: Callable[[bytes], None]
+
+
 class LeaseEnd:
-    """The ends of leases: at most one put-back at a time (the lock is held meanwhile)."""
+    """The ends of leases: at most one put-back at a time (the lock is held meanwhile), and
+    the releases whose answer waits for their resume."""
 
     def __init__(self, book: WeightBook, save: Callable[[], None]) -> None:
         self.book = book
         self._save = save   # the state changed (it names `putting_back`'s lease while there is one)
         self._putback: tuple[PutBack, Lease] | None = None
+        self._releasing: dict[str, Releasing] = {}   # by the release's request id
+
+    def released(self, core: Core, lease: Lease, now: float, request_id: str, client: bytes,
+                 send: Callable[[bytes], None]) -> None:
+        """`lease` released by its holder: ended, and `send(client)` run once every node its
+        resume went to acknowledged it (or RESUME_ANSWER_S passed): the holder's `with` block
+        ends with its probes resumed, as DESIGN's refit says."""
+        self._releasing[request_id] = Releasing(client, now + RESUME_ANSWER_S, send)
+        self.end(core, lease, now, "released by its holder", expired=False,
+                 resumed=lambda: self._answer(request_id))
+
+    def retried(self, request_id: str, client: bytes) -> bool:
+        """A retry of a release whose answer waits for its resume: it goes to `client` (the
+        retry's socket) when it comes; True if there is one."""
+        releasing = self._releasing.get(request_id)
+        if releasing is not None:
+            releasing.client = client
+        return releasing is not None
+
+    def _answer(self, request_id: str) -> None:
+        """(Once: at the resume's acknowledgement or at the deadline, the first.)"""
+        releasing = self._releasing.pop(request_id, None)
+        if releasing is not None:
+            releasing.send(releasing.client)
 
     @property
     def putting_back(self) -> Lease | None:
@@ -97,7 +135,10 @@ class LeaseEnd:
         return len(urls)
 
     def tick(self, core: Core, now: float) -> None:
-        """Once a put-back ended: the state forgets its lease, and its pause is lifted."""
+        """Releases past their wait answered; once a put-back ended, the state forgets its
+        lease and its pause is lifted."""
+        for request_id in [r for r, wait in self._releasing.items() if now >= wait.deadline]:
+            self._answer(request_id)
         if self._putback is not None and self._putback[0].done():
             lease = self._putback[1]
             self._putback = None
@@ -105,7 +146,9 @@ class LeaseEnd:
             self.resume(core, lease, now)
 
     def next_deadline(self, now: float) -> float | None:
-        return None if self._putback is None else now + PUTBACK_POLL_S
+        putback = None if self._putback is None else now + PUTBACK_POLL_S
+        releasing = min((wait.deadline for wait in self._releasing.values()), default=None)
+        return min((d for d in (putback, releasing) if d is not None), default=None)
 
     def resume(self, core: Core, lease: Lease, now: float,
                resumed: Callable[[], None] | None = None) -> None:
@@ -125,4 +168,4 @@ class LeaseEnd:
         core.gather(None, resume, core.view.reachable(), now, finish)
 
 
-__all__ = ["LeaseEnd", "PUTBACK_POLL_S", "RELEASE_TIMEOUT_S"]
+__all__ = ["LeaseEnd", "PUTBACK_POLL_S", "RELEASE_TIMEOUT_S", "RESUME_ANSWER_S", "Releasing"]

@@ -16,19 +16,38 @@ from rollout_watchdog.refit_bridge import member_pages
 from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.weights import Member, WeightBook
 
+RUNNING_STATES = {str(state) for state in EngineState if state.running}
+
+
+def shared_urls(view: FleetView) -> dict[str, list[str]]:
+    """Each URL that more than one running engine of reachable nodes advertises: the names
+    (`node/engine`) of those engines. Two nodes configured with the same loopback URL, or a
+    node that lies: the trainer would reach one server as two members (one rank never joins
+    its group, the refit wedges and the real engine is restarted), so none of them is a
+    refit member or in the router until the conflict is gone."""
+    claims: dict[str, list[str]] = {}
+    for node_id, record in view.nodes.items():
+        if record.reachable:
+            for engine in record.engines.values():
+                if engine.get("url") and engine.get("state") in RUNNING_STATES:
+                    claims.setdefault(str(engine["url"]), []).append(f"{node_id}/{engine['id']}")
+    return {url: names for url, names in claims.items() if len(names) > 1}
+
 
 def refit_members(view: FleetView, book: WeightBook,
                   allowed: set[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
-    """The engines a refit updates: healthy on reachable nodes (and, given `allowed`, only
-    those (node, engine)). In the order of their pages (node id, then engine id); each names
-    its main process (`process`: a trainer's cached group is rebuilt for a new one), and
-    carries what `refit.engines` shows of it (`pid`, `paused`, `serving`)."""
+    """The engines a refit updates: healthy on reachable nodes, their URL their own
+    (`shared_urls`), and, given `allowed`, only those (node, engine). In the order of their
+    pages (node id, then engine id); each names its main process (`process`: a trainer's
+    cached group is rebuilt for a new one), and carries what `refit.engines` shows of it
+    (`pid`, `paused`, `serving`)."""
     out = []
+    shared = shared_urls(view)
     for node_id, record in view.nodes.items():
         if not record.reachable:
             continue
         for engine in record.engines.values():
-            if engine.get("state") != EngineState.HEALTHY:
+            if engine.get("state") != EngineState.HEALTHY or engine.get("url") in shared:
                 continue
             if allowed is not None and (node_id, engine["id"]) not in allowed:
                 continue
@@ -48,18 +67,18 @@ def router_members(view: FleetView, book: WeightBook) -> dict[str, str | None]:
     it must report before it is added (checked by the router's thread; None before any
     refit)."""
     members: dict[str, str | None] = {}
+    shared = shared_urls(view)
     for node_id, record in view.nodes.items():
         if not record.reachable:   # its engines may be dead: nobody would tell the router
             continue
         for engine in record.engines.values():
             url = engine.get("url")
-            if url and book.serving(node_id, engine):
+            if url and url not in shared and book.serving(node_id, engine):
                 members[url] = book.version_of(node_id, engine["id"], engine.get("incarnation"))
     return members
 
 
 RESTORED_WAIT_S = 60.0   # the longest a restarted coordinator waits for a lease's nodes
-RUNNING_STATES = {str(state) for state in EngineState if state.running}
 
 
 def restored_due(view: FleetView, members: list[Member], started: float, now: float) -> bool:

@@ -46,9 +46,10 @@ from rollout_watchdog.common.errors import (
     RolloutWatchdogError,
 )
 from rollout_watchdog.common.states import EngineState
-from rollout_watchdog.refit_bridge import engine_calls
+from rollout_watchdog.refit_bridge import engine_calls, member_teardown
 from rollout_watchdog.refit_bridge.group_member import GroupMember, GroupMemberFailed
 from rollout_watchdog.refit_bridge.lock_holder import CALL_TIMEOUT_S, LockHolder
+from rollout_watchdog.refit_bridge.member_teardown import member
 from rollout_watchdog.refit_bridge.refit_state import (
     GROUPS,
     Member,
@@ -62,7 +63,7 @@ from rollout_watchdog.refit_bridge.refit_state import (
 from rollout_watchdog.refit_bridge.refit_watch import RENEW_EVERY_S, RefitWatch
 from rollout_watchdog.refit_bridge.rendezvous import free_port, master_address_for
 from rollout_watchdog.refit_bridge.views import EngineView
-from rollout_watchdog.refit_bridge.weights import check_version, members_of
+from rollout_watchdog.refit_bridge.weights import check_version
 
 if TYPE_CHECKING:
     import torch
@@ -74,13 +75,10 @@ log = logging.getLogger(__name__)
 # Deep probes paused by the lock come back by themselves this long after the refit's deadline
 # (a safety net, should nothing resume them): never before the refit has ended its way.
 PAUSE_MARGIN_S = 60.0
-# After an abort: a member whose /server_info is not answered this long is stuck in the
-# collective (a gloo peer freed by the teardown answers within half a second).
-ABORT_GRACE_S = 1.0
 # The refit's own work must end this long before its `timeout_s` (a quarter of it, for a short
 # one): an abort at that deadline (the group torn down, the wedged told apart within
-# ABORT_GRACE_S, the coordinator told, the probes resumed) then ends within `timeout_s`, which
-# bounds the whole refit (DESIGN).
+# member_teardown.ABORT_GRACE_S, the coordinator told, the probes resumed) then ends within
+# `timeout_s`, which bounds the whole refit (DESIGN).
 TEARDOWN_RESERVE_S = 3.0
 # In-flight requests are aborted (they end with finish_reason "abort", as slime does): the
 # cache flush after an update needs an empty queue, which `retract` does not give.
@@ -282,15 +280,16 @@ class Refit:
         not_saved: CommandRefused | None = None
         try:   # (a 1.3 coordinator: the compact form)
             answer = self._lock.call("refit_commit", {"version": self.version, **(
-                {"members_except": [list(_member(engine)) for engine, _ in wrong]}
-                if self._compact else {"members": [list(_member(e)) for e in ok]})})
+                {"members_except": [list(member(engine)) for engine, _ in wrong]}
+                if self._compact else {"members": [list(member(e)) for e in ok]})})
         except CommandRefused as exc:
-            if _gone_of(exc.result):   # every member stopped or relaunched meanwhile
-                raise self._lost(wrong + _gone(ok, exc.result), "nothing committed") from None
+            gone = member_teardown.gone_at_commit(ok, exc.result)
+            if gone:   # every member stopped or relaunched meanwhile
+                raise self._lost(wrong + gone, "nothing committed") from None
             if exc.code != protocol.NOT_SAVED:
                 raise
             not_saved, answer = exc, {}   # it took effect; a restarted coordinator would not
-        gone = _gone(ok, answer)          # know it
+        gone = member_teardown.gone_at_commit(ok, answer)   # know it
         wrong += gone
         unanswered |= {str(e.url) for e, _ in gone}   # (a new process has no side to destroy)
         self._committed(before, urls)
@@ -313,7 +312,7 @@ class Refit:
 
     def _lost(self, wrong: list[tuple[EngineView, str]], outcome: str) -> EngineLost:
         """The members that failed their read-back are lost: the error that names them."""
-        self._state.lose((_member(engine), why) for engine, why in wrong)
+        self._state.lose((member(engine), why) for engine, why in wrong)
         return EngineLost(list(self._state.snapshot().lost), "; ".join(
             f"{e.name}: {why}" for e, why in wrong) + f" ({outcome})")
 
@@ -381,7 +380,9 @@ class Refit:
             if group is not None:
                 group.destroy(skip=group.members)
             if paused:   # (the lease's end put them back, unless the coordinator restarted
-                self._put_back()   # since: then it does, asked to)
+                member_teardown.ask_put_back(   # since: then it does, asked to)
+                    self.client, self._lock.holder, self._lock.token, self.version,
+                    self.engines, self._call_timeout())
             return
         wedged: list[Member] = []
         to_continue: set[str] = set()
@@ -401,48 +402,15 @@ class Refit:
             log.error("refit %r: the coordinator did not record the abort (its lease will "
                       "end and do it): %s", self.version, exc)
 
-    def _put_back(self) -> None:
-        """Ask the coordinator to put back the members this refit left paused, its lease lost.
-        It does so only if nobody can have (service.py, refit_putback), checked and begun in
-        one step: continuing them here after asking whether the lock is free would continue a
-        next holder's paused members, had one taken the lock in between."""
-        try:
-            _, result = self.client.call("refit_putback", {
-                "holder": self._lock.holder, "token": self._lock.token, "version": self.version,
-                "members": [list(_member(e)) for e in self.engines]},
-                timeout_s=self._call_timeout())
-        except RolloutWatchdogError as exc:
-            log.warning("refit %r: its lease lost, the coordinator did not put its members "
-                        "back (the next refit, or their watchdogs, do): %s", self.version, exc)
-            return
-        put_back = result.get("put_back") if isinstance(result, dict) else None
-        log.info("refit %r: its lease lost, the coordinator puts %s member(s) back in service%s",
-                 self.version, put_back, f" ({result.get('because')})" if not put_back
-                 and isinstance(result, dict) and result.get("because") else "")
-
     def _responsive(self, group: WeightUpdateGroup | None) -> tuple[set[str], list[Member]]:
         """Once the group (if any) is torn down: the URLs of the members to continue, and the
-        wedged. Every member that takes a control call is continued, lost or not (first, in a
-        group, its session is ended and its side destroyed): one lost for an error it answered
-        would otherwise stay paused. A member of the group that takes none within
-        ABORT_GRACE_S is still blocked in the collective (a gloo peer is usually freed by the
-        teardown, but one waiting on a dead peer in gloo's tree is not; an NCCL one waits out
-        its timeout): wedged, lost and restarted by its watchdog. Without a group nothing can
-        block it, so a slow one is only slow: it is continued too, within the call timeout. A
-        member that is gone is lost. Those continued are only stale."""
-        state: dict[str, str] = {}
-        engine_calls.on_each([str(e.url) for e in self.engines], lambda url: state.__setitem__(
-            url, engine_calls.responsiveness(url, ABORT_GRACE_S)))
-        lost = self._state.snapshot().lost
-        in_group = set() if group is None else {m.url for m in group.members}
-        wedged = [_member(e) for e in self.engines if state.get(str(e.url)) == "stuck"
-                  and str(e.url) in in_group and _member(e) not in lost]
-        self._state.lose([(m, "its update call did not complete and it takes no control "
-                              "call (wedged in the collective)") for m in wedged])
-        self._state.lose([(_member(e), "gone (its server refuses connections)")
-                          for e in self.engines if state.get(str(e.url)) == "gone"])
-        return {url for url, how in state.items()
-                if how == "ok" or (how == "stuck" and url not in in_group)}, wedged
+        wedged (member_teardown.responsive); the wedged and the gone are lost."""
+        found = member_teardown.responsive(
+            self.engines, set() if group is None else {m.url for m in group.members},
+            self._state.snapshot().lost)
+        self._state.lose([(m, member_teardown.WEDGED) for m in found.wedged])
+        self._state.lose([(m, member_teardown.GONE) for m in found.gone])
+        return found.to_continue, found.wedged
 
     def _finish(self) -> None:
         """Release the lock. The guard thread is told to stop and not waited for: the pipe
@@ -454,17 +422,7 @@ class Refit:
             self._lock.release()
 
     def _continue_generation(self, urls: set[str]) -> None:
-        """Let these members (their URLs) generate again."""
-        timeout = self._call_timeout()
-        engine_calls.on_each(sorted(urls), lambda url: self._continue(url, timeout))
-
-    def _continue(self, url: str, timeout_s: float) -> None:
-        """Continue generation on one member; a failure is logged (the member is not lost for
-        it: its weights are what counts)."""
-        try:
-            engine_calls.post(url, "/continue_generation", {}, timeout_s)
-        except RolloutWatchdogError as exc:
-            log.warning("refit %r: continue_generation: %s", self.version, exc)
+        member_teardown.continue_generation(urls, self.version, self._call_timeout())
 
     def _each(self, what: str, call: Callable[[str], Any], urls: list[str] | None = None
               ) -> None:
@@ -472,32 +430,12 @@ class Refit:
         lost."""
         errors = engine_calls.on_each([str(e.url) for e in self.engines]
                                       if urls is None else urls, call)
-        self._state.lose((_member(e), f"{what}: {errors[str(e.url)]}") for e in self.engines
+        self._state.lose((member(e), f"{what}: {errors[str(e.url)]}") for e in self.engines
                          if str(e.url) in errors)
         self._check()
 
     def _call_timeout(self) -> float:
         return max(0.1, min(CALL_TIMEOUT_S, self.deadline - time.monotonic()))
-
-
-def _member(engine: EngineView) -> Member:
-    return (engine.node_id, engine.id, engine.incarnation)
-
-
-def _gone_of(result: object) -> set[Member]:
-    """The members a commit's answer (or refusal) names `gone`: stopped or relaunched after
-    their read-back, as the coordinator's view showed at the commit (not recorded)."""
-    rows = result.get("gone") if isinstance(result, dict) else None
-    try:
-        return set(members_of(rows)) if rows is not None else set()
-    except ValueError:
-        return set()
-
-
-def _gone(ok: list[EngineView], result: object) -> list[tuple[EngineView, str]]:
-    gone = _gone_of(result)
-    return [(e, "stopped or relaunched before the commit (the coordinator did not record it)")
-            for e in ok if _member(e) in gone]
 
 
 def _process(engine: EngineView) -> str | None:

@@ -1,6 +1,6 @@
 """What a refit command (service.py) is given and may raise: the coordinator's side it acts on
 (`Core`, passed in, never imported), one call with its checked arguments (`Call`), its
-refusal (`RefitError`), and a release's answer until its resume is in (`Releasing`)."""
+and its refusal (`RefitError`)."""
 
 from __future__ import annotations
 
@@ -52,12 +52,3 @@ class RefitError(Exception):
         super().__init__(reason)
         self.result = result
         self.code = code
-
-
-@dataclass
-class Releasing:
-    """A release's answer: sent once its resume is acknowledged, or at `deadline`."""
-
-    client: bytes       # a retry of the request moves the answer to its socket
-    deadline: float     # monotonic
-    send: Callable[[bytes], None]

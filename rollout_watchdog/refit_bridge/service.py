@@ -14,9 +14,10 @@ malformed one is refused naming it (code BAD_ARGS).
   probes ended, as `pause --all` does; nodes resume by themselves after `deadline_s` if nothing
   else resumes them), relaunches `deferred` engines that wait for it, and answers `{token,
   lease_s, version, members, next, relaunched, pause_problems}`. `members` are the engines the
-  refit updates: healthy, on reachable nodes, serving or `pending_weights` (each `{node_id, id,
-  incarnation, url, tp_size, process, weight_version}`; `process` names the main process, as
-  the node's status does, null from an older node), in order of node id, then engine id.
+  refit updates: healthy, on reachable nodes, serving or `pending_weights`, with a URL no other
+  running engine advertises (membership.shared_urls: logged, never a member) (each `{node_id,
+  id, incarnation, url, tp_size, process, weight_version}`; `process` names the main process,
+  as the node's status does, null from an older node), in order of node id, then engine id.
   `pause_problems` (for people) is cut at 20,000 characters. Held by another: an error
   (LOCK_HELD) naming the holder, with `{holder, version, expires_in_s}`.
 - Pages (1.3, member_pages.py): with `paged: true`, `members` is the first page (about 512 KiB)
@@ -91,7 +92,7 @@ from rollout_watchdog.refit_bridge.lock import (
     RefitLock,
     number_of,
 )
-from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError, Releasing
+from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError
 from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
 from rollout_watchdog.refit_bridge.weights import (
     Member,
@@ -103,9 +104,6 @@ from rollout_watchdog.refit_bridge.weights import (
 
 log = logging.getLogger(__name__)
 PAUSE_WAIT_S = 30.0          # in-flight probes end within their timeout; 30 s is the default
-# A release answers once its resume is acknowledged, or after this: a node that does not answer
-# must not hold the holder's block (timeout_s bounds the refit, its teardown included).
-RESUME_ANSWER_S = 1.0
 # A handler answers with its result, or None when it answers by itself (refit_acquire).
 Handler = Callable[["RefitService", Call], "dict[str, Any] | None"]
 COMMANDS: Registry[Handler] = Registry("the coordinator")
@@ -131,8 +129,6 @@ class RefitService:
             unfinished, in_flight, time.monotonic())   # when it stopped: ended as if expired
         self.relaunched: list[tuple[str, str]] = []
         self.ending = LeaseEnd(self.book, self._save)
-        # A release's request id: its answer, sent once its resume is in (or at its deadline).
-        self._releasing: dict[str, Releasing] = {}
         if self.state.writer is not None:
             try:
                 self.state.writer.write_now(self._content())
@@ -156,8 +152,7 @@ class RefitService:
     def handle(self, core: Core, client: bytes, cmd: protocol.Command, now: float) -> None:
         if self.saves.retried(cmd.request_id, client):   # a retry while its save is under way
             return
-        if cmd.request_id in self._releasing:   # a retry while its resume is under way
-            self._releasing[cmd.request_id].client = client
+        if self.ending.retried(cmd.request_id, client):   # while its resume is under way
             return
         try:
             spec = COMMANDS.lookup(cmd.cmd)
@@ -195,6 +190,10 @@ class RefitService:
         except LockHeld as exc:
             raise _held(exc) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self._listing(core)]
+        for url, names in membership.shared_urls(core.view).items():   # (none is a member)
+            log.error("refit #%d leaves out %s: they all advertise %s (one server is not two "
+                      "members: give each engine its own URL)", lease.number, ", ".join(names),
+                      url)
         self._save()
 
         def saved(to: bytes, error: str | None) -> None:
@@ -395,30 +394,19 @@ class RefitService:
         self._let_go(call, {})
 
     def _let_go(self, call: Call, result: dict[str, Any]) -> None:
-        """Release the lock; answer `result` and `released` once every node the refit's
-        resume went to acknowledged it (or RESUME_ANSWER_S passed), then once that is saved:
-        the holder's `with` block ends with its probes resumed, as DESIGN's refit says."""
+        """Release the lock; answer `result` and `released` once its resume is in (lease_end),
+        then once that is saved."""
         lease = self.lock.release(call.args["token"], call.args["holder"], call.now)
         request_id = call.cmd.request_id
         answer = answer_saved(call.core.reply, call.cmd, {**result, "released": lease.token})
-        self._releasing[request_id] = Releasing(
-            call.client, call.now + RESUME_ANSWER_S,
-            lambda to: self.saves.once_saved(request_id, to, answer))
-        self._ended(call.core, lease, call.now, "released by its holder", expired=False,
-                    resumed=lambda: self._answer_release(request_id))
-
-    def _answer_release(self, request_id: str) -> None:
-        """(Once: at the resume's acknowledgement or at the deadline, the first.)"""
-        releasing = self._releasing.pop(request_id, None)
-        if releasing is not None:
-            releasing.send(releasing.client)
+        self.relaunched = []
+        self.ending.released(call.core, lease, call.now, request_id, call.client,
+                             lambda to: self.saves.once_saved(request_id, to, answer))
 
     # ------------------------------------------------------------------ the loop's turn
 
     def tick(self, core: Core, now: float) -> None:
         self.saved(now)
-        for request_id in [r for r, wait in self._releasing.items() if now >= wait.deadline]:
-            self._answer_release(request_id)
         self.ending.tick(core, now)
         expired = self.lock.expire(now)
         if self._restored is not None and membership.restored_due(
@@ -440,15 +428,13 @@ class RefitService:
 
     def next_deadline(self) -> float | None:
         unsaved = self.saves.next_deadline()
-        putback = self.ending.next_deadline(time.monotonic())
-        releasing = min((wait.deadline for wait in self._releasing.values()), default=None)
-        return min((d for d in (unsaved, putback, releasing, self.lock.next_deadline())
-                    if d is not None), default=None)
+        ending = self.ending.next_deadline(time.monotonic())
+        return min((d for d in (unsaved, ending, self.lock.next_deadline()) if d is not None),
+                   default=None)
 
-    def _ended(self, core: Core, lease: Lease, now: float, why: str, expired: bool,
-               resumed: Callable[[], None] | None = None) -> None:
+    def _ended(self, core: Core, lease: Lease, now: float, why: str, expired: bool) -> None:
         self.relaunched = []
-        self.ending.end(core, lease, now, why, expired, resumed)
+        self.ending.end(core, lease, now, why, expired)
 
     # ------------------------------------------------------------------ questions
 
