@@ -21,11 +21,11 @@ POLL_MS = 50
 
 
 class FakeNode:
-    def __init__(self, node_id: str, engines: int, host: str) -> None:
+    def __init__(self, node_id: str, engines: int, host: str, first_port: int) -> None:
         self.node_id = node_id
-        self.engines = {f"e{i}": {
+        self.engines = {f"e{i}": {   # (each engine a URL of its own, as on real hosts)
             "id": f"e{i}", "state": "healthy", "paused": False, "pid": 10_000 + i,
-            "incarnation": 1, "restarts": 0, "url": f"http://{host}:{30000 + i}",
+            "incarnation": 1, "restarts": 0, "url": f"http://{host}:{first_port + i}",
             "last_failure": None, "since": time.time(), "group": None, "tp_size": 1,
             "process": f"{node_id}-boot:{10_000 + i}:1"} for i in range(engines)}
         self.commands: list[str] = []
@@ -54,7 +54,9 @@ class FakeNodes:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.ctx.max_sockets = 4 * count + 64
         clock = Clock()
-        self.nodes = [FakeNode(f"{prefix}-{i:04d}", engines, host) for i in range(count)]
+        assert count * engines <= 40_000, "more engines than ports on one host"
+        self.nodes = [FakeNode(f"{prefix}-{i:04d}", engines, host, 20_000 + i * engines)
+                      for i in range(count)]
         self.links = [NodeLink(self.ctx, endpoint=endpoint, node_id=n.node_id,
                                boot=f"{n.node_id}-boot", snapshot=n.snapshot,
                                dispatch=n.dispatch, clock=clock) for n in self.nodes]

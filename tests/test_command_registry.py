@@ -131,7 +131,8 @@ def test_every_command_has_its_wire_spec_as_docstring() -> None:
         for name, spec in registry.items():
             assert spec.__doc__ and spec.__doc__.strip(), name
     assert set(refit.COMMANDS) == {"refit_acquire", "refit_members", "refit_renew",
-                                   "refit_commit", "refit_abort", "refit_release"}
+                                   "refit_commit", "refit_abort", "refit_putback",
+                                   "refit_release"}
     assert set(queries.COMMANDS) == {"status", "ping", "router_urls"}
 
 

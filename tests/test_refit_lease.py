@@ -399,6 +399,8 @@ def test_a_holder_whose_coordinator_restarted_never_continues_the_next_holders_m
         fleet.wait_until(all_healthy(2), 60)   # (the node is back)
         go(a)
         assert line_of(a)["held_after"] in {"ping", "refit_putback"}   # A has asked
+        for url in urls:   # (put back by the coordinator, as A asked)
+            wait_for(partial(generating, url), 30, f"{url} put back in service")
         b = trainer_process(coordinator.endpoint, "vB", 2, "--stall")
         assert line_of(b)["paused"]
         the_stale_holder_leaves_b_alone(a, fleet, urls)
@@ -417,9 +419,9 @@ def test_a_member_relaunched_between_its_read_back_and_the_commit_is_lost_not_co
     going on, its commit was accepted whole and `refit()` reported that member committed (the
     hostile run; the view was right: the new incarnation was not serving). Now the commit
     answers it `gone`, and `refit()` raises EngineLost naming it: the others committed."""
-    with one_node_of_two(make_node, holder_timeout_s=30.0) as (coordinator, fleet, urls):
+    with one_node_of_two(make_node, holder_timeout_s=300.0) as (coordinator, fleet, urls):
         trainer = trainer_process(coordinator.endpoint, "v1", 1, "--stop-before",
-                                  "refit_commit")
+                                  "refit_commit", "--lease-s", "300")
         try:
             wait_for(lambda: psutil.Process(trainer.pid).status() == psutil.STATUS_STOPPED, 60,
                      "the trainer stopped before its commit")

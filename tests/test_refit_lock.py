@@ -25,6 +25,22 @@ from rollout_watchdog.refit_bridge.weights import RefitState, Unfinished, Weight
 # ---------------------------------------------------------------------- pure logic
 
 
+def test_a_lease_of_an_earlier_start_is_known_ended_once_a_holder_got_a_token_since() -> None:
+    """refit_putback's question: may anyone have put that lease's members back? This start's
+    own leases ended here; after a lease of this start was granted, its holder took (and
+    continued) them. An acquisition never answered with its token (too big, not saved) let
+    nobody act: it does not count."""
+    lock = RefitLock(next_token=3)
+    earlier = "0123456789abcdef-2-00ff"
+    assert lock.ended_lease(earlier) is None
+    unanswered = lock.acquire("trainer-a", "v1", lease_s=10.0, now=0.0)
+    lock.lease = None   # (let go: its answer could not be sent)
+    assert lock.ended_lease(earlier) is None
+    assert "ended at this coordinator" in str(lock.ended_lease(unanswered.token))
+    lock.grant(lock.acquire("trainer-b", "v1", lease_s=10.0, now=1.0), 1.0)
+    assert "a later refit took the lock" in str(lock.ended_lease(earlier))
+
+
 def test_one_holder_at_a_time_and_a_late_holder_is_fenced() -> None:
     lock = RefitLock(next_token=7, holder_timeout_s=5.0)
     first = lock.acquire("trainer-a", "v1", lease_s=10.0, now=0.0)

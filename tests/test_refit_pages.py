@@ -96,6 +96,7 @@ class Core:
                 m["node_id"], SimpleNamespace(reachable=True, engines={}))
             record.engines[m["id"]] = {**m, "state": "healthy"}
         self.replies: list[protocol.Reply] = []
+        self.started_at = time.monotonic()
 
     def gather(self, client: bytes | None, cmd: protocol.Command, targets: list[str],
                now: float, finish: Any = None) -> None:
@@ -246,25 +247,39 @@ def test_a_lock_being_put_back_by_the_coordinator_is_refused_as_held() -> None:
 
 
 def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_have(
-        tmp_path: Path) -> None:
+        ) -> None:
     """`refit_putback`: a holder whose lease was lost to a coordinator restart asks for its
     members to be put back. A coordinator that started without refit state, after that lease,
-    and granted none since puts them back (stale), holding the lock meanwhile; one that knows
-    the lease's end (its own token, its state file, a lease granted since) says who did; one
+    and granted none since marks them stale at once, holds the lock for that lease until
+    their nodes are back (it takes further pages of them meanwhile), then puts them back.
+    One that knows the lease's end (its own token, a lease granted since) says who did; one
     whose lock is held refuses it as held: that holder continues them (the hostile run's
     stale holder continued them itself after asking `ping`, under the next holder)."""
     engine = {"node_id": "n1", "id": "e0", "incarnation": 1, "tp_size": 1,
               "url": "http://127.0.0.1:1", "process": "p"}   # (refuses: put back at once)
     core, service = Core([engine]), RefitService(None)
     lost = {"holder": "a", "token": "0123456789abcdef-7-00ff", "version": "vA",
-            "members": [["n1", "e0", 1], ["n1", "e9", 1]]}
-    asked = core.call(service, "refit_putback", lost)
-    assert (asked.status, asked.result) == ("ok", {"put_back": 1})   # (e9: not in the view)
-    assert service.book.held[("n1", "e0")].version is None   # stale
+            "members": [["n2", "e0", 1]], "more": True}
+    asked = core.call(service, "refit_putback", lost)   # (n2: not back yet)
+    assert (asked.status, asked.result) == ("ok", {"put_back": 1})
+    assert core.call(service, "refit_putback", {**lost, "members": [["n1", "e0", 1]],
+                                                "more": False}).result == {"put_back": 1}
+    assert service.book.held[("n1", "e0")].version is None   # stale, at once
+    service.tick(core, time.monotonic())   # n2 is not back: the lease waits, held
+    held = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"})
+    assert (held.code, held.result["holder"]) == (protocol.LOCK_HELD, "a")
+    service.tick(core, time.monotonic() + 61)   # (RESTORED_WAIT_S: n2 is left to its node)
     held = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"})
     assert (held.code, held.result["holder"]) == (protocol.LOCK_HELD, "coordinator")
     put_back_ended(service, core)
 
+    for bad, named in (({"members": [["n1", "e0"]]}, "'members'"), ({"token": 7}, "'token'"),
+                       ({"token": None}, "'token'"), ({"token": "x-y"}, "'token'")):
+        refused = core.call(service, "refit_putback", {**lost, **bad})
+        assert refused.code == protocol.BAD_ARGS and named in str(refused.reason), bad
+    refused_acquisition = core.call(service, "refit_acquire", {"holder": "c", "version": "v1",
+                                                               "lease_s": 0.5})
+    assert refused_acquisition.code == protocol.BAD_ARGS   # (no lease granted by it)
     token = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"}).result["token"]
     mine = core.call(service, "refit_putback", {**lost, "holder": "b", "token": token})
     assert (mine.code, "refit_abort" in str(mine.reason)) == (protocol.BAD_ARGS, True)
@@ -273,18 +288,43 @@ def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_ha
     assert core.call(service, "refit_release", {"holder": "b", "token": token}).status == "ok"
     put_back_ended(service, core)   # (b neither committed nor aborted)
     since = core.call(service, "refit_putback", lost).result
-    assert since["put_back"] == 0 and "refit #1 took the lock since" in since["because"]
+    assert since["put_back"] == 0 and "a later refit took the lock" in since["because"]
     here = core.call(service, "refit_putback", {**lost, "holder": "b", "token": token}).result
     assert here["put_back"] == 0 and "ended at this coordinator" in here["because"]
-    bad = core.call(service, "refit_putback", {**lost, "members": [["n1", "e0"]]})
-    assert bad.code == protocol.BAD_ARGS and "'members'" in str(bad.reason)
 
-    state = str(tmp_path / "state")
-    RefitService(state).close()   # (a state file: this coordinator knew every earlier lease)
-    restarted = RefitService(state)
-    known = Core([engine]).call(restarted, "refit_putback", lost).result
-    assert known["put_back"] == 0 and "state knew that refit" in known["because"]
+
+def test_a_put_back_asked_for_is_kept_on_disk_until_it_ended(tmp_path: Path) -> None:
+    """A coordinator with a state dir but no refit state yet (a first start, or the file moved
+    away) is asked to put a lost lease's members back: the state names them until their
+    put-back ended, so a coordinator killed meanwhile puts them back after its restart; one
+    whose state knew every earlier lease says so and does nothing."""
+    engine = {"node_id": "n1", "id": "e0", "incarnation": 1, "tp_size": 1,
+              "url": "http://127.0.0.1:1", "process": "p"}
+    state = tmp_path / "state"
+    first = RefitService(str(state))
+    lost = {"holder": "a", "token": "0123456789abcdef-7-00ff", "version": "vA",
+            "members": [["n2", "e0", 1]]}
+    assert saved_call(first, Core([engine]), "refit_putback", lost).result == {"put_back": 1}
+    assert json.loads((state / "refit.json").read_text())["in_flight"] == [["n2", "e0", 1]]
+    first.close()   # (killed: its state is what it wrote)
+    restarted, core = RefitService(str(state)), Core([{**engine, "node_id": "n2"}])
+    assert restarted.live_lease is not None and restarted.live_lease.holder == "a"
+    restarted.tick(core, time.monotonic())   # n2 is back: put back
+    assert restarted.ending.putting_back is not None
+    put_back_ended(restarted, core)
+    again = saved_call(restarted, core, "refit_putback", lost).result
+    assert again["put_back"] == 0 and "state knew that refit" in again["because"]
     restarted.close()
+
+
+def saved_call(service: RefitService, core: Core, cmd: str, args: dict[str, Any]
+               ) -> protocol.Reply:
+    """A refit command to a coordinator with a state dir: its answer, once saved."""
+    answered = len(core.replies)
+    service.handle(core, b"client", protocol.Command(  # type: ignore[arg-type]
+        f"s{answered}", cmd, args), time.monotonic())
+    saved_turns(service, lambda: len(core.replies) > answered)
+    return core.replies[-1]
 
 
 def put_back_ended(service: RefitService, core: Core) -> None:

@@ -8,6 +8,10 @@ as a dead trainer's paused generation must not fail their deep probes. A lease c
 without a release that then ends has its members' generation continued the same way (they hold
 the committed version). Until a put-back ended, the lock is held by `coordinator`, and the
 state on disk keeps its lease (a restarted coordinator puts them back again).
+
+A lease of an earlier start (found on disk, or one its holder lost to a restart and asks to be
+put back: service.py, refit_putback) first waits, held, until its members' nodes are back:
+before their hellos the view knows no member's URL.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge import membership
-from rollout_watchdog.refit_bridge.lock import Lease
+from rollout_watchdog.refit_bridge.lock import Lease, LockHeld, RefitLock, number_of
 from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
 from rollout_watchdog.refit_bridge.refit_call import Core, RefitError
 from rollout_watchdog.refit_bridge.weights import Member, WeightBook
@@ -33,6 +37,26 @@ RESUME_ANSWER_S = 1.0
 # A release's node commands; a node that does not answer the resume in time is owed it.
 RELEASE_TIMEOUT_S = 5.0
 PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
+
+
+@dataclass
+class Waiting:
+    """A lease of an earlier start, held until its members' nodes are back, then ended as an
+    expiry would. `asked`: the token of the holder that asked for it (refit_putback), whose
+    further pages of members (`more`) it waits for too."""
+
+    lease: Lease
+    why: str
+    since: float | None = None   # monotonic; None: the loop's start
+    asked: str | None = None
+    more: bool = False
+
+    def due(self, core: Core, now: float) -> bool:
+        since = core.started_at if self.since is None else self.since
+        if self.more:
+            return now - since >= membership.RESTORED_WAIT_S
+        return membership.restored_due(core.view, self.lease.members + self.lease.continuing,
+                                       since, now)
 
 
 @dataclass
@@ -53,6 +77,41 @@ class LeaseEnd:
         self._save = save   # the state changed (it names `putting_back`'s lease while there is one)
         self._putback: tuple[PutBack, Lease] | None = None
         self._releasing: dict[str, Releasing] = {}   # by the release's request id
+        self.waiting: Waiting | None = None   # (its lease is the lock's)
+
+    def asked(self, core: Core, lock: RefitLock, afresh: bool, args: dict[str, Any],
+              now: float) -> dict[str, Any]:
+        """refit_putback (service.py): `args` checked; `afresh`: this coordinator started
+        with no refit state. Its members are marked stale at once: a restarted coordinator
+        without state would route them, half updated."""
+        token, holder, members = args["token"], args["holder"], list(dict.fromkeys(args["members"]))
+        held, waiting = lock.lease, self.waiting
+        if waiting is not None and (token, holder) == (waiting.asked, waiting.lease.holder):
+            known = set(waiting.lease.members)   # a next page
+            waiting.lease.members += [m for m in members if m not in known]
+            waiting.more = args["more"]
+        else:
+            if held is not None and (token, holder) == (held.token, held.holder):
+                raise ValueError("this holder holds the lock: it aborts its refit (refit_abort)")
+            refusal = self.refusal()
+            if refusal is not None:
+                raise refusal
+            if held is not None:
+                raise held_refusal(LockHeld(held, now))
+            because = (lock.ended_lease(token) if afresh else
+                       "this coordinator's state knew that refit: its end put them back")
+            if because is not None:
+                return {"put_back": 0, "because": because}
+            lease = lock.hold_for(holder, args["version"], number_of(token), members, now)
+            self.waiting = Waiting(lease, "its holder lost it to a coordinator restart and "
+                                   "asked for its members to be put back", now, token,
+                                   args["more"])
+            log.warning("%s, whose refit #%d was lost to a coordinator restart, asks that its "
+                        "members be put back in service once their nodes are back: they are "
+                        "stale", holder, lease.number)
+        self.book.stale(members)
+        core.weights_changed()
+        return {"put_back": len(members)}
 
     def released(self, core: Core, lease: Lease, now: float, request_id: str, client: bytes,
                  send: Callable[[bytes], None]) -> None:
@@ -123,16 +182,16 @@ class LeaseEnd:
         if resumed is not None:
             resumed()
 
-    def put_back(self, core: Core, lease: Lease, members: list[Member], stale: bool) -> int:
-        """Put these members of `lease` back in service (`stale`: marked so first), then lift
-        its pause; how many are still in the view (a replaced incarnation is not paused)."""
+    def put_back(self, core: Core, lease: Lease, members: list[Member], stale: bool) -> None:
+        """Put these members of `lease` back in service (`stale`: marked so first; those no
+        longer in the view are left: a replaced incarnation is not paused), then lift its
+        pause."""
         urls = membership.member_urls(core.view, members)
         if stale:
             self.book.stale(members)
             core.weights_changed()
         self._putback = (PutBack(f"refit #{lease.number}", urls), lease)
         self._save()   # (with the put-back's lease: a restart puts them back again)
-        return len(urls)
 
     def tick(self, core: Core, now: float) -> None:
         """Releases past their wait answered; once a put-back ended, the state forgets its
@@ -168,4 +227,11 @@ class LeaseEnd:
         core.gather(None, resume, core.view.reachable(), now, finish)
 
 
-__all__ = ["LeaseEnd", "PUTBACK_POLL_S", "RELEASE_TIMEOUT_S", "RESUME_ANSWER_S", "Releasing"]
+def held_refusal(exc: LockHeld) -> RefitError:
+    """The refusal of a call while another holds the lock: naming it, never its token."""
+    return RefitError(str(exc), {"holder": exc.lease.holder, "version": exc.lease.version,
+                                 "expires_in_s": exc.expires_in_s}, protocol.LOCK_HELD)
+
+
+__all__ = ["LeaseEnd", "PUTBACK_POLL_S", "RELEASE_TIMEOUT_S", "RESUME_ANSWER_S", "Releasing",
+           "Waiting", "held_refusal"]

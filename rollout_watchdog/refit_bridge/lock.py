@@ -61,12 +61,16 @@ class Lease:
     aborted: bool = False
     # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts
     # that pause only (a finish_generation pause stays until prepare_for_generation).
-    pause_owner: str = field(default_factory=lambda: f"refit-{secrets.token_hex(6)}")
+    pause_owner: str = field(default_factory=lambda: Lease.new_pause_owner())
     # Until the acquisition is answered (after its pause, and once what it lists is on disk)
     # the holder has no token to renew with: the lease is held, its clock starts with the
     # answer (`granted`).
     granting: bool = True
     taken: float = 0.0   # monotonic: when the lock was taken (the refit's duration starts)
+
+    @staticmethod
+    def new_pause_owner() -> str:
+        return f"refit-{secrets.token_hex(6)}"
 
     def unfinished(self) -> Unfinished:
         return Unfinished(self.number, self.holder, self.version, self.pause_owner,
@@ -78,17 +82,26 @@ class Lease:
         self.expires = now + self.lease_s
 
 
-def number_of(token: object) -> int:
-    """The counter half of a token (0 when it has none: the token is opaque to clients)."""
-    parts = token.split("-") if isinstance(token, str) else []
-    return int(parts[1]) if len(parts) == 3 and parts[1].isdecimal() else 0
+def token_problem(token: object) -> str | None:
+    """What is wrong with a token a client sends back (None: it has a token's form)."""
+    if not isinstance(token, str) or len(token) > 200:
+        return f"must be a token (a string of at most 200 characters), got {str(token)[:40]!r}"
+    parts = token.split("-")
+    if not (len(parts) == 3 and parts[1].isdecimal() and all(parts)):
+        return f"must be a token as refit_acquire gave it, got {token[:40]!r}"
+    return None
+
+
+def number_of(token: str) -> int:
+    """The counter half of a token (`token_problem` found nothing wrong with it)."""
+    return int(token.split("-")[1])
 
 
 class RefitLock:
     def __init__(self, next_token: int = 1, holder_timeout_s: float = HOLDER_TIMEOUT_S,
                  epoch: str | None = None) -> None:
         self.next_token = next_token   # the counter; persisted with a state dir (for the logs)
-        self.first_token = next_token  # (the counter at the start: what was granted since)
+        self.granted_here = False      # whether a holder got a token from this start on
         self.epoch = epoch or secrets.token_hex(8)   # fresh at every start: tokens never repeat
         self.holder_timeout_s = holder_timeout_s
         self.lease: Lease | None = None
@@ -117,16 +130,28 @@ class RefitLock:
                            pause_owner=saved.pause_owner, granting=True, taken=now)
         return self.lease
 
+    def hold_for(self, holder: str, version: str, number: int,
+                 members: list[tuple[str, str, int]], now: float) -> Lease:
+        """A lease of an earlier start that its holder lost, held again for its members (as
+        `restore` does, with a pause owner of its own: that lease's died with its start)."""
+        return self.restore(Unfinished(number, holder, version, Lease.new_pause_owner(),
+                                       False, []), members, now)
+
     def ended_lease(self, token: object) -> str | None:
         """Why this lock knows how the lease of `token` (not the current one) ended, or was
         taken over since (None: its token is of an earlier start, and nothing was granted
         since this one)."""
         if isinstance(token, str) and token.startswith(f"{self.epoch}-"):
             return "its lease ended at this coordinator, which put its members back"
-        if self.next_token > self.first_token:
-            return (f"refit #{self.next_token - 1} took the lock since this coordinator "
-                    "started: its holder put them back")
+        if self.granted_here:
+            return ("a later refit took the lock since this coordinator started: its holder "
+                    "put them back")
         return None
+
+    def grant(self, lease: Lease, now: float) -> None:
+        """`lease`'s token is answered: its holder may act from now on."""
+        lease.granted(now)
+        self.granted_here = True
 
     def check(self, token: object, holder: object, now: float) -> Lease:
         """The current lease if `token` and `holder` are its own (the holder is heard);

@@ -30,6 +30,8 @@ ABORT_GRACE_S = 1.0
 WEDGED = ("its update call did not complete and it takes no control call (wedged in the "
           "collective)")
 GONE = "gone (its server refuses connections)"
+# Members a refit_putback names at most (one message holds 2,000 with long host names).
+PUTBACK_PAGE = 2000
 
 
 def member(engine: EngineView) -> Member:
@@ -85,18 +87,24 @@ def ask_put_back(client: FleetClient, holder: str, token: object, version: str,
     does so only if nobody can have (service.py, refit_putback), checked and begun in one
     step: continuing them here after asking whether the lock is free would continue a next
     holder's paused members, had one taken the lock in between."""
-    try:
-        _, result = client.call("refit_putback", {
-            "holder": holder, "token": token, "version": version,
-            "members": [list(member(e)) for e in engines]}, timeout_s=timeout_s)
-    except RolloutWatchdogError as exc:
-        log.warning("refit %r: its lease lost, the coordinator did not put its members back "
-                    "(the next refit, or their watchdogs, do): %s", version, exc)
-        return
-    answer = result if isinstance(result, dict) else {}
-    because = f" ({answer['because']})" if answer.get("because") else ""
-    log.info("refit %r: its lease lost, the coordinator puts %s member(s) back in service%s",
-             version, answer.get("put_back"), because)
+    rows = [list(member(e)) for e in engines]
+    pages = [rows[i:i + PUTBACK_PAGE] for i in range(0, len(rows), PUTBACK_PAGE)]
+    for number, page in enumerate(pages, 1):
+        try:
+            _, result = client.call("refit_putback", {
+                "holder": holder, "token": token, "version": version, "members": page,
+                "more": number < len(pages)}, timeout_s=timeout_s)
+        except RolloutWatchdogError as exc:
+            log.warning("refit %r: its lease lost, the coordinator did not put its members "
+                        "back (the next refit, or their watchdogs, do): %s", version, exc)
+            return
+        answer = result if isinstance(result, dict) else {}
+        if answer.get("because"):
+            log.info("refit %r: its lease lost; its members are not put back again (%s)",
+                     version, answer["because"])
+            return
+    log.info("refit %r: its lease lost, the coordinator puts its %d member(s) back in service "
+             "once their nodes are back", version, len(rows))
 
 
 def gone_at_commit(ok: list[EngineView], result: object) -> list[tuple[EngineView, str]]:

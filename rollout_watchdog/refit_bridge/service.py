@@ -42,14 +42,17 @@ malformed one is refused naming it (code BAD_ARGS).
 - `refit_abort {holder, token, members?, wedged, reason}`: the refit failed; every member
   (without `members`: every member of the last listing) is stale until a later commit; each
   `wedged` member is restarted by its watchdog with cause `refit_wedged`.
-- `refit_putback {holder, token, version, members}` (after 1.6): the holder of a lease lost
-  (to a coordinator restart) asks that these `[node, engine, incarnation]`, which it left
-  paused, be put back in service: done as a lease's end does (below: stale, then put back)
-  only if nobody can have done it: this coordinator started without refit state, after that
-  lease (its token is of an earlier start), and granted no lease since. Answers `{put_back}`,
-  how many members it puts back (incarnations still in the view), or 0 with `because`; held
-  by another: LOCK_HELD, as for an acquisition (the holder now continues them). Checked and
-  begun in one step on the loop, so it never continues a next holder's paused members.
+- `refit_putback {holder, token, version, members, more?}` (after 1.6): the holder of a lease
+  lost to a coordinator restart asks that these `[node, engine, incarnation]`, which it left
+  paused, be put back in service. Done only if nobody can have done it: this coordinator
+  started without refit state (no state dir, or no refit.json in it), after that lease (its
+  token is of an earlier start), and granted no lease since; then the members are stale at
+  once, and the lock is held for that lease (refused as held by its holder) until their nodes
+  are back (at most RESTORED_WAIT_S, 60 s), when it ends as an expiry would (below). Answers
+  `{put_back}`, the members it took, or 0 with `because`; held by another: LOCK_HELD (that
+  holder continues them). `more: true`: a page, more to come (2,000 members a message).
+  Checked and begun in one step on the loop: it never continues the paused members of a
+  lease this coordinator granted.
 - `refit_release {holder, token}`: end the refit; the refit's own pause is lifted on every
   reachable node (`resume` with its owner tag: a node paused by `finish_generation` too stays
   paused until `prepare_for_generation`, as a colocated engine may not have its KV cache back).
@@ -83,14 +86,19 @@ from rollout_watchdog.common.commands import Arg, Registry, flag, number, rule, 
 from rollout_watchdog.common.replies import CommandError
 from rollout_watchdog.refit_bridge import member_pages, membership
 from rollout_watchdog.refit_bridge.durable import STATE_WRITE_TIMEOUT_S
-from rollout_watchdog.refit_bridge.lease_end import RELEASE_TIMEOUT_S, LeaseEnd
+from rollout_watchdog.refit_bridge.lease_end import (
+    RELEASE_TIMEOUT_S,
+    LeaseEnd,
+    Waiting,
+    held_refusal,
+)
 from rollout_watchdog.refit_bridge.lock import (
     HOLDER_TIMEOUT_S,
     Fenced,
     Lease,
     LockHeld,
     RefitLock,
-    number_of,
+    token_problem,
 )
 from rollout_watchdog.refit_bridge.refit_call import Call, Core, RefitError
 from rollout_watchdog.refit_bridge.save_gate import SaveGate, answer_saved
@@ -125,10 +133,12 @@ class RefitService:
                         "stale until the next refit commits", len(in_flight))
             self.book.stale(in_flight)
         self.lock = RefitLock(next_token, holder_timeout_s)
-        self._restored = None if unfinished is None else self.lock.restore(   # the lease held
-            unfinished, in_flight, time.monotonic())   # when it stopped: ended as if expired
         self.relaunched: list[tuple[str, str]] = []
         self.ending = LeaseEnd(self.book, self._save)
+        if unfinished is not None:   # the lease held when it stopped: ended as if expired
+            self.ending.waiting = Waiting(self.lock.restore(unfinished, in_flight,
+                                                            time.monotonic()),
+                                          "the coordinator stopped during it")
         if self.state.writer is not None:
             try:
                 self.state.writer.write_now(self._content())
@@ -188,7 +198,7 @@ class RefitService:
         try:
             lease = self.lock.acquire(holder, version, lease_s, now)
         except LockHeld as exc:
-            raise _held(exc) from None
+            raise held_refusal(exc) from None
         lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self._listing(core)]
         for url, names in membership.shared_urls(core.view).items():   # (none is a member)
             log.error("refit #%d leaves out %s: they all advertise %s (one server is not two "
@@ -251,7 +261,7 @@ class RefitService:
                     core.reply(to, self._not_granted(core, cmd, lease, error,
                                                      protocol.NOT_SAVED))
                 else:
-                    lease.granted(time.monotonic())   # the lease runs from its token's answer
+                    self.lock.grant(lease, time.monotonic())   # it runs from its token's answer
                     core.reply(to, reply)
             self.saves.once_saved(cmd.request_id, gathering.client or client, saved)
         core.gather(client, pause, core.view.reachable(), now, finish)
@@ -358,35 +368,20 @@ class RefitService:
         return {"stale": len(members), "restarted": [[n, e] for n, e, _ in wedged]}
 
     @COMMANDS.command("refit_putback", Arg("holder", text(), required=True),
-                      Arg("token", lambda v: v, required=True), VERSION,
-                      Arg("members", members_of, required=True))
+                      Arg("token", rule(token_problem), required=True), VERSION,
+                      Arg("members", members_of, required=True), Arg("more", flag, False))
     def _put_back(self, call: Call) -> dict[str, Any]:
         """A holder whose lease was lost asks that its members be put back in service: done
-        (stale, sessions ended, generation continued) only if nobody can have done it, that is
-        if this coordinator started with no refit state, after that lease, and granted none
-        since; otherwise `put_back` is 0 and `because` says who did. Checked and begun in one
-        step: the lock is held by `coordinator` until it ended, so no next holder's paused
-        members are continued under it."""
-        token, holder, now = call.args["token"], call.args["holder"], call.now
-        held = self.lock.lease
-        if held is not None and (token, holder) == (held.token, held.holder):
-            raise ValueError("this holder holds the lock: it aborts its refit (refit_abort)")
-        refusal = self.ending.refusal()
-        if refusal is not None:
-            raise refusal
-        if held is not None:
-            raise _held(LockHeld(held, now))
-        because = (self.lock.ended_lease(token) if self.state.afresh else
-                   "this coordinator's state knew that refit: its end put them back")
-        if because is not None:
-            return {"put_back": 0, "because": because}
-        members: list[Member] = call.args["members"]
-        lease = Lease("", number_of(token), holder, call.args["version"], 0.0, now, now, [],
-                      taken=now)
-        log.warning("%s, whose lease was lost to a coordinator restart, asks that %d member(s) "
-                    "of refit %r be put back in service: they are stale", holder, len(members),
-                    lease.version)
-        return {"put_back": self.ending.put_back(call.core, lease, members, stale=True)}
+        (stale, sessions ended, generation continued) once their nodes are back, only if
+        nobody can have done it, that is if this coordinator started with no refit state,
+        after that lease, and granted none since; otherwise `put_back` is 0 and `because`
+        says who did. Checked and begun in one step: the lock is held for that lease until it
+        ended, so no next holder's paused members are continued under it. `more`: a page of
+        the members, more to come (the next pages join it)."""
+        result = self.ending.asked(call.core, self.lock, self.state.afresh, call.args,
+                                   call.now)
+        self._save()
+        return result
 
     @COMMANDS.command("refit_release", *FENCE)
     def _release(self, call: Call) -> None:
@@ -409,11 +404,10 @@ class RefitService:
         self.saved(now)
         self.ending.tick(core, now)
         expired = self.lock.expire(now)
-        if self._restored is not None and membership.restored_due(
-                core.view, self._restored.members + self._restored.continuing,
-                core.started_at, now):
-            expired, self.lock.lease = (self._restored, "the coordinator stopped during it"), None
-            self._restored = None
+        waiting = self.ending.waiting
+        if waiting is not None and waiting.due(core, now):
+            expired, self.lock.lease = (waiting.lease, waiting.why), None
+            self.ending.waiting = None
         if expired is None:
             return
         lease, why = expired
@@ -474,12 +468,6 @@ class RefitService:
         lease = self.live_lease
         return self.state.encode(self.book, self.lock.next_token, *(
             ([], None) if lease is None else (lease.members, lease.unfinished())))
-
-
-def _held(exc: LockHeld) -> RefitError:
-    """The refusal of a call while another holds the lock: naming it, never its token."""
-    return RefitError(str(exc), {"holder": exc.lease.holder, "version": exc.lease.version,
-                                 "expires_in_s": exc.expires_in_s}, protocol.LOCK_HELD)
 
 
 __all__ = ["COMMANDS", "Core", "RefitService", "Member", "WeightBook"]
