@@ -46,3 +46,20 @@ def test_the_members_gone_at_a_commit_are_those_the_view_no_longer_runs() -> Non
     members = [("n1", e, 1) for e in ("e0", "e1", "e2", "e3", "e9")]
     assert membership.gone(fleet, members) == [("n1", "e1", 1), ("n1", "e2", 1),
                                                ("n1", "e9", 1)]
+
+
+def test_urls_that_reach_one_server_are_one_server() -> None:
+    """The hostile run's spellings of one engine's URL each slipped past the shared-URL check
+    and wedged a refit: a trailing slash, `localhost`, an upper-case scheme."""
+    one = {membership.server_of(url) for url in (
+        "http://127.0.0.1:30000", "http://127.0.0.1:30000/", "HTTP://127.0.0.1:30000",
+        "http://localhost:30000", "http://LocalHost:30000/generate", "http://[::1]:30000",
+        "http://127.0.1.1:30000", "http://0.0.0.0:30000")}
+    assert len(one) == 1
+    assert membership.server_of("http://h:80") == membership.server_of("http://H/")
+    assert len({membership.server_of(url) for url in (
+        "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.1:30001",
+        "https://10.0.0.1:30000")}) == 4
+    fleet = view(("n1", True, [{"id": "e0", "url": "http://127.0.0.1:30000"}]),
+                 ("n2", True, [{"id": "x0", "url": "http://localhost:30000/"}]))
+    assert membership.shared_urls(fleet) == {"http://loopback:30000": ["n1/e0", "n2/x0"]}

@@ -141,8 +141,11 @@ def test_two_engines_advertising_one_url_are_left_out_and_nothing_wedges(
     fleet.wait_until(all_healthy(2), 90)
     real = by_name(fleet)["node0/e0"]
     liar = make_node([], node_id="node1", top={"coordinator": coordinator.endpoint}).start()
-    liar.client.call("register", {"engine": "x0", "url": str(real.url), "pid": real.pid})
+    spelled = str(real.url).replace("127.0.0.1", "LocalHost") + "/"   # (one server still)
+    liar.client.call("register", {"engine": "x0", "url": spelled, "pid": real.pid})
     fleet.wait_until(all_healthy(3), 60)
+    assert {name: e.serving for name, e in by_name(fleet).items()} == {
+        "node0/e0": False, "node0/e1": True, "node1/x0": False}   # (none in the router)
     with fleet.refit("v1", backend="gloo", timeout_s=30) as refit:
         assert [e.name for e in refit.engines] == ["node0/e1"]
         refit.update_weights(weights(1))

@@ -401,6 +401,7 @@ def test_a_holder_whose_coordinator_restarted_never_continues_the_next_holders_m
         assert line_of(a)["held_after"] in {"ping", "refit_putback"}   # A has asked
         for url in urls:   # (put back by the coordinator, as A asked)
             wait_for(partial(generating, url), 30, f"{url} put back in service")
+        fleet.wait_until(lambda view: not any(e.paused for e in view), 30)   # A's pause lifted
         b = trainer_process(coordinator.endpoint, "vB", 2, "--stall")
         assert line_of(b)["paused"]
         the_stale_holder_leaves_b_alone(a, fleet, urls)

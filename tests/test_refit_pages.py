@@ -31,6 +31,8 @@ from rollout_watchdog import CommandRefused, Coordinator, FleetClient
 from rollout_watchdog.agent.fanout import encode_reply
 from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge import member_pages
+from rollout_watchdog.refit_bridge.lease_end import MAX_PUTBACK
+from rollout_watchdog.refit_bridge.lock import pause_owner_of
 from rollout_watchdog.refit_bridge.refit_state import GROUPS
 from rollout_watchdog.refit_bridge.service import RefitService
 
@@ -250,46 +252,69 @@ def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_ha
         ) -> None:
     """`refit_putback`: a holder whose lease was lost to a coordinator restart asks for its
     members to be put back. A coordinator that started without refit state, after that lease,
-    and granted none since marks them stale at once, holds the lock for that lease until
-    their nodes are back (it takes further pages of them meanwhile), then puts them back.
-    One that knows the lease's end (its own token, a lease granted since) says who did; one
-    whose lock is held refuses it as held: that holder continues them (the hostile run's
-    stale holder continued them itself after asking `ping`, under the next holder)."""
-    engine = {"node_id": "n1", "id": "e0", "incarnation": 1, "tp_size": 1,
-              "url": "http://127.0.0.1:1", "process": "p"}   # (refuses: put back at once)
-    core, service = Core([engine]), RefitService(None)
+    and granted none since marks those it shows paused stale at once, holds the lock for that
+    lease until their nodes are back (it takes further pages meanwhile), then puts back those
+    still paused. Only one holder's per start (one lease was held when it stopped: a forged
+    ask after it does nothing), at most MAX_PUTBACK members. One that knows the lease's end
+    (its own token, a lease granted since) says who did; one whose lock is held refuses it as
+    held: that holder continues them (the hostile run's stale holder continued them itself
+    after asking `ping`, under the next holder)."""
+    engines = [{"node_id": "n1", "id": f"e{i}", "incarnation": 1, "tp_size": 1,
+                "url": f"http://127.0.0.1:{i + 1}", "process": "p", "paused": i == 0}
+               for i in range(2)]   # (e0's refuses: put back at once; e1 is not paused)
+    core, service = Core(engines), RefitService(None)
     lost = {"holder": "a", "token": "0123456789abcdef-7-00ff", "version": "vA",
             "members": [["n2", "e0", 1]], "more": True}
     asked = core.call(service, "refit_putback", lost)   # (n2: not back yet)
     assert (asked.status, asked.result) == ("ok", {"put_back": 1})
-    assert core.call(service, "refit_putback", {**lost, "members": [["n1", "e0", 1]],
-                                                "more": False}).result == {"put_back": 1}
-    assert service.book.held[("n1", "e0")].version is None   # stale, at once
+    rest = {**lost, "members": [["n1", "e0", 1], ["n1", "e1", 1]], "more": False}
+    assert core.call(service, "refit_putback", rest).result == {"put_back": 2}
+    assert service.book.held.keys() == {("n1", "e0")}   # stale at once: paused, in the view
     service.tick(core, time.monotonic())   # n2 is not back: the lease waits, held
     held = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"})
     assert (held.code, held.result["holder"]) == (protocol.LOCK_HELD, "a")
     service.tick(core, time.monotonic() + 61)   # (RESTORED_WAIT_S: n2 is left to its node)
-    held = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"})
-    assert (held.code, held.result["holder"]) == (protocol.LOCK_HELD, "coordinator")
+    assert service.ending.putting_back is not None
+    assert service.ending.putting_back.members == [("n1", "e0", 1)]   # the paused one only
+    assert service.ending.putting_back.pause_owner == pause_owner_of(lost["token"])
     put_back_ended(service, core)
+    assert service.book.held.keys() == {("n1", "e0")}
 
+    forged = core.call(service, "refit_putback", {**lost, "token": "feed-1-x"}).result
+    assert forged["put_back"] == 0 and "a asked for refit #7" in forged["because"]
     for bad, named in (({"members": [["n1", "e0"]]}, "'members'"), ({"token": 7}, "'token'"),
                        ({"token": None}, "'token'"), ({"token": "x-y"}, "'token'")):
         refused = core.call(service, "refit_putback", {**lost, **bad})
         assert refused.code == protocol.BAD_ARGS and named in str(refused.reason), bad
-    refused_acquisition = core.call(service, "refit_acquire", {"holder": "c", "version": "v1",
-                                                               "lease_s": 0.5})
-    assert refused_acquisition.code == protocol.BAD_ARGS   # (no lease granted by it)
     token = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"}).result["token"]
     mine = core.call(service, "refit_putback", {**lost, "holder": "b", "token": token})
     assert (mine.code, "refit_abort" in str(mine.reason)) == (protocol.BAD_ARGS, True)
     refused = core.call(service, "refit_putback", lost)
     assert (refused.code, refused.result["holder"]) == (protocol.LOCK_HELD, "b")
-    assert core.call(service, "refit_release", {"holder": "b", "token": token}).status == "ok"
-    put_back_ended(service, core)   # (b neither committed nor aborted)
-    since = core.call(service, "refit_putback", lost).result
+
+
+def test_a_put_back_takes_only_so_many_members_and_counts_refused_acquisitions_as_none(
+        ) -> None:
+    """Pages of made-up members are refused past MAX_PUTBACK (the hostile run grew the book
+    and the state to 1.1 M entries); a lease granted since is known to have put them back,
+    an acquisition never answered with its token is not."""
+    core, service = Core([]), RefitService(None)
+    page = [["n1", f"e{i}", 1] for i in range(MAX_PUTBACK // 2)]
+    lost = {"holder": "a", "token": "0123456789abcdef-7-00ff", "version": "vA",
+            "members": page, "more": True}
+    assert core.call(service, "refit_putback", lost).result == {"put_back": len(page)}
+    again = core.call(service, "refit_putback", lost).result   # (the same page: nothing new)
+    assert again == {"put_back": 0}
+    more = [["n2", f"e{i}", 1] for i in range(MAX_PUTBACK // 2 + 1)]
+    refused = core.call(service, "refit_putback", {**lost, "members": more})
+    assert refused.code == protocol.BAD_ARGS and str(MAX_PUTBACK) in str(refused.reason)
+    assert service.book.held == {}   # (nothing recorded of engines it never saw)
+    ended = RefitService(None)
+    token = core.call(ended, "refit_acquire", {"holder": "b", "version": "v1"}).result["token"]
+    assert core.call(ended, "refit_release", {"holder": "b", "token": token}).status == "ok"
+    since = core.call(ended, "refit_putback", lost).result
     assert since["put_back"] == 0 and "a later refit took the lock" in since["because"]
-    here = core.call(service, "refit_putback", {**lost, "holder": "b", "token": token}).result
+    here = core.call(ended, "refit_putback", {**lost, "holder": "b", "token": token}).result
     assert here["put_back"] == 0 and "ended at this coordinator" in here["because"]
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_watchdog.agent.fanout import Gathering
 from rollout_watchdog.common import protocol
 from rollout_watchdog.refit_bridge import membership
-from rollout_watchdog.refit_bridge.lock import Lease, LockHeld, RefitLock, number_of
+from rollout_watchdog.refit_bridge.lock import Lease, LockHeld, RefitLock
 from rollout_watchdog.refit_bridge.putback import PUTBACK_CALL_S, PutBack
 from rollout_watchdog.refit_bridge.refit_call import Core, RefitError
 from rollout_watchdog.refit_bridge.weights import Member, WeightBook
@@ -37,6 +37,7 @@ RESUME_ANSWER_S = 1.0
 # A release's node commands; a node that does not answer the resume in time is owed it.
 RELEASE_TIMEOUT_S = 5.0
 PUTBACK_POLL_S = 0.1         # how often the loop looks whether a put-back ended
+MAX_PUTBACK = 65_536         # members one refit_putback names in all (its pages)
 
 
 @dataclass
@@ -50,6 +51,22 @@ class Waiting:
     since: float | None = None   # monotonic; None: the loop's start
     asked: str | None = None
     more: bool = False
+    _taken: set[Member] = field(default_factory=set)
+
+    def take(self, members: list[Member]) -> list[Member]:
+        """A page of the members: those new to it (refused past MAX_PUTBACK in all)."""
+        new = [m for m in dict.fromkeys(members) if m not in self._taken]
+        if len(self._taken) + len(new) > MAX_PUTBACK:
+            raise ValueError(f"a put-back takes at most {MAX_PUTBACK} members")
+        self._taken.update(new)
+        self.lease.members += new
+        return new
+
+    def end_members(self, core: Core) -> None:
+        """Once due: an asked-for put-back keeps the members its view shows paused (the
+        others were not left paused by that lease, or are gone)."""
+        if self.asked is not None:
+            self.lease.members = membership.paused(core.view, self.lease.members)
 
     def due(self, core: Core, now: float) -> bool:
         since = core.started_at if self.since is None else self.since
@@ -78,40 +95,54 @@ class LeaseEnd:
         self._putback: tuple[PutBack, Lease] | None = None
         self._releasing: dict[str, Releasing] = {}   # by the release's request id
         self.waiting: Waiting | None = None   # (its lease is the lock's)
+        # Why a refit_putback is not done: one was, since this start; this one's reason.
+        self._asked_here: str | None = None
+        self._because: str | None = None
 
     def asked(self, core: Core, lock: RefitLock, afresh: bool, args: dict[str, Any],
               now: float) -> dict[str, Any]:
         """refit_putback (service.py): `args` checked; `afresh`: this coordinator started
-        with no refit state. Its members are marked stale at once: a restarted coordinator
-        without state would route them, half updated."""
-        token, holder, members = args["token"], args["holder"], list(dict.fromkeys(args["members"]))
-        held, waiting = lock.lease, self.waiting
-        if waiting is not None and (token, holder) == (waiting.asked, waiting.lease.holder):
-            known = set(waiting.lease.members)   # a next page
-            waiting.lease.members += [m for m in members if m not in known]
-            waiting.more = args["more"]
-        else:
-            if held is not None and (token, holder) == (held.token, held.holder):
-                raise ValueError("this holder holds the lock: it aborts its refit (refit_abort)")
-            refusal = self.refusal()
-            if refusal is not None:
-                raise refusal
-            if held is not None:
-                raise held_refusal(LockHeld(held, now))
-            because = (lock.ended_lease(token) if afresh else
-                       "this coordinator's state knew that refit: its end put them back")
-            if because is not None:
-                return {"put_back": 0, "because": because}
-            lease = lock.hold_for(holder, args["version"], number_of(token), members, now)
-            self.waiting = Waiting(lease, "its holder lost it to a coordinator restart and "
-                                   "asked for its members to be put back", now, token,
-                                   args["more"])
-            log.warning("%s, whose refit #%d was lost to a coordinator restart, asks that its "
-                        "members be put back in service once their nodes are back: they are "
-                        "stale", holder, lease.number)
-        self.book.stale(members)
+        with no refit state. Only the members its view shows paused count (a restarted
+        coordinator without state would route them, half updated: stale at once; the others
+        once their nodes are back, if paused then), and only one holder's per start: one
+        lease at a time was held when it stopped. At most MAX_PUTBACK members."""
+        token, holder, members = args["token"], args["holder"], args["members"]
+        waiting = self.waiting
+        if waiting is None or (token, holder) != (waiting.asked, waiting.lease.holder):
+            self._first_ask(lock, afresh, token, holder, args["version"], now)
+        waiting = self.waiting
+        if waiting is None:
+            return {"put_back": 0, "because": self._because}
+        taken = waiting.take(members)
+        waiting.more = args["more"]
+        self.book.stale(membership.paused(core.view, taken))
         core.weights_changed()
-        return {"put_back": len(members)}
+        return {"put_back": len(taken)}
+
+    def _first_ask(self, lock: RefitLock, afresh: bool, token: str, holder: str, version: str,
+                   now: float) -> None:
+        """Hold the lock for the lost lease of `token` if nobody can have put its members
+        back; else `_asked_here` says who did (or raises the refusal of a held lock)."""
+        held = lock.lease
+        if held is not None and (token, holder) == (held.token, held.holder):
+            raise ValueError("this holder holds the lock: it aborts its refit (refit_abort)")
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
+        if held is not None:
+            raise held_refusal(LockHeld(held, now))
+        self._because = (self._asked_here or lock.ended_lease(token) if afresh else
+                         "this coordinator's state knew that refit: its end put them back")
+        if self._because is not None:
+            return
+        lease = lock.hold_for(holder, token, version, [], now)
+        self.waiting = Waiting(lease, "its holder lost it to a coordinator restart and asked "
+                               "for its members to be put back", now, token)
+        self._asked_here = (f"{holder} asked for refit #{lease.number}'s members since this "
+                            "coordinator started: that put-back covers those left paused")
+        log.warning("%s, whose refit #%d was lost to a coordinator restart, asks that its "
+                    "members be put back in service once their nodes are back", holder,
+                    lease.number)
 
     def released(self, core: Core, lease: Lease, now: float, request_id: str, client: bytes,
                  send: Callable[[bytes], None]) -> None:

@@ -15,6 +15,7 @@ ended and who acts late is told so, never mistaken for the current holder.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,16 +62,12 @@ class Lease:
     aborted: bool = False
     # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts
     # that pause only (a finish_generation pause stays until prepare_for_generation).
-    pause_owner: str = field(default_factory=lambda: Lease.new_pause_owner())
+    pause_owner: str = ""   # (acquire and hold_for derive it from the token: pause_owner_of)
     # Until the acquisition is answered (after its pause, and once what it lists is on disk)
     # the holder has no token to renew with: the lease is held, its clock starts with the
     # answer (`granted`).
     granting: bool = True
     taken: float = 0.0   # monotonic: when the lock was taken (the refit's duration starts)
-
-    @staticmethod
-    def new_pause_owner() -> str:
-        return f"refit-{secrets.token_hex(6)}"
 
     def unfinished(self) -> Unfinished:
         return Unfinished(self.number, self.holder, self.version, self.pause_owner,
@@ -90,6 +87,13 @@ def token_problem(token: object) -> str | None:
     if not (len(parts) == 3 and parts[1].isdecimal() and all(parts)):
         return f"must be a token as refit_acquire gave it, got {token[:40]!r}"
     return None
+
+
+def pause_owner_of(token: str) -> str:
+    """The owner tag of a lease's deep-probe pause: derived from its token, so a coordinator
+    restarted without state lifts a lost lease's pause when its holder asks (refit_putback),
+    and nobody without the token can name it."""
+    return f"refit-{hashlib.blake2b(token.encode(), digest_size=6).hexdigest()}"
 
 
 def number_of(token: str) -> int:
@@ -114,8 +118,8 @@ class RefitLock:
         if self.lease is not None:
             raise LockHeld(self.lease, now)
         token = f"{self.epoch}-{self.next_token}-{secrets.token_hex(8)}"
-        self.lease = Lease(token, self.next_token, holder, version,
-                           lease_s, now + lease_s, now, [], taken=now)
+        self.lease = Lease(token, self.next_token, holder, version, lease_s, now + lease_s, now,
+                           [], pause_owner=pause_owner_of(token), taken=now)
         self.next_token += 1
         return self.lease
 
@@ -130,12 +134,12 @@ class RefitLock:
                            pause_owner=saved.pause_owner, granting=True, taken=now)
         return self.lease
 
-    def hold_for(self, holder: str, version: str, number: int,
+    def hold_for(self, holder: str, token: str, version: str,
                  members: list[tuple[str, str, int]], now: float) -> Lease:
-        """A lease of an earlier start that its holder lost, held again for its members (as
-        `restore` does, with a pause owner of its own: that lease's died with its start)."""
-        return self.restore(Unfinished(number, holder, version, Lease.new_pause_owner(),
-                                       False, []), members, now)
+        """A lease of an earlier start that its holder lost (`token`: the one it was given),
+        held again for its members as `restore` does; its pause owner is that lease's."""
+        return self.restore(Unfinished(number_of(token), holder, version,
+                                       pause_owner_of(token), False, []), members, now)
 
     def ended_lease(self, token: object) -> str | None:
         """Why this lock knows how the lease of `token` (not the current one) ended, or was

@@ -9,7 +9,9 @@ coordinator (the router's membership), and testable with a view built by hand.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
+from urllib.parse import urlsplit
 
 from rollout_watchdog.common.states import EngineState
 from rollout_watchdog.refit_bridge import member_pages
@@ -19,19 +21,38 @@ from rollout_watchdog.refit_bridge.weights import Member, WeightBook
 RUNNING_STATES = {str(state) for state in EngineState if state.running}
 
 
+def server_of(url: object) -> str:
+    """The server a URL reaches, as one string: scheme and host in lower case, the default
+    port filled in, the path dropped, and every loopback host one ("loopback"), so that
+    `http://localhost:30000/` and `HTTP://127.0.0.1:30000` are one server."""
+    try:
+        parts = urlsplit(str(url).strip())
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
+    except ValueError:
+        return str(url)
+    host = (parts.hostname or "").lower()
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback or \
+            ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        loopback = False
+    return f"{parts.scheme.lower()}://{'loopback' if loopback else host}:{port}"
+
+
 def shared_urls(view: FleetView) -> dict[str, list[str]]:
-    """Each URL that more than one running engine of reachable nodes advertises: the names
-    (`node/engine`) of those engines. Two nodes configured with the same loopback URL, or a
-    node that lies: the trainer would reach one server as two members (one rank never joins
-    its group, the refit wedges and the real engine is restarted), so none of them is a
-    refit member or in the router until the conflict is gone."""
+    """Each server (`server_of`) that more than one running engine of reachable nodes
+    advertises: the names (`node/engine`) of those engines. Two nodes configured with the
+    same loopback URL, or a node that lies: the trainer would reach one server as two members
+    (one rank never joins its group, the refit wedges and the real engine is restarted), so
+    none of them is a refit member, in the router, or serving until the conflict is gone."""
     claims: dict[str, list[str]] = {}
     for node_id, record in view.nodes.items():
         if record.reachable:
             for engine in record.engines.values():
                 if engine.get("url") and engine.get("state") in RUNNING_STATES:
-                    claims.setdefault(str(engine["url"]), []).append(f"{node_id}/{engine['id']}")
-    return {url: names for url, names in claims.items() if len(names) > 1}
+                    claims.setdefault(server_of(engine["url"]), []).append(
+                        f"{node_id}/{engine['id']}")
+    return {server: names for server, names in claims.items() if len(names) > 1}
 
 
 def refit_members(view: FleetView, book: WeightBook,
@@ -47,7 +68,8 @@ def refit_members(view: FleetView, book: WeightBook,
         if not record.reachable:
             continue
         for engine in record.engines.values():
-            if engine.get("state") != EngineState.HEALTHY or engine.get("url") in shared:
+            if engine.get("state") != EngineState.HEALTHY or (
+                    shared and server_of(engine.get("url")) in shared):
                 continue
             if allowed is not None and (node_id, engine["id"]) not in allowed:
                 continue
@@ -73,7 +95,8 @@ def router_members(view: FleetView, book: WeightBook) -> dict[str, str | None]:
             continue
         for engine in record.engines.values():
             url = engine.get("url")
-            if url and url not in shared and book.serving(node_id, engine):
+            if url and book.serving(node_id, engine) and not (
+                    shared and server_of(url) in shared):
                 members[url] = book.version_of(node_id, engine["id"], engine.get("incarnation"))
     return members
 
@@ -92,28 +115,30 @@ def restored_due(view: FleetView, members: list[Member], started: float, now: fl
     return nodes <= view.nodes.keys() or now - started >= RESTORED_WAIT_S
 
 
+def _seen(view: FleetView, member: Member) -> dict[str, Any] | None:
+    """The view's engine object of this incarnation (None: gone, or another incarnation)."""
+    node, engine, incarnation = member
+    record = view.nodes.get(node)
+    seen = record.engines.get(engine) if record is not None else None
+    return seen if seen is not None and seen.get("incarnation") == incarnation else None
+
+
 def member_urls(view: FleetView, members: list[Member]) -> list[str]:
     """The URLs of those incarnations still in the view (a replaced one is not paused)."""
-    urls = []
-    for node, engine, incarnation in members:
-        record = view.nodes.get(node)
-        seen = record.engines.get(engine) if record is not None else None
-        if seen is not None and seen.get("incarnation") == incarnation and seen.get("url"):
-            urls.append(str(seen["url"]))
-    return urls
+    return [str(seen["url"]) for seen in (_seen(view, m) for m in members)
+            if seen is not None and seen.get("url")]
 
 
 def gone(view: FleetView, members: list[Member]) -> list[Member]:
     """Those of `members` whose incarnation is no longer running as far as the view knows:
     stopped, dead, relaunched (another incarnation) or removed. Their update is lost."""
-    out = []
-    for node, engine, incarnation in members:
-        record = view.nodes.get(node)
-        seen = record.engines.get(engine) if record is not None else None
-        if (seen is None or seen.get("incarnation") != incarnation
-                or seen.get("state") not in RUNNING_STATES):
-            out.append((node, engine, incarnation))
-    return out
+    return [m for m in members
+            if (seen := _seen(view, m)) is None or seen.get("state") not in RUNNING_STATES]
+
+
+def paused(view: FleetView, members: list[Member]) -> list[Member]:
+    """Those of `members` whose incarnation the view shows with its deep probes paused."""
+    return [m for m in members if (seen := _seen(view, m)) is not None and seen.get("paused")]
 
 
 def deferred_waiting(view: FleetView) -> list[tuple[str, str]]:

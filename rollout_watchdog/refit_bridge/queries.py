@@ -15,6 +15,7 @@ from rollout_watchdog.agent.relay import Relay
 from rollout_watchdog.common import protocol
 from rollout_watchdog.common.commands import Arg, Registry, text
 from rollout_watchdog.common.replies import CommandError
+from rollout_watchdog.refit_bridge import membership
 from rollout_watchdog.refit_bridge.fleet import FleetView
 from rollout_watchdog.refit_bridge.router_sync import RouterSync
 from rollout_watchdog.refit_bridge.service import RefitService
@@ -59,9 +60,12 @@ def status(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, A
     if cmd.node is not None and cmd.node not in hub.view.nodes:
         raise CommandError(f"unknown node {cmd.node!r}", protocol.UNKNOWN_NODE)
     view = hub.view.status(cmd.node, args["after"])
+    shared = membership.shared_urls(hub.view)   # (not serving: not in the router)
     for node in view["nodes"]:
         for engine in node["engines"]:
             hub.refit.book.decorate(node["node_id"], engine, node["reachable"])
+            if shared and membership.server_of(engine.get("url")) in shared:
+                engine["serving"] = False
     return view
 
 

@@ -149,8 +149,8 @@ class Refit:
                        for m in members]
             if not engines:
                 raise NoMembers(f"refit {self.version!r}: no engine to update (no healthy "
-                                "engine on a reachable node); the lock is released and nothing "
-                                "changed")
+                                "engine on a reachable node with a URL of its own); the lock is "
+                                "released and nothing changed")
             self.engines = engines
             if self._master_address is None:
                 self.master_address = master_address_for(

@@ -14,8 +14,8 @@ malformed one is refused naming it (code BAD_ARGS).
   probes ended, as `pause --all` does; nodes resume by themselves after `deadline_s` if nothing
   else resumes them), relaunches `deferred` engines that wait for it, and answers `{token,
   lease_s, version, members, next, relaunched, pause_problems}`. `members` are the engines the
-  refit updates: healthy, on reachable nodes, serving or `pending_weights`, with a URL no other
-  running engine advertises (membership.shared_urls: logged, never a member) (each `{node_id,
+  refit updates: healthy, on reachable nodes, serving or `pending_weights`, with a server no
+  other running engine advertises (membership.shared_urls: logged, never a member) (each `{node_id,
   id, incarnation, url, tp_size, process, weight_version}`; `process` names the main process,
   as the node's status does, null from an older node), in order of node id, then engine id.
   `pause_problems` (for people) is cut at 20,000 characters. Held by another: an error
@@ -46,13 +46,14 @@ malformed one is refused naming it (code BAD_ARGS).
   lost to a coordinator restart asks that these `[node, engine, incarnation]`, which it left
   paused, be put back in service. Done only if nobody can have done it: this coordinator
   started without refit state (no state dir, or no refit.json in it), after that lease (its
-  token is of an earlier start), and granted no lease since; then the members are stale at
-  once, and the lock is held for that lease (refused as held by its holder) until their nodes
-  are back (at most RESTORED_WAIT_S, 60 s), when it ends as an expiry would (below). Answers
-  `{put_back}`, the members it took, or 0 with `because`; held by another: LOCK_HELD (that
-  holder continues them). `more: true`: a page, more to come (2,000 members a message).
-  Checked and begun in one step on the loop: it never continues the paused members of a
-  lease this coordinator granted.
+  token is of an earlier start), and granted no lease and took no other put-back since. Then
+  the lock is held for that lease (refused as held by its holder) until their nodes are back
+  (at most RESTORED_WAIT_S, 60 s), and it ends as an expiry would (below) for the members
+  the view shows with deep probes paused (stale at once if shown so already), its pause (the
+  owner tag derives from the token) lifted. Answers `{put_back}`, the members it took, or 0
+  with `because`; held by another: LOCK_HELD (that holder continues them). `more: true`: a
+  page, more to come (2,000 a message; 65,536 in all). Checked and begun in one step on the
+  loop: it never continues the paused members of a lease this coordinator granted.
 - `refit_release {holder, token}`: end the refit; the refit's own pause is lifted on every
   reachable node (`resume` with its owner tag: a node paused by `finish_generation` too stays
   paused until `prepare_for_generation`, as a colocated engine may not have its KV cache back).
@@ -406,6 +407,7 @@ class RefitService:
         expired = self.lock.expire(now)
         waiting = self.ending.waiting
         if waiting is not None and waiting.due(core, now):
+            waiting.end_members(core)
             expired, self.lock.lease = (waiting.lease, waiting.why), None
             self.ending.waiting = None
         if expired is None:
