@@ -53,13 +53,16 @@ def test_urls_that_reach_one_server_are_one_server() -> None:
     and wedged a refit: a trailing slash, `localhost`, an upper-case scheme."""
     one = {membership.server_of(url) for url in (
         "http://127.0.0.1:30000", "http://127.0.0.1:30000/", "HTTP://127.0.0.1:30000",
-        "http://localhost:30000", "http://LocalHost:30000/generate", "http://[::1]:30000",
-        "http://127.0.1.1:30000", "http://0.0.0.0:30000")}
+        "http://localhost:30000", "http://LocalHost:30000/", "http://[::1]:30000",
+        "http://127.0.1.1:30000", "http://0.0.0.0:30000", "http://[::ffff:127.0.0.1]:30000")}
     assert len(one) == 1
     assert membership.server_of("http://h:80") == membership.server_of("http://H/")
+    assert membership.server_of("http://[2001:db8:0::1]:5") == membership.server_of(
+        "http://[2001:DB8::1]:5")
     assert len({membership.server_of(url) for url in (
         "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.1:30001",
-        "https://10.0.0.1:30000")}) == 4
+        "https://10.0.0.1:30000", "http://gw/a", "http://gw/b", "http://[2001:db8::1]:30000",
+        "http://[2001:db8::2]:30000")}) == 8
     fleet = view(("n1", True, [{"id": "e0", "url": "http://127.0.0.1:30000"}]),
                  ("n2", True, [{"id": "x0", "url": "http://localhost:30000/"}]))
     assert membership.shared_urls(fleet) == {"http://loopback:30000": ["n1/e0", "n2/x0"]}

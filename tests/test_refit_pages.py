@@ -252,9 +252,9 @@ def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_ha
         ) -> None:
     """`refit_putback`: a holder whose lease was lost to a coordinator restart asks for its
     members to be put back. A coordinator that started without refit state, after that lease,
-    and granted none since marks those it shows paused stale at once, holds the lock for that
-    lease until their nodes are back (it takes further pages meanwhile), then puts back those
-    still paused. Only one holder's per start (one lease was held when it stopped: a forged
+    and granted none since marks them stale at once, holds the lock for that lease until
+    their nodes are back (it takes further pages meanwhile), then puts back those its view
+    shows paused. Only one holder's per start (one lease was held when it stopped: a forged
     ask after it does nothing), at most MAX_PUTBACK members. One that knows the lease's end
     (its own token, a lease granted since) says who did; one whose lock is held refuses it as
     held: that holder continues them (the hostile run's stale holder continued them itself
@@ -269,7 +269,8 @@ def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_ha
     assert (asked.status, asked.result) == ("ok", {"put_back": 1})
     rest = {**lost, "members": [["n1", "e0", 1], ["n1", "e1", 1]], "more": False}
     assert core.call(service, "refit_putback", rest).result == {"put_back": 2}
-    assert service.book.held.keys() == {("n1", "e0")}   # stale at once: paused, in the view
+    everyone = {("n2", "e0"), ("n1", "e0"), ("n1", "e1")}
+    assert service.book.held.keys() == everyone   # stale at once
     service.tick(core, time.monotonic())   # n2 is not back: the lease waits, held
     held = core.call(service, "refit_acquire", {"holder": "b", "version": "v1"})
     assert (held.code, held.result["holder"]) == (protocol.LOCK_HELD, "a")
@@ -278,7 +279,7 @@ def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_ha
     assert service.ending.putting_back.members == [("n1", "e0", 1)]   # the paused one only
     assert service.ending.putting_back.pause_owner == pause_owner_of(lost["token"])
     put_back_ended(service, core)
-    assert service.book.held.keys() == {("n1", "e0")}
+    assert service.book.held.keys() == everyone
 
     forged = core.call(service, "refit_putback", {**lost, "token": "feed-1-x"}).result
     assert forged["put_back"] == 0 and "a asked for refit #7" in forged["because"]
@@ -293,22 +294,24 @@ def test_a_lost_leases_members_are_put_back_only_by_a_coordinator_that_cannot_ha
     assert (refused.code, refused.result["holder"]) == (protocol.LOCK_HELD, "b")
 
 
-def test_a_put_back_takes_only_so_many_members_and_counts_refused_acquisitions_as_none(
-        ) -> None:
+def test_a_put_back_takes_only_so_many_members_and_a_lease_granted_since_ends_it() -> None:
     """Pages of made-up members are refused past MAX_PUTBACK (the hostile run grew the book
-    and the state to 1.1 M entries); a lease granted since is known to have put them back,
-    an acquisition never answered with its token is not."""
+    and the state to 1.1 M entries), a first page too big without taking this start's one
+    request; a lease granted since is known to have put them back."""
     core, service = Core([]), RefitService(None)
     page = [["n1", f"e{i}", 1] for i in range(MAX_PUTBACK // 2)]
     lost = {"holder": "a", "token": "0123456789abcdef-7-00ff", "version": "vA",
             "members": page, "more": True}
+    too_big = core.call(service, "refit_putback", {**lost, "members": [
+        ["n3", f"e{i}", 1] for i in range(MAX_PUTBACK + 1)], "token": "feed-1-x"})
+    assert too_big.code == protocol.BAD_ARGS and str(MAX_PUTBACK) in str(too_big.reason)
     assert core.call(service, "refit_putback", lost).result == {"put_back": len(page)}
     again = core.call(service, "refit_putback", lost).result   # (the same page: nothing new)
     assert again == {"put_back": 0}
     more = [["n2", f"e{i}", 1] for i in range(MAX_PUTBACK // 2 + 1)]
     refused = core.call(service, "refit_putback", {**lost, "members": more})
     assert refused.code == protocol.BAD_ARGS and str(MAX_PUTBACK) in str(refused.reason)
-    assert service.book.held == {}   # (nothing recorded of engines it never saw)
+    assert len(service.book.held) == MAX_PUTBACK // 2   # (bounded: one request a start)
     ended = RefitService(None)
     token = core.call(ended, "refit_acquire", {"holder": "b", "version": "v1"}).result["token"]
     assert core.call(ended, "refit_release", {"holder": "b", "token": token}).status == "ok"

@@ -55,7 +55,7 @@ class Waiting:
 
     def take(self, members: list[Member]) -> list[Member]:
         """A page of the members: those new to it (refused past MAX_PUTBACK in all)."""
-        new = [m for m in dict.fromkeys(members) if m not in self._taken]
+        new = [m for m in members if m not in self._taken]
         if len(self._taken) + len(new) > MAX_PUTBACK:
             raise ValueError(f"a put-back takes at most {MAX_PUTBACK} members")
         self._taken.update(new)
@@ -102,11 +102,13 @@ class LeaseEnd:
     def asked(self, core: Core, lock: RefitLock, afresh: bool, args: dict[str, Any],
               now: float) -> dict[str, Any]:
         """refit_putback (service.py): `args` checked; `afresh`: this coordinator started
-        with no refit state. Only the members its view shows paused count (a restarted
-        coordinator without state would route them, half updated: stale at once; the others
-        once their nodes are back, if paused then), and only one holder's per start: one
-        lease at a time was held when it stopped. At most MAX_PUTBACK members."""
-        token, holder, members = args["token"], args["holder"], args["members"]
+        with no refit state. Only one holder's per start (one lease at a time was held when
+        it stopped), at most MAX_PUTBACK members: stale at once (a restarted coordinator
+        without state would route them, half updated), put back once their nodes are back
+        if the view shows them paused then."""
+        token, holder, members = args["token"], args["holder"], list(dict.fromkeys(args["members"]))
+        if len(members) > MAX_PUTBACK:   # (before it takes this start's one request)
+            raise ValueError(f"a put-back takes at most {MAX_PUTBACK} members")
         waiting = self.waiting
         if waiting is None or (token, holder) != (waiting.asked, waiting.lease.holder):
             self._first_ask(lock, afresh, token, holder, args["version"], now)
@@ -115,7 +117,7 @@ class LeaseEnd:
             return {"put_back": 0, "because": self._because}
         taken = waiting.take(members)
         waiting.more = args["more"]
-        self.book.stale(membership.paused(core.view, taken))
+        self.book.stale(taken)
         core.weights_changed()
         return {"put_back": len(taken)}
 

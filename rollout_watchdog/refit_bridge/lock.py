@@ -52,6 +52,10 @@ class Lease:
     expires: float       # monotonic
     heard: float         # monotonic: the holder's last call
     members: list[tuple[str, str, int]]   # (node, engine, incarnation) the refit updates
+    # The owner tag of the deep-probe pause this refit put on the nodes (pause_owner_of its
+    # token): its resume lifts that pause only (a finish_generation pause, untagged, stays
+    # until prepare_for_generation).
+    pause_owner: str
     # The members as last listed to the holder (their objects, in page order): the pages of
     # one listing all come from it (service.py, refit_members).
     listing: list[dict[str, Any]] = field(default_factory=list)
@@ -60,9 +64,6 @@ class Lease:
     # (the coordinator does, should the lease end before the holder releases it).
     continuing: list[tuple[str, str, int]] = field(default_factory=list)
     aborted: bool = False
-    # The owner tag of the deep-probe pause this refit put on the nodes: its resume lifts
-    # that pause only (a finish_generation pause stays until prepare_for_generation).
-    pause_owner: str = ""   # (acquire and hold_for derive it from the token: pause_owner_of)
     # Until the acquisition is answered (after its pause, and once what it lists is on disk)
     # the holder has no token to renew with: the lease is held, its clock starts with the
     # answer (`granted`).
@@ -119,7 +120,7 @@ class RefitLock:
             raise LockHeld(self.lease, now)
         token = f"{self.epoch}-{self.next_token}-{secrets.token_hex(8)}"
         self.lease = Lease(token, self.next_token, holder, version, lease_s, now + lease_s, now,
-                           [], pause_owner=pause_owner_of(token), taken=now)
+                           [], pause_owner_of(token), taken=now)
         self.next_token += 1
         return self.lease
 
@@ -130,8 +131,8 @@ class RefitLock:
         service ends it once its nodes are back."""
         self.lease = Lease(f"{self.epoch}-{saved.number}-{secrets.token_hex(8)}", saved.number,
                            saved.holder, saved.version, 0.0, now, now, list(members),
-                           committed=saved.committed, continuing=list(saved.continuing),
-                           pause_owner=saved.pause_owner, granting=True, taken=now)
+                           saved.pause_owner, committed=saved.committed,
+                           continuing=list(saved.continuing), granting=True, taken=now)
         return self.lease
 
     def hold_for(self, holder: str, token: str, version: str,

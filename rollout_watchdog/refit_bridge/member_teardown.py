@@ -103,8 +103,9 @@ def ask_put_back(client: FleetClient, holder: str, token: object, version: str,
             log.info("refit %r: its lease lost; its members are not put back again (%s)",
                      version, answer["because"])
             return
-    log.info("refit %r: its lease lost, the coordinator puts its %d member(s) back in service "
-             "once their nodes are back", version, len(rows))
+    log.info("refit %r: its lease lost, the coordinator took its %d member(s): stale, and "
+             "those still paused put back in service once their nodes are back", version,
+             len(rows))
 
 
 def gone_at_commit(ok: list[EngineView], result: object) -> list[tuple[EngineView, str]]:

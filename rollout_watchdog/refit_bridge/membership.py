@@ -9,6 +9,7 @@ coordinator (the router's membership), and testable with a view built by hand.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,22 +22,32 @@ from rollout_watchdog.refit_bridge.weights import Member, WeightBook
 RUNNING_STATES = {str(state) for state in EngineState if state.running}
 
 
+@functools.lru_cache(maxsize=1 << 16)   # (a status page asks for every engine's)
 def server_of(url: object) -> str:
-    """The server a URL reaches, as one string: scheme and host in lower case, the default
-    port filled in, the path dropped, and every loopback host one ("loopback"), so that
-    `http://localhost:30000/` and `HTTP://127.0.0.1:30000` are one server."""
+    """The server a URL reaches, as one string: scheme and host in lower case, an IP address
+    in its canonical form, the default port filled in, a trailing `/` dropped, and every
+    loopback host one ("loopback"), so that `http://localhost:30000/` and
+    `HTTP://127.0.0.1:30000` are one server."""
     try:
         parts = urlsplit(str(url).strip())
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower(), 0)
+        scheme = parts.scheme.lower()
+        port = parts.port if parts.port is not None else {"http": 80, "https": 443}.get(
+            scheme, 0)
     except ValueError:
         return str(url)
     host = (parts.hostname or "").lower()
     try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback or \
-            ipaddress.ip_address(host).is_unspecified
+        address = ipaddress.ip_address(host)
     except ValueError:
-        loopback = False
-    return f"{parts.scheme.lower()}://{'loopback' if loopback else host}:{port}"
+        address = None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if host == "localhost" or address is not None and (address.is_loopback
+                                                       or address.is_unspecified):
+        host = "loopback"
+    elif address is not None:
+        host = f"[{address.compressed}]" if address.version == 6 else address.compressed
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def shared_urls(view: FleetView) -> dict[str, list[str]]:

@@ -47,10 +47,10 @@ malformed one is refused naming it (code BAD_ARGS).
   paused, be put back in service. Done only if nobody can have done it: this coordinator
   started without refit state (no state dir, or no refit.json in it), after that lease (its
   token is of an earlier start), and granted no lease and took no other put-back since. Then
-  the lock is held for that lease (refused as held by its holder) until their nodes are back
-  (at most RESTORED_WAIT_S, 60 s), and it ends as an expiry would (below) for the members
-  the view shows with deep probes paused (stale at once if shown so already), its pause (the
-  owner tag derives from the token) lifted. Answers `{put_back}`, the members it took, or 0
+  the members are stale at once, the lock is held for that lease (refused as held by its
+  holder) until their nodes are back (at most RESTORED_WAIT_S, 60 s), and it ends as an
+  expiry would (below) for the members the view shows with deep probes paused, its pause
+  (the owner tag derives from the token) lifted. Answers `{put_back}`, the members it took, or 0
   with `because`; held by another: LOCK_HELD (that holder continues them). `more: true`: a
   page, more to come (2,000 a message; 65,536 in all). Checked and begun in one step on the
   loop: it never continues the paused members of a lease this coordinator granted.
@@ -372,13 +372,11 @@ class RefitService:
                       Arg("token", rule(token_problem), required=True), VERSION,
                       Arg("members", members_of, required=True), Arg("more", flag, False))
     def _put_back(self, call: Call) -> dict[str, Any]:
-        """A holder whose lease was lost asks that its members be put back in service: done
-        (stale, sessions ended, generation continued) once their nodes are back, only if
-        nobody can have done it, that is if this coordinator started with no refit state,
-        after that lease, and granted none since; otherwise `put_back` is 0 and `because`
-        says who did. Checked and begun in one step: the lock is held for that lease until it
-        ended, so no next holder's paused members are continued under it. `more`: a page of
-        the members, more to come (the next pages join it)."""
+        """A holder whose lease was lost asks that its members be put back in service: stale
+        at once, their sessions ended and generation continued once their nodes are back
+        (lease_end.py), only if nobody can have done it (this start's first such request);
+        otherwise `put_back` is 0 and `because` says who did. `more`: a page, more to
+        come."""
         result = self.ending.asked(call.core, self.lock, self.state.afresh, call.args,
                                    call.now)
         self._save()
