@@ -317,6 +317,13 @@ PROBLEMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("env-int-value", engine_toml(extra="env = { OMP_NUM_THREADS = 4 }"),
      ("engine 'e0'", "'env'", "string")),
     ("env-not-table", engine_toml(extra='env = "A=1"'), ("engine 'e0'", "'env'")),
+    # what no process can be given (check-config said OK, and `run` crashed at the launch)
+    ("env-key-with-equals", engine_toml(extra='env = { "A=B" = "1" }'),
+     ("engine 'e0'", "'env'", "'A=B'")),
+    ("env-empty-key", engine_toml(extra='env = { "" = "1" }'), ("engine 'e0'", "'env'", "''")),
+    ("env-nul-value", engine_toml(extra='env = { A = "x\\u0000y" }'),
+     ("engine 'e0'", "'env'", "A's value holds a NUL")),
+    ("cwd-nul", engine_toml(extra='cwd = "/tmp\\u0000x"'), ("engine 'e0'", "'cwd'", "NUL")),
     ("ports-not-ints", engine_toml(extra='ports = ["30100"]'),
      ("engine 'e0'", "'ports'", "list of integers")),
     ("ports-range", engine_toml(extra="ports = [70000]"), ("engine 'e0'", "'ports'", "70000")),

@@ -3,6 +3,7 @@ verification with a fake GPU inspector, recovery decisions."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -131,3 +132,17 @@ def test_budget_decides_between_backoff_and_failed(tmp_path: Path, max_restarts:
     engine = healthy(daemon)
     kill_without_processes(daemon, engine)
     assert engine.state == expected
+
+
+def test_an_environment_no_process_can_take_fails_the_launch_and_keeps_the_daemon(
+        tmp_path: Path) -> None:
+    """An env key with '=' (check-config refuses it now; an engine spec from an older daemon's
+    state may still hold one) made Popen raise ValueError, which crashed `run` and left the
+    engines launched before it unsupervised (hostile run 5). It is a failed launch, named."""
+    daemon = make_daemon(tmp_path)
+    engine = daemon.engines["e0"]
+    engine.cfg = dataclasses.replace(engine.cfg, env={"A=B": "1"})
+    daemon.supervisor.launch(engine, Cause.LAUNCHED)
+    assert engine.state == EngineState.FAILED
+    assert engine.last_failure is not None and engine.last_failure.cause == Cause.LAUNCH_FAILED
+    assert "command, env or cwd" in engine.last_failure.detail

@@ -183,6 +183,16 @@ def _read_restart(problems: list[str], where: str, table: object,
     return restart
 
 
+def _env_problem(env: dict[str, str]) -> str | None:
+    """What no process environment can hold (None: nothing)."""
+    for key, value in env.items():
+        if not key or "=" in key or "\0" in key:
+            return f"has a variable name no environment can hold: {key!r}"
+        if "\0" in value:
+            return f"{key}'s value holds a NUL character"
+    return None
+
+
 def _read_engine(problems: list[str], index: int, table: object, probe: ProbeConfig,
                  restart: RestartConfig, check_commands: bool) -> EngineConfig | None:
     if not isinstance(table, dict):
@@ -214,10 +224,16 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
           or not all(isinstance(a, str) for a in command)):
         c.problem("command", "must be a non-empty list of strings (the argv)")
         command = None
+    elif any("\0" in a for a in command):   # (the kernel's argv cannot hold one)
+        c.problem("command", "holds a NUL character")
+        command = None
 
     env = table.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         c.problem("env", "must be a table of string values")
+        env = {}
+    elif problem := _env_problem(env):   # (the launch would fail, for good)
+        c.problem("env", problem)
         env = {}
     if command and check_commands and not command_found(command[0], env):
         c.problem("command", f"names a program that is not found: {command[0]!r}")
@@ -228,6 +244,9 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
     group = c.string("group", None)
     tp_size = c.integer("tp_size", None, minimum=1)
     cwd = c.string("cwd", None)
+    if cwd is not None and "\0" in cwd:
+        c.problem("cwd", "holds a NUL character")
+        cwd = None
     engine_probe = _read_probe(problems, f"engine '{engine_id}' [probe]: ",
                                table.get("probe", {}), probe)
     engine_restart = _read_restart(problems, f"engine '{engine_id}' [restart]: ",

@@ -172,11 +172,13 @@ class Supervisor:
         engine.new_incarnation(self.next_incarnation(engine.id))
         try:
             popen = self._start_process(engine)
-        except (OSError, CgroupError) as exc:
-            engine.last_failure = Failure(Cause.LAUNCH_FAILED, str(exc), self.clock.wall())
-            self.emit(engine, "launch_failed", cause=Cause.LAUNCH_FAILED, detail=str(exc))
+        except (OSError, ValueError, CgroupError) as exc:   # (ValueError: an env or argv no
+            why = str(exc) if not isinstance(exc, ValueError) else (   # process can be given)
+                f"its command, env or cwd cannot be given to a process: {exc}")
+            engine.last_failure = Failure(Cause.LAUNCH_FAILED, why, self.clock.wall())
+            self.emit(engine, "launch_failed", cause=Cause.LAUNCH_FAILED, detail=why)
             if old != S.FAILED:
-                self.transition(engine, S.FAILED, Cause.LAUNCH_FAILED, str(exc))
+                self.transition(engine, S.FAILED, Cause.LAUNCH_FAILED, why)
             return
         now = self.clock.monotonic()
         engine.popen = popen
