@@ -76,6 +76,24 @@ def test_an_unwritable_state_dir_is_reported_not_fatal(tmp_path: Path,
     assert "cannot write state file" in caplog.text
 
 
+def test_a_state_file_that_cannot_be_written_is_not_a_line_at_every_save(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The daemon saves many times a second: a disk that stays full logged the same error 30
+    times a second (hostile run 5). The first 10 failures in a row are logged, then the 16th,
+    32nd, 64th..., each with its count, and the recovery once."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(100):
+            assert not save_state(blocker / "state.json", "n", {"e0": full_record()})
+        lines = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+        assert len(lines) == 10 + 3 and "failure #64 in a row" in lines[-1]
+        blocker.unlink()
+        blocker.mkdir()
+        assert save_state(blocker / "state.json", "n", {"e0": full_record()})
+    assert "written again, after 100 failed save(s)" in caplog.text
+
+
 def test_a_full_disk_keeps_events_in_memory(caplog: pytest.LogCaptureFixture) -> None:
     log = EventLog(Path("/dev/full"))  # every write fails with ENOSPC
     event = Event(ts=time.time(), node_id="n", engine="e0", incarnation=1, kind="state",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_watchdog.common.atomic_file import write_atomically
+from rollout_watchdog.common.lograte import worth_logging
 from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.engine import AfterKill, Failure
 from rollout_watchdog.watchdog.incarnations import Incarnations
@@ -202,7 +203,7 @@ def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
             "incarnations": dict(incarnations or {})}
     try:
         write_json(path, data)
-        return True
+        return _written(path)
     except OSError as exc:
         error = exc
     if error.errno in (errno.ENOSPC, errno.EDQUOT) and reserve_path(path).exists():
@@ -212,12 +213,26 @@ def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
                   "some disk", path.parent)
         try:
             write_json(path, data)
-            return True
+            return _written(path)
         except OSError as exc:
             error = exc
-    log.error("cannot write state file %s: %s (engines cannot be adopted across a daemon "
-              "restart until this is fixed)", path, error.strerror or error)
+    failures = _FAILED_SAVES[path] = _FAILED_SAVES.get(path, 0) + 1
+    if worth_logging(failures):   # (the daemon saves many times a second: not a line each)
+        log.error("cannot write state file %s: %s (engines cannot be adopted across a daemon "
+                  "restart until this is fixed; failure #%d in a row)", path,
+                  error.strerror or error, failures)
     return False
+
+
+# The saves of each state file that failed in a row (their log lines are rate-limited).
+_FAILED_SAVES: dict[Path, int] = {}
+
+
+def _written(path: Path) -> bool:
+    failures = _FAILED_SAVES.pop(path, 0)
+    if failures:
+        log.warning("state file %s written again, after %d failed save(s)", path, failures)
+    return True
 
 
 def write_json(path: Path, data: dict[str, Any], *, durable: bool = False) -> None:
