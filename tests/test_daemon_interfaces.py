@@ -3,6 +3,7 @@ JSON logs, the CLI, the control socket's permissions, and adoption's guard again
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -16,10 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 import requests
+import zmq
 from daemon_harness import EngineSpec, Node, free_port, pid_gone, wait_for
 
 from rollout_watchdog.cli.client import ControlError
+from rollout_watchdog.watchdog.control import bind_control
 from rollout_watchdog.watchdog.process import proc_key
 from rollout_watchdog.watchdog.statefile import kernel_boot_id
 
@@ -185,6 +189,28 @@ def test_a_corrupt_state_file_is_set_aside(make_node: MakeNode) -> None:
     node.wait_state("e0", "healthy", incarnation=1)
     assert (node.state_dir / "state.json.corrupt").read_text() == "{not json"
     wait_for(lambda: "unusable" in node.log_text(), 15, "the log line")  # written by a thread
+
+
+def test_a_state_dir_or_control_socket_that_cannot_be_used_is_one_line_naming_it(
+        tmp_path: Path) -> None:
+    """A full state disk said only "cannot run: [Errno 28] No space left on device", and a
+    control socket on a read-only directory gave a raw ZMQError traceback (hostile run 5)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = tmp_path / "node.toml"
+    config.write_text(f'node_id = "n1"\nstate_dir = "{blocker}/state"\ngpu_check = "none"\n'
+                      f'control = "ipc://{tmp_path}/c"\n')
+    out = subprocess.run([sys.executable, "-m", "rollout_watchdog", "run", "--config",
+                          str(config)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and f"cannot use state_dir {blocker}/state" in out.stderr
+    assert "Traceback" not in out.stderr
+
+    class ReadOnly:   # (a read-only filesystem needs a mount: its refusal, as ZeroMQ says it)
+        def bind(self, endpoint: str) -> None:
+            raise zmq.ZMQError(errno.EROFS)
+    with pytest.raises(RuntimeError, match=r"cannot bind the control socket \('control' = "
+                                           r"'ipc://.*/ro/c'\): Read-only file system"):
+        bind_control(ReadOnly(), f"ipc://{tmp_path}/ro/c")   # type: ignore[arg-type]
 
 
 def test_a_second_daemon_on_the_same_node_is_refused(make_node: MakeNode) -> None:

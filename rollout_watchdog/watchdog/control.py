@@ -255,12 +255,20 @@ def bind_control(sock: zmq.SyncSocket, endpoint: str) -> None:
             os.unlink(path)
         old_umask = os.umask(0o177)
         try:
-            sock.bind(endpoint)
+            _bind(sock, endpoint)
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
     else:
+        _bind(sock, endpoint)
+
+
+def _bind(sock: zmq.SyncSocket, endpoint: str) -> None:
+    try:
         sock.bind(endpoint)
+    except zmq.ZMQError as exc:   # (a read-only directory, an address in use: one line)
+        raise RuntimeError(f"cannot bind the control socket ('control' = {endpoint!r}): "
+                           f"{exc}") from exc
 
 
 def socket_listening(path: str) -> bool:

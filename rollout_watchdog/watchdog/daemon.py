@@ -158,8 +158,12 @@ class Daemon:
         adoption.adopt_or_launch(self.supervisor, load_state(self.state_path))
 
     def setup(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_state_dir()
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_state_dir()
+        except OSError as exc:   # (a full or read-only disk: named, one line)
+            raise RuntimeError(f"cannot use state_dir {self.state_dir}: "
+                               f"{exc.strerror or exc}") from exc
         if self.config.lifeline_pid is not None:
             self._lifeline = proc_key(self.config.lifeline_pid)
             self._check_lifeline()
