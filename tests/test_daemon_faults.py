@@ -183,6 +183,32 @@ def test_daemon_sigkill_and_restart_adopts_running_engines(make_node: MakeNode) 
         again["last_failure"]["cause"] == "exited"
 
 
+def test_a_state_file_behind_its_engines_gets_the_live_incarnation_adopted_not_killed(
+        make_node: MakeNode) -> None:
+    """The daemon SIGKILLed with its state file behind the engines (a full disk kept it at
+    incarnation 1 while incarnation 2 ran): the restarted daemon killed the healthy engine as
+    an escapee of "an incarnation that is over" and handed its number out again (hostile run
+    5). Now the incarnation whose processes carry its marker is adopted, the same process,
+    and a number is never handed out twice (test_containment_daemon: a lost or cut file)."""
+    node = make_node([EngineSpec("e0"), EngineSpec("e1")]).start()
+    node.wait_state("e0", "healthy")
+    node.wait_state("e1", "healthy")
+    state = node.state_dir / "state.json"
+    old = state.read_text()
+    node.client.call("restart", {"engine": "e0"})
+    pids = {"e0": node.wait_state("e0", "healthy", incarnation=2)["pid"],
+            "e1": node.engine("e1")["pid"]}
+    node.kill_daemon()
+    state.write_text(old)
+    node.start()
+    assert {e: (node.engine(e)["pid"], node.engine(e)["incarnation"]) for e in pids} == {
+        "e0": (pids["e0"], 2), "e1": (pids["e1"], 1)}
+    assert all(not pid_gone(pid) for pid in pids.values())
+    node.wait_state("e0", "healthy", incarnation=2)
+    node.client.call("restart", {"engine": "e0"})
+    assert node.wait_state("e0", "healthy", incarnation=3)["pid"] != pids["e0"]
+
+
 def test_engine_that_died_while_the_daemon_was_down_is_recovered(make_node: MakeNode) -> None:
     node = make_node([EngineSpec("e0")]).start()
     first = node.wait_state("e0", "healthy")

@@ -3,7 +3,10 @@
 The state file says which processes were which engine's (pid plus start time, so a reused pid
 is never taken for ours). A recorded engine still running is supervised exactly as before; one
 that died while no daemon watched is an exit seen now; an engine the config no longer lists is
-stopped. `record_of` is the other half: what the state file keeps of an engine.
+stopped. A state file that is missing, unusable or behind (a full disk) does not get live
+engines killed: the newest incarnation whose processes carry an engine's environment marker is
+adopted instead, and every marked number counts as handed out. `record_of` is the other half:
+what the state file keeps of an engine.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from typing import Any
 
 from rollout_watchdog.common.clock import Clock
 from rollout_watchdog.common.states import Cause, EngineState
+from rollout_watchdog.watchdog.containment import parse_marker
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.incarnations import Incarnations
+from rollout_watchdog.watchdog.process import ProcKey
 from rollout_watchdog.watchdog.statefile import COPIED, EngineRecord, SavedState
 from rollout_watchdog.watchdog.supervisor import Supervisor
 
@@ -49,9 +54,17 @@ def _adopt_or_launch(sup: Supervisor, saved: SavedState | None) -> None:
     sup.incarnations = Incarnations(saved.incarnations if saved else None)
     if saved and not same_boot:
         log.warning("the state file is from before a reboot: no recorded process is alive")
+    running = _marked(sup)
     for engine in list(sup.engines.values()):
         record = _parse_record(engine.id, records.get(engine.id))
-        if record is None:
+        newer = running.get(engine.id)
+        if newer is not None and (record is None or not same_boot
+                                  or newer.incarnation > record.incarnation):
+            log.warning("engine %s: incarnation %d still runs (its processes carry its marker) "
+                        "but the state file does not record it: adopted, its probes decide",
+                        engine.id, newer.incarnation)
+            adopt(sup, engine, newer, same_boot=True)
+        elif record is None:
             sup.launch_when_released(engine, Cause.LAUNCHED,
                                      "waiting for the engine's ports and GPUs to be free")
         else:
@@ -64,6 +77,31 @@ def _adopt_or_launch(sup: Supervisor, saved: SavedState | None) -> None:
         record = _parse_record(engine_id, raw)
         if record is not None and (record.state.running or record.state == S.STOPPING):
             _adopt_unconfigured(sup, engine_id, record)
+
+
+def _marked(sup: Supervisor) -> dict[str, EngineRecord]:
+    """The newest incarnation of each engine whose processes still run, as their environment
+    marker says (node, state dir, engine, incarnation): a state file that is missing,
+    unusable or behind (a full disk) must not get live engines killed as escapees and their
+    numbers handed out again. Every marked incarnation's number is taken as seen."""
+    newest: dict[str, tuple[int, str, list[ProcKey]]] = {}   # engine -> its newest launch
+    for stat, value in sup.tracker.escapees(sup.ops.process_table()):
+        marker = parse_marker(value)
+        if marker is None:
+            continue
+        sup.incarnations.seen(marker.engine_id, marker.incarnation)
+        known = newest.get(marker.engine_id)
+        if known is None or (marker.incarnation, value) > known[:2]:
+            newest[marker.engine_id] = (marker.incarnation, value, [stat.key])
+        elif (marker.incarnation, value) == known[:2]:
+            known[2].append(stat.key)
+    out = {}
+    for engine_id, (incarnation, value, keys) in newest.items():
+        main = min(keys, key=lambda key: key.start_time)   # (the others are its descendants)
+        out[engine_id] = EngineRecord(
+            EngineState.STARTING, incarnation, marker=value, main=main,
+            procs={key: key == main for key in keys}, launched_at=sup.clock.wall())
+    return out
 
 
 def _parse_record(engine_id: str, raw: Any) -> EngineRecord | None:

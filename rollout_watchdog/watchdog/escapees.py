@@ -40,8 +40,9 @@ class EscapeeSweep:
     def take_in(self, table: dict[int, ProcStat]) -> bool:
         """Processes of this node's engines that left their trees: one of a current
         incarnation is taken back into it (so the kill reaches it); one of an incarnation that
-        is over (an escape before the kill, a copy a crashed daemon never recorded) is killed
-        with its descendants. True if any was taken in."""
+        is over (an escape before the kill, an older copy a crashed daemon never recorded: the
+        newest is adopted, adoption.py) is killed with its descendants. True if any was taken
+        in."""
         if not self.ready:
             return False
         taken = False

@@ -5,8 +5,9 @@ is one above the highest ever handed out for that engine id. The marks are kept 
 file and never forgotten, not when an engine is unregistered, stopped or removed from the
 config, not on a clean stop: a number never comes back while the state file lives. A
 configured engine's first launch is incarnation 1 and each relaunch the next (DESIGN.md). A
-daemon that lost its state file starts the marks over; the coordinator then tells the new
-processes from the old by their `process` identity (docs/protocol.md, "Weights"), so a fresh
+daemon that lost its state file takes the marks of the processes still running (their
+environment markers, adoption.py) and starts the others over; the coordinator then tells new
+processes from old by their `process` identity (docs/protocol.md, "Weights"), so a fresh
 process never inherits the weights a refit gave an old one.
 """
 
