@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import pytest
 from daemon_harness import EMULATOR_ENV, EngineSpec, Node, emulator_command, wait_for
 from refit_harness import by_name, generate, router_urls, run_trainer, wait_router
@@ -164,8 +165,9 @@ def test_a_routed_engine_whose_version_drifts_is_pulled_and_counted(
 
 def test_a_daemon_that_lost_its_state_file_lets_no_fresh_process_inherit_weights(
         make_node: MakeNode, coordinator: Coordinator, router: Router) -> None:
-    """Its numbering starts over: the fresh processes are incarnation 1 again, like the ones
-    the refit reached (which the new daemon kills: it cannot adopt them)."""
+    """The engines still running are adopted by their markers, the same processes holding the
+    weights the refit gave them. Those that died meanwhile are started over: the fresh
+    processes are incarnation 1 again, like the ones the refit reached, and hold nothing."""
     fleet = FleetClient(coordinator.endpoint)
     node = fleet_node(make_node, coordinator.endpoint, ["e0", "e1"])
     healthy(fleet, {"node0/e0", "node0/e1"})
@@ -173,8 +175,22 @@ def test_a_daemon_that_lost_its_state_file_lets_no_fresh_process_inherit_weights
     before = views(fleet)
     wait_router(router.url, {str(e.url) for e in before.values()}, "both engines routed")
 
+    boot = fleet.status()["nodes"][0]["boot"]
     node.kill_daemon()
     (node.state_dir / "state.json").unlink()
+    node.start()
+    wait_for(lambda: fleet.status()["nodes"][0]["boot"] != boot, 30, "the new daemon's hello")
+    assert {name: (e.pid, e.incarnation, e.weight_version, e.serving)
+            for name, e in views(fleet).items()} == {
+        name: (e.pid, 1, "v1", True) for name, e in before.items()}   # adopted, at v1
+    assert all(node.wait_event(e, kind="adopted") for e in ("e0", "e1"))
+
+    node.kill_daemon()
+    (node.state_dir / "state.json").unlink()
+    for engine in before.values():   # (died while no daemon watched)
+        main = psutil.Process(engine.pid or 0)
+        for process in [*main.children(recursive=True), main]:
+            process.kill()
     node.start()
     fleet.wait_until(lambda v: len(v) == 2 and all(
         e.state == "healthy" and e.pid not in (None, before[e.name].pid) for e in v), 90)
