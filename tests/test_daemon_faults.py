@@ -209,6 +209,33 @@ def test_a_state_file_behind_its_engines_gets_the_live_incarnation_adopted_not_k
     assert node.wait_state("e0", "healthy", incarnation=3)["pid"] != pids["e0"]
 
 
+def test_a_follower_behind_at_a_daemon_restart_gets_the_rest_of_the_previous_run_once(
+        make_node: MakeNode) -> None:
+    """An `events` follower that had not read the last events when the daemon was SIGKILLed
+    and started again was served from the new run's first event: the previous run's tail
+    (here, a whole restart of e0) was lost to it, with no `gap` (hostile run 5). Now it gets
+    that tail first, under the previous boot, each event once, then the new run's."""
+    node = make_node([EngineSpec("e0")]).start()
+    node.wait_state("e0", "healthy")
+    seen = node.client.call("events", {"since": 0, "wait_s": 0})
+    boot, since = seen["boot"], seen["next"]
+    node.client.call("restart", {"engine": "e0"})
+    node.wait_state("e0", "healthy", incarnation=2)
+    unread = node.client.call("events", {"boot": boot, "since": since, "wait_s": 0})
+    assert unread["boot"] == boot and unread["events"]   # (what the follower has not read)
+    node.kill_daemon()
+    node.start()
+    served, following = [], boot
+    while following == boot:
+        answer = node.client.call("events", {"boot": following, "since": since, "wait_s": 0})
+        following, since = answer["boot"], answer["next"]
+        served += answer["events"] if following == boot else []
+    assert served[:len(unread["events"])] == unread["events"]
+    assert not any(e["kind"] == "gap" for e in served)
+    assert ("state", 2, "healthy") in [(e["kind"], e["incarnation"], e["to"]) for e in served]
+    assert since >= 1 and answer["events"][0]["kind"] != "gap"   # then this run's, from 1
+
+
 def test_engine_that_died_while_the_daemon_was_down_is_recovered(make_node: MakeNode) -> None:
     node = make_node([EngineSpec("e0")]).start()
     first = node.wait_state("e0", "healthy")

@@ -46,6 +46,7 @@ class EventLog:
                  max_file_bytes: int = 20 * 1024 * 1024) -> None:
         self.path = path
         self.max_file_bytes = max_file_bytes
+        self.capacity = capacity
         self._events: deque[tuple[int, Event]] = deque(maxlen=capacity)
         self.last_seq = 0
         self.write_errors = 0

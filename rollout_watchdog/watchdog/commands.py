@@ -35,6 +35,7 @@ from rollout_watchdog.config import EngineConfig, NodeConfig
 from rollout_watchdog.config.engine_argv import url_port
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.launched import LaunchedSpecs
+from rollout_watchdog.watchdog.previous_run import PreviousRun
 from rollout_watchdog.watchdog.process import ProcessOps
 from rollout_watchdog.watchdog.status import Reported, node_status
 from rollout_watchdog.watchdog.timers import PROBE_SLACK_S
@@ -52,6 +53,7 @@ class Node(Reported, Protocol):
     its status is made of, and more)."""
 
     events: EventLog
+    previous_run: PreviousRun | None
     stopping: bool
     dirty: bool
     ops: ProcessOps
@@ -139,11 +141,18 @@ def events(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
 
     args: {"since": SEQ (default 0), "boot": BOOT_ID or null, "wait_s": S (default 5, max 30)}.
     result: {"boot": BOOT_ID, "next": SEQ, "events": [EVENT, ...]}; answers as soon as there is
-    an event after SEQ, or with no events after wait_s. A `boot` that is not this daemon's (it
-    restarted) starts from its first event. A follower so far behind that events were dropped
-    from memory first gets an event of kind "gap" that says how many.
+    an event after SEQ, or with no events after wait_s. A `boot` of the daemon's previous run
+    (it restarted) gets the rest of that run's events first (read back from events.jsonl,
+    previous_run.py), under that boot; then, as any other `boot` that is not this daemon's,
+    this run's from its first event. A follower so far behind that events were dropped from
+    memory first gets an event of kind "gap" that says how many.
     """
     since = int(args["since"])
+    previous = node.previous_run
+    if previous is not None and args["boot"] == previous.boot and since < previous.last_seq:
+        earlier = previous.since(since)
+        return {"boot": previous.boot, "next": earlier[-1][0], "events": _with_gap(
+            node, since, earlier[0][0], earlier[0][1].get("ts"), [e for _, e in earlier])}
     if args["boot"] not in (None, node.boot_id):
         since = 0
     wait_s = min(args["wait_s"], MAX_EVENTS_WAIT_S)
@@ -152,19 +161,26 @@ def events(node: Node, args: dict[str, Any]) -> dict[str, Any] | Deferred:
         found = node.events.since(since)
         if not found:
             return None
-        out = [e.to_json() for _, e in found]
-        lost = found[0][0] - since - 1
-        if lost > 0:
-            out.insert(0, {"ts": found[0][1].ts, "node_id": node.node_id, "engine": None,
-                           "incarnation": None, "kind": "gap", "from": None, "to": None,
-                           "cause": None, "detail": f"{lost} event(s) lost: this follower fell "
-                           "behind the daemon's in-memory log (see events.jsonl)"})
-        return {"boot": node.boot_id, "next": found[-1][0], "events": out}
+        return {"boot": node.boot_id, "next": found[-1][0], "events": _with_gap(
+            node, since, found[0][0], found[0][1].ts, [e.to_json() for _, e in found])}
 
     def empty() -> dict[str, Any]:
         return {"boot": node.boot_id, "next": since, "events": []}
 
     return ready() or Deferred(ready, node.clock.monotonic() + wait_s, empty)
+
+
+def _with_gap(node: Node, since: int, first: int, ts: object,
+              events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`events` (the first numbered `first`), after an event of kind "gap" when the follower
+    (at `since`) fell behind what the daemon keeps."""
+    lost = first - since - 1
+    if lost <= 0:
+        return events
+    return [{"ts": ts, "node_id": node.node_id, "engine": None, "incarnation": None,
+             "kind": "gap", "from": None, "to": None, "cause": None,
+             "detail": f"{lost} event(s) lost: this follower fell behind the daemon's "
+                       "in-memory log (see events.jsonl)"}, *events]
 
 
 @command("pause", ENGINE, ALL, Arg("deadline_s", number(0, above=True, maximum=MAX_PAUSE_S),

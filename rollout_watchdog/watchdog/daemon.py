@@ -38,11 +38,17 @@ from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime
 from rollout_watchdog.watchdog.enginelog import LogRotator, engine_log_path
 from rollout_watchdog.watchdog.gpu import GpuInspector, make_inspector
 from rollout_watchdog.watchdog.metrics import Metrics
+from rollout_watchdog.watchdog.previous_run import Anchor, read_previous
 from rollout_watchdog.watchdog.probe import ProbeRunner
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, is_alive, proc_key
 from rollout_watchdog.watchdog.publish import Publisher, log_event, metrics_subscriber
 from rollout_watchdog.watchdog.sdnotify import SystemdNotifier
-from rollout_watchdog.watchdog.statefile import load_state, make_reserve, save_state
+from rollout_watchdog.watchdog.statefile import (
+    journal_anchor,
+    load_state,
+    make_reserve,
+    save_state,
+)
 from rollout_watchdog.watchdog.status import node_status
 from rollout_watchdog.watchdog.supervisor import Supervisor
 from rollout_watchdog.watchdog.tracker import ProcessTracker, pidfd_budget
@@ -83,7 +89,8 @@ class Daemon:
         self.clock = clock or Clock()
         self.ops = ops or ProcessOps()
         self.metrics = Metrics()
-        self.events = EventLog(self.state_dir / "events.jsonl")
+        self.events_path = self.state_dir / "events.jsonl"
+        self.events = EventLog(self.events_path)
         self.publisher = Publisher(self.node_id, self.clock.wall)
         self.publisher.subscribe(self.events.append)
         self.publisher.subscribe(log_event)
@@ -164,6 +171,9 @@ class Daemon:
         except OSError as exc:   # (a full or read-only disk: named, one line)
             raise RuntimeError(f"cannot use state_dir {self.state_dir}: "
                                f"{exc.strerror or exc}") from exc
+        self.supervisor.previous_run = read_previous(   # (before this run adds a line)
+            Anchor.from_json(journal_anchor(self.state_path)), self.events_path,
+            self.events.capacity)
         if self.config.lifeline_pid is not None:
             self._lifeline = proc_key(self.config.lifeline_pid)
             self._check_lifeline()
@@ -418,8 +428,11 @@ class Daemon:
     def save_state(self, *, clean: bool = False) -> None:
         records = {} if clean else {e.id: adoption.record_of(e, self.clock)
                                     for e in self.engines.values()}
+        anchor = Anchor.of(self.boot_id, self.events.last_seq, self.events_path,
+                           self.events.write_errors)
         if save_state(self.state_path, self.node_id, records,
-                      self.supervisor.incarnations.to_json()):
+                      self.supervisor.incarnations.to_json(),
+                      None if anchor is None else anchor.to_json()):
             self.supervisor.dirty = False
 
     def bad_message(self, why: str) -> None:

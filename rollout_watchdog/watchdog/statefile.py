@@ -194,13 +194,15 @@ def make_reserve(path: Path) -> bool:
 
 
 def save_state(path: Path, node_id: str, engines: dict[str, EngineRecord],
-               incarnations: dict[str, int] | None = None) -> bool:
+               incarnations: dict[str, int] | None = None,
+               journal: dict[str, Any] | None = None) -> bool:
     """Write the state; False (and a log line) if the disk refused. A full disk gives up the
     reserve (make_reserve) and tries once more. `incarnations` (the marks of incarnations.py)
-    are kept even when `engines` is empty (a clean stop): a number never comes back."""
+    are kept even when `engines` is empty (a clean stop): a number never comes back.
+    `journal`: where the event journal ends now (previous_run.Anchor)."""
     data = {"version": VERSION, "node_id": node_id, "boot_id": kernel_boot_id(),
             "engines": {i: r.to_json() for i, r in engines.items()},
-            "incarnations": dict(incarnations or {})}
+            "incarnations": dict(incarnations or {}), "events": journal}
     try:
         write_json(path, data)
         return _written(path)
@@ -238,6 +240,16 @@ def _written(path: Path) -> bool:
 def write_json(path: Path, data: dict[str, Any], *, durable: bool = False) -> None:
     """Write `data` as JSON to `path` atomically (common.atomic_file), mode 0600."""
     write_atomically(path, json.dumps(data).encode(), durable=durable)
+
+
+def journal_anchor(path: Path) -> Any:
+    """The state file's anchor of the event journal, unparsed (None when there is none, or no
+    readable file: load_state says why)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data.get("events") if isinstance(data, dict) else None
 
 
 def load_state(path: Path) -> SavedState | None:

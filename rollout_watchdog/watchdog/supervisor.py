@@ -39,6 +39,7 @@ from rollout_watchdog.watchdog.escapees import EscapeeSweep
 from rollout_watchdog.watchdog.gpu import GpuInspector
 from rollout_watchdog.watchdog.incarnations import Incarnations
 from rollout_watchdog.watchdog.launched import LAUNCHED_FILE, LaunchedSpecs
+from rollout_watchdog.watchdog.previous_run import PreviousRun
 from rollout_watchdog.watchdog.probe import ProbeResult, ProbeRunner
 from rollout_watchdog.watchdog.process import ProcessOps, ProcKey, describe_exit, exit_fields
 from rollout_watchdog.watchdog.publish import Publisher
@@ -69,6 +70,7 @@ class Supervisor:
         self.engines: dict[str, EngineRuntime] = tracker.engines
         self.publisher = publisher
         self.events = events
+        self.previous_run: PreviousRun | None = None   # (the daemon reads it: previous_run.py)
         self.probes = probes
         self.tracker = tracker
         self.ops = ops
