@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,28 @@ def test_an_unrecorded_copy_is_adopted_not_duplicated(make_node: Any, damage: st
     assert (adopted["pid"], adopted["incarnation"]) == (old, 1) and not pid_gone(old)
     assert node.wait_event("e0", kind="adopted")
     assert not any(e["kind"] == "escapee_killed" for e in node.events("e0"))
+
+
+def test_an_engine_adopted_by_its_marker_keeps_its_cgroup(make_node: Any,
+                                                         test_cgroup: Path) -> None:
+    """Under a delegated cgroup, an engine adopted by its marker (the state file lost) was
+    taken for a left-over cgroup's and cgroup-killed at the first sweep (a review of the
+    adoption): it keeps its incarnation's cgroup, and runs on."""
+    node = make_node([EngineSpec("e0")], top={"containment": "cgroup"},
+                     probe={"liveness_interval_s": 0.1})   # (a sweep each 0.1 s)
+    wrap = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(test_cgroup / "cgroup.procs")]
+    node.start(wrap=wrap)
+    old = node.wait_state("e0", "healthy")["pid"]
+    node.kill_daemon()
+    (node.state_dir / "state.json").unlink()
+    node.start(wrap=wrap)
+    node.wait_event("e0", kind="adopted")
+    node.wait_state("e0", "healthy", incarnation=1)
+    deadline = time.monotonic() + 2.0   # (20 sweeps: the old code killed it at the first)
+    while time.monotonic() < deadline:
+        assert not pid_gone(old), "the adopted engine was killed"
+        time.sleep(0.05)
+    assert (node.engine("e0")["pid"], node.engine("e0")["incarnation"]) == (old, 1)
 
 
 def test_the_cgroup_takes_the_whole_incarnation(make_node: Any, tmp_path: Path,

@@ -16,9 +16,11 @@ from rollout_watchdog.watchdog.engine import AfterKill, Failure
 from rollout_watchdog.watchdog.process import ProcKey
 from rollout_watchdog.watchdog.statefile import (
     EngineRecord,
+    journal_anchor,
     kernel_boot_id,
     load_state,
     save_state,
+    set_journal_anchor,
 )
 
 
@@ -105,3 +107,18 @@ def test_a_full_disk_keeps_events_in_memory(caplog: pytest.LogCaptureFixture) ->
     assert log.write_errors == 2
     assert caplog.text.count("cannot write event log") == 1  # said once, not per event
     assert "No space left on device" in caplog.text
+
+
+def test_a_runs_journal_anchor_is_set_at_its_start_and_the_records_stay(tmp_path: Path) -> None:
+    """A run that wrote events and died before its first save: the next start read them back
+    as the run before's (a review of previous_run.py). Each run anchors the journal at its
+    start, before any event of its own, leaving the records for its adoption to read."""
+    path = tmp_path / "state.json"
+    assert save_state(path, "n", {"e0": full_record()}, {"e0": 3}, {"boot": "z", "seq": 9})
+    set_journal_anchor(path, {"boot": "a", "seq": 0})
+    assert journal_anchor(path) == {"boot": "a", "seq": 0}
+    saved = load_state(path)
+    assert saved is not None and saved.engines.keys() == {"e0"} and saved.incarnations == {
+        "e0": 3}
+    set_journal_anchor(tmp_path / "none.json", {"boot": "a", "seq": 0})   # (no file: none)
+    assert not (tmp_path / "none.json").exists()

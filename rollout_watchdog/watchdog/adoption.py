@@ -19,7 +19,7 @@ from rollout_watchdog.common.states import Cause, EngineState
 from rollout_watchdog.watchdog.containment import parse_marker
 from rollout_watchdog.watchdog.engine import AfterKill, EngineRuntime, Pause
 from rollout_watchdog.watchdog.incarnations import Incarnations
-from rollout_watchdog.watchdog.process import ProcKey
+from rollout_watchdog.watchdog.process import ProcStat
 from rollout_watchdog.watchdog.statefile import COPIED, EngineRecord, SavedState
 from rollout_watchdog.watchdog.supervisor import Supervisor
 
@@ -80,27 +80,37 @@ def _adopt_or_launch(sup: Supervisor, saved: SavedState | None) -> None:
 
 
 def _marked(sup: Supervisor) -> dict[str, EngineRecord]:
-    """The newest incarnation of each engine whose processes still run, as their environment
-    marker says (node, state dir, engine, incarnation): a state file that is missing,
+    """The newest launch of each engine whose processes still run, as their environment marker
+    says (node, state dir, engine, incarnation, launch): a state file that is missing,
     unusable or behind (a full disk) must not get live engines killed as escapees and their
-    numbers handed out again. Every marked incarnation's number is taken as seen."""
-    newest: dict[str, tuple[int, str, list[ProcKey]]] = {}   # engine -> its newest launch
-    for stat, value in sup.tracker.escapees(sup.ops.process_table()):
+    numbers handed out again. Every marked incarnation's number is taken as seen. Its main
+    process is the one that leads its process group (each launch starts a session of its own);
+    without it (the main died, children live) the record names none, and adopting it fails it
+    as exited at once, its processes killed."""
+    table = sup.ops.process_table()
+    launches: dict[str, list[ProcStat]] = {}   # marker -> its processes
+    for stat, value in sup.tracker.escapees(table):
         marker = parse_marker(value)
-        if marker is None:
-            continue
-        sup.incarnations.seen(marker.engine_id, marker.incarnation)
-        known = newest.get(marker.engine_id)
-        if known is None or (marker.incarnation, value) > known[:2]:
-            newest[marker.engine_id] = (marker.incarnation, value, [stat.key])
-        elif (marker.incarnation, value) == known[:2]:
-            known[2].append(stat.key)
+        if marker is not None and marker.node_id == sup.marker_node:
+            sup.incarnations.seen(marker.engine_id, marker.incarnation)
+            launches.setdefault(value, []).append(stat)
+    newest: dict[str, tuple[tuple[int, float], str]] = {}   # engine -> (its rank, marker)
+    for value, stats in launches.items():
+        marker = parse_marker(value)
+        assert marker is not None
+        rank = (marker.incarnation, min(s.start_time for s in stats))   # (two launches of
+        if marker.engine_id not in newest or rank > newest[marker.engine_id][0]:   # one number)
+            newest[marker.engine_id] = (rank, value)
     out = {}
-    for engine_id, (incarnation, value, keys) in newest.items():
-        main = min(keys, key=lambda key: key.start_time)   # (the others are its descendants)
+    for engine_id, ((incarnation, _), value) in newest.items():
+        stats = launches[value]
+        main = next((s.key for s in stats if s.pid == s.pgrp), None)
+        token = value.rsplit("/", 1)[1]
+        cgroup = sup.cgroups.path(engine_id, incarnation, token) if sup.cgroups else None
         out[engine_id] = EngineRecord(
             EngineState.STARTING, incarnation, marker=value, main=main,
-            procs={key: key == main for key in keys}, launched_at=sup.clock.wall())
+            procs={s.key: s.key == main for s in stats}, launched_at=sup.clock.wall(),
+            cgroup=str(cgroup) if cgroup is not None and cgroup.is_dir() else "")
     return out
 
 

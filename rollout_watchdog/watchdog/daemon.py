@@ -48,6 +48,7 @@ from rollout_watchdog.watchdog.statefile import (
     load_state,
     make_reserve,
     save_state,
+    set_journal_anchor,
 )
 from rollout_watchdog.watchdog.status import node_status
 from rollout_watchdog.watchdog.supervisor import Supervisor
@@ -174,6 +175,9 @@ class Daemon:
         self.supervisor.previous_run = read_previous(   # (before this run adds a line)
             Anchor.from_json(journal_anchor(self.state_path)), self.events_path,
             self.events.capacity)
+        anchor = Anchor.of(self.boot_id, 0, self.events_path, 0)   # (this run's, from now)
+        if anchor is not None:
+            set_journal_anchor(self.state_path, anchor.to_json())
         if self.config.lifeline_pid is not None:
             self._lifeline = proc_key(self.config.lifeline_pid)
             self._check_lifeline()

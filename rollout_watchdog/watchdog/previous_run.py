@@ -103,7 +103,7 @@ def read_previous(anchor: Anchor | None, journal: Path, capacity: int) -> Previo
     for seq, line in lines[-capacity:]:
         try:
             event = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(event, dict):
             return None

@@ -252,6 +252,21 @@ def journal_anchor(path: Path) -> Any:
     return data.get("events") if isinstance(data, dict) else None
 
 
+def set_journal_anchor(path: Path, anchor: dict[str, Any]) -> None:
+    """Put this run's anchor of the event journal in the state file at once, the rest of it as
+    it is (adoption reads it next): lines this run writes before its first save must not be
+    read back as the previous run's by the next start."""
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            write_json(path, {**data, "events": anchor})
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, RecursionError) as exc:
+        log.warning("cannot anchor the event journal in %s (%s): a restart before the first "
+                    "save may show this run's first events as the previous run's", path, exc)
+
+
 def load_state(path: Path) -> SavedState | None:
     try:
         text = path.read_text()
