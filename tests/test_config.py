@@ -324,6 +324,7 @@ PROBLEMS: list[tuple[str, str, tuple[str, ...]]] = [
     ("env-nul-value", engine_toml(extra='env = { A = "x\\u0000y" }'),
      ("engine 'e0'", "'env'", "A's value holds a NUL")),
     ("cwd-nul", engine_toml(extra='cwd = "/tmp\\u0000x"'), ("engine 'e0'", "'cwd'", "NUL")),
+    ("gpus-twice", engine_toml(gpus=(0, 0)), ("engine 'e0'", "'gpus'", "names a GPU twice")),
     ("ports-not-ints", engine_toml(extra='ports = ["30100"]'),
      ("engine 'e0'", "'ports'", "list of integers")),
     ("ports-range", engine_toml(extra="ports = [70000]"), ("engine 'e0'", "'ports'", "70000")),

@@ -239,6 +239,8 @@ def _read_engine(problems: list[str], index: int, table: object, probe: ProbeCon
         c.problem("command", f"names a program that is not found: {command[0]!r}")
 
     gpus = c.int_list("gpus", maximum=MAX_GPU_INDEX)
+    if len(set(gpus)) < len(gpus):
+        c.problem("gpus", f"names a GPU twice: {list(gpus)}")
     ports = c.int_list("ports", maximum=65535)
     policy = c.string("restart_policy", "immediate", choices=RESTART_POLICIES) or "immediate"
     group = c.string("group", None)
