@@ -180,6 +180,7 @@ def test_a_daemon_that_lost_its_state_file_lets_no_fresh_process_inherit_weights
     (node.state_dir / "state.json").unlink()
     node.start()
     wait_for(lambda: fleet.status()["nodes"][0]["boot"] != boot, 30, "the new daemon's hello")
+    healthy(fleet, set(before))   # (adopted as starting: its probes decide)
     assert {name: (e.pid, e.incarnation, e.weight_version, e.serving)
             for name, e in views(fleet).items()} == {
         name: (e.pid, 1, "v1", True) for name, e in before.items()}   # adopted, at v1

@@ -85,6 +85,7 @@ class Coordinator:
         self._held = HeldCommands()
         self._owed: dict[str, dict[str, float]] = {}   # node: refit pause owner: until when
         self._view_changed = True     # since the router was last told
+        self._shared: dict[str, list[str]] | None = None   # (shared_servers, until a change)
         self.boot = f"{COORDINATOR_BOOT_PREFIX}{uuid.uuid4().hex[:12]}"
         self.hub = Hub(bind, keys, self.view, self, self.boot, state_dir, heartbeat_s,
                        handshake_timeout_s=handshake_timeout_s)
@@ -186,6 +187,14 @@ class Coordinator:
 
     def changed(self) -> None:
         self._view_changed = True
+        self._shared = None
+
+    def shared_servers(self) -> dict[str, list[str]]:
+        """membership.shared_urls of the view, once per change of it: every status page and
+        router sync asks, and each would walk every engine of the fleet."""
+        if self._shared is None:
+            self._shared = membership.shared_urls(self.view)
+        return self._shared
 
     def sweep(self, now: float) -> None:
         self.refit.tick(self, now)   # (first: a restored lease ends before held acquires run)
@@ -320,7 +329,7 @@ class Coordinator:
         elif not self._view_changed:   # (a sweep must not walk every engine for nothing)
             return
         self._view_changed = False
-        members = membership.router_members(self.view, self.refit.book)
+        members = membership.router_members(self.view, self.refit.book, self.shared_servers())
         if members != self._router_members:
             first = self._router_members is None
             self._router_members = members

@@ -95,9 +95,8 @@ class LeaseEnd:
         self._putback: tuple[PutBack, Lease] | None = None
         self._releasing: dict[str, Releasing] = {}   # by the release's request id
         self.waiting: Waiting | None = None   # (its lease is the lock's)
-        # Why a refit_putback is not done: one was, since this start; this one's reason.
+        # Why a later refit_putback is not done: one was, since this start.
         self._asked_here: str | None = None
-        self._because: str | None = None
 
     def asked(self, core: Core, lock: RefitLock, afresh: bool, args: dict[str, Any],
               now: float) -> dict[str, Any]:
@@ -111,10 +110,11 @@ class LeaseEnd:
             raise ValueError(f"a put-back takes at most {MAX_PUTBACK} members")
         waiting = self.waiting
         if waiting is None or (token, holder) != (waiting.asked, waiting.lease.holder):
-            self._first_ask(lock, afresh, token, holder, args["version"], now)
-        waiting = self.waiting
-        if waiting is None:
-            return {"put_back": 0, "because": self._because}
+            because = self._first_ask(lock, afresh, token, holder, args["version"], now)
+            if because is not None:
+                return {"put_back": 0, "because": because}
+            waiting = self.waiting
+            assert waiting is not None
         taken = waiting.take(members)
         waiting.more = args["more"]
         self.book.stale(taken)
@@ -122,9 +122,9 @@ class LeaseEnd:
         return {"put_back": len(taken)}
 
     def _first_ask(self, lock: RefitLock, afresh: bool, token: str, holder: str, version: str,
-                   now: float) -> None:
+                   now: float) -> str | None:
         """Hold the lock for the lost lease of `token` if nobody can have put its members
-        back; else `_asked_here` says who did (or raises the refusal of a held lock)."""
+        back (None); else why not, saying who did (or raise the refusal of a held lock)."""
         held = lock.lease
         if held is not None and (token, holder) == (held.token, held.holder):
             raise ValueError("this holder holds the lock: it aborts its refit (refit_abort)")
@@ -133,10 +133,10 @@ class LeaseEnd:
             raise refusal
         if held is not None:
             raise held_refusal(LockHeld(held, now))
-        self._because = (self._asked_here or lock.ended_lease(token) if afresh else
-                         "this coordinator's state knew that refit: its end put them back")
-        if self._because is not None:
-            return
+        because = (self._asked_here or lock.ended_lease(token) if afresh else
+                   "this coordinator's state knew that refit: its end put them back")
+        if because is not None:
+            return because
         lease = lock.hold_for(holder, token, version, [], now)
         self.waiting = Waiting(lease, "its holder lost it to a coordinator restart and asked "
                                "for its members to be put back", now, token)
@@ -145,6 +145,7 @@ class LeaseEnd:
         log.warning("%s, whose refit #%d was lost to a coordinator restart, asks that its "
                     "members be put back in service once their nodes are back", holder,
                     lease.number)
+        return None
 
     def released(self, core: Core, lease: Lease, now: float, request_id: str, client: bytes,
                  send: Callable[[bytes], None]) -> None:

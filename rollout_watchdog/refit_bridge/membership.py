@@ -66,21 +66,27 @@ def shared_urls(view: FleetView) -> dict[str, list[str]]:
     return {server: names for server, names in claims.items() if len(names) > 1}
 
 
+def shares_a_server(url: object, shared: dict[str, list[str]]) -> bool:
+    """Whether an engine's `url` reaches a server of `shared` (shared_urls)."""
+    return bool(shared) and server_of(url) in shared
+
+
 def refit_members(view: FleetView, book: WeightBook,
-                  allowed: set[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+                  allowed: set[tuple[str, str]] | None = None,
+                  shared: dict[str, list[str]] | None = None) -> list[dict[str, Any]]:
     """The engines a refit updates: healthy on reachable nodes, their URL their own
     (`shared_urls`), and, given `allowed`, only those (node, engine). In the order of their
     pages (node id, then engine id); each names its main process (`process`: a trainer's
     cached group is rebuilt for a new one), and carries what `refit.engines` shows of it
-    (`pid`, `paused`, `serving`)."""
+    (`pid`, `paused`, `serving`). `shared`: shared_urls(view), when the caller has it."""
     out = []
-    shared = shared_urls(view)
+    shared = shared_urls(view) if shared is None else shared
     for node_id, record in view.nodes.items():
         if not record.reachable:
             continue
         for engine in record.engines.values():
-            if engine.get("state") != EngineState.HEALTHY or (
-                    shared and server_of(engine.get("url")) in shared):
+            if engine.get("state") != EngineState.HEALTHY or shares_a_server(
+                    engine.get("url"), shared):
                 continue
             if allowed is not None and (node_id, engine["id"]) not in allowed:
                 continue
@@ -95,19 +101,19 @@ def refit_members(view: FleetView, book: WeightBook,
     return sorted(out, key=member_pages.member_key)
 
 
-def router_members(view: FleetView, book: WeightBook) -> dict[str, str | None]:
+def router_members(view: FleetView, book: WeightBook,
+                   shared: dict[str, list[str]] | None = None) -> dict[str, str | None]:
     """What the router must hold: every serving engine of a reachable node, with the version
     it must report before it is added (checked by the router's thread; None before any
     refit)."""
     members: dict[str, str | None] = {}
-    shared = shared_urls(view)
+    shared = shared_urls(view) if shared is None else shared
     for node_id, record in view.nodes.items():
         if not record.reachable:   # its engines may be dead: nobody would tell the router
             continue
         for engine in record.engines.values():
             url = engine.get("url")
-            if url and book.serving(node_id, engine) and not (
-                    shared and server_of(url) in shared):
+            if url and book.serving(node_id, engine) and not shares_a_server(url, shared):
                 members[url] = book.version_of(node_id, engine["id"], engine.get("incarnation"))
     return members
 

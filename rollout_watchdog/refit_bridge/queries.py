@@ -33,6 +33,8 @@ class Hub(Protocol):
     @property
     def held_back(self) -> int: ...
 
+    def shared_servers(self) -> dict[str, list[str]]: ...
+
 
 Handler = Callable[[Hub, protocol.Command, dict[str, Any]], dict[str, Any]]
 COMMANDS: Registry[Handler] = Registry("the coordinator")
@@ -60,11 +62,11 @@ def status(hub: Hub, cmd: protocol.Command, args: dict[str, Any]) -> dict[str, A
     if cmd.node is not None and cmd.node not in hub.view.nodes:
         raise CommandError(f"unknown node {cmd.node!r}", protocol.UNKNOWN_NODE)
     view = hub.view.status(cmd.node, args["after"])
-    shared = membership.shared_urls(hub.view)   # (not serving: not in the router)
+    shared = hub.shared_servers()   # (not serving: not in the router)
     for node in view["nodes"]:
         for engine in node["engines"]:
             hub.refit.book.decorate(node["node_id"], engine, node["reachable"])
-            if shared and membership.server_of(engine.get("url")) in shared:
+            if membership.shares_a_server(engine.get("url"), shared):
                 engine["serving"] = False
     return view
 

@@ -200,8 +200,10 @@ class RefitService:
             lease = self.lock.acquire(holder, version, lease_s, now)
         except LockHeld as exc:
             raise held_refusal(exc) from None
-        lease.members = [(m["node_id"], m["id"], m["incarnation"]) for m in self._listing(core)]
-        for url, names in membership.shared_urls(core.view).items():   # (none is a member)
+        shared = membership.shared_urls(core.view)
+        lease.members = [(m["node_id"], m["id"], m["incarnation"])
+                         for m in self._listing(core, shared=shared)]
+        for url, names in shared.items():   # (none is a member)
             log.error("refit #%d leaves out %s: they all advertise %s (one server is not two "
                       "members: give each engine its own URL)", lease.number, ", ".join(names),
                       url)
@@ -318,7 +320,8 @@ class RefitService:
                              "incarnation], got None")
         gone = membership.gone(core.view, members)   # (since the holder checked them)
         if gone:
-            members = [m for m in members if m not in set(gone)]
+            left_out_now = set(gone)
+            members = [m for m in members if m not in left_out_now]
             if not members:   # never a version that no engine holds
                 raise RefitError(f"nothing committed: every member of refit #{lease.number} "
                                  "stopped or was relaunched since it was listed",
@@ -432,12 +435,13 @@ class RefitService:
 
     # ------------------------------------------------------------------ questions
 
-    def _listing(self, core: Core, lease: Lease | None = None) -> list[dict[str, Any]]:
+    def _listing(self, core: Core, lease: Lease | None = None,
+                 shared: dict[str, list[str]] | None = None) -> list[dict[str, Any]]:
         """The engines a refit updates (membership.refit_members); once the lock is held,
         only those known at its start and the deferred engines it relaunched."""
         allowed = None if lease is None else (
             {(n, e) for n, e, _ in lease.members} | set(self.relaunched))
-        return membership.refit_members(core.view, self.book, allowed)
+        return membership.refit_members(core.view, self.book, allowed, shared)
 
     def _relist(self, core: Core, lease: Lease) -> None:
         """List the members afresh: the lease holds exactly those its holder is given."""

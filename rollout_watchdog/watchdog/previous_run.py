@@ -42,9 +42,9 @@ class Anchor:
             return None
         try:
             with journal.open("rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                f.seek(max(0, size - CHECKED_BYTES))
-                return cls(boot, seq, os.fstat(f.fileno()).st_ino, size, _digest(f.read()))
+                stat = os.fstat(f.fileno())
+                f.seek(max(0, stat.st_size - CHECKED_BYTES))
+                return cls(boot, seq, stat.st_ino, stat.st_size, _digest(f.read()))
         except OSError:
             return None
 
@@ -88,13 +88,14 @@ def read_previous(anchor: Anchor | None, journal: Path, capacity: int) -> Previo
     if anchor is None:
         return None
     try:
-        before, after = _split(anchor, journal)
+        parts = _split(anchor, journal)
     except OSError as exc:
         log.warning("the previous run's events cannot be read from %s (%s): a follower of it "
                     "starts with this run's", journal, exc.strerror or exc)
         return None
-    if before is None:
+    if parts is None:
         return None
+    before, after = parts
     # The run's own lines are the last `seq` before the offset (fewer when the journal rotated
     # during the run: all of them are its), then every line after it.
     head = before.splitlines()[-min(anchor.seq, capacity):] if anchor.seq else []
@@ -111,7 +112,7 @@ def read_previous(anchor: Anchor | None, journal: Path, capacity: int) -> Previo
     return PreviousRun(anchor.boot, events)
 
 
-def _split(anchor: Anchor, journal: Path) -> tuple[bytes | None, bytes]:
+def _split(anchor: Anchor, journal: Path) -> tuple[bytes, bytes] | None:
     """The journal's bytes before the anchor's offset and after it (None: not the same file
     any more, and not its rotated copy either)."""
     rotated = journal.with_suffix(journal.suffix + ".1")
@@ -128,7 +129,7 @@ def _split(anchor: Anchor, journal: Path) -> tuple[bytes | None, bytes]:
         rest = data[anchor.offset:] + (following.read_bytes() if following is not None
                                         and following.exists() else b"")
         return data[:anchor.offset], rest
-    return None, b""
+    return None
 
 
 __all__ = ["Anchor", "PreviousRun", "read_previous"]
